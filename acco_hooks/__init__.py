@@ -1,0 +1,13 @@
+"""acco_hooks: ACCO (Accumulate While You Communicate) for PyTorch data-parallel training.
+
+While one round's gradients are reduce-scattered, a sharded (ZeRO-1) optimizer steps its 1/N
+shard and the new parameters are all-gathered, every worker keeps accumulating the next
+micro-batches; an estimate of the next weights removes the damage of the one-step delay
+(Nabli et al., arXiv 2406.02613).
+"""
+
+from acco_hooks.engine import MODES, ACCOEngine
+from acco_hooks.optimizer import ACCOOptimizer
+
+__all__ = ["ACCOEngine", "ACCOOptimizer", "MODES"]
+__version__ = "0.1.0"

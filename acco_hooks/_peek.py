@@ -1,0 +1,142 @@
+"""Peek: the estimate step of ACCO, ``θ̃ = Peek(θ, g)``.
+
+Peek computes the parameters one step of the wrapped optimizer *would* produce from the master
+shard ``θ`` and gradient ``g``, and leaves the optimizer state (step counts, moments, momentum
+buffers) and the learning rate exactly as they were.
+
+For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` the step is recomputed functionally, chunk by
+chunk, straight into the all-gather input: no copy of the optimizer state is made (the paper's
+code clones the fp32 shard and both Adam moments every other round). The arithmetic follows
+torch's single-tensor implementations operation for operation. Any other optimizer class falls
+back to snapshot -> ``step()`` -> restore, which costs a copy of its state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["peek", "has_functional_peek"]
+
+# Elements per chunk of the functional estimate: bounds its temporaries to a few MiB whatever
+# the shard size, so the estimate adds no memory proportional to the model.
+_CHUNK = 1 << 20
+
+
+def has_functional_peek(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`peek` recomputes ``optimizer``'s step without copying its state."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        return False  # a subclass may change step(); only the exact classes are mirrored
+    return not any(
+        group.get("differentiable") or group.get("capturable") for group in optimizer.param_groups
+    )
+
+
+@torch.no_grad()
+def peek(optimizer: torch.optim.Optimizer, outputs: list[Tensor]) -> None:
+    """Write ``Opt(θ, g)`` of every parameter of ``optimizer`` into ``outputs`` without stepping.
+
+    Args:
+        optimizer: the shard optimizer. Its params hold ``θ`` and their ``.grad`` holds ``g``.
+        outputs: one tensor per parameter of ``optimizer`` (in ``param_groups`` order), same
+            shape, any floating dtype: receives the would-be parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(params) != len(outputs):
+        raise ValueError(f"peek: {len(outputs)} outputs for {len(params)} parameters")
+    if not has_functional_peek(optimizer):
+        _peek_by_snapshot(optimizer, params, outputs)
+        return
+    out_iter = iter(outputs)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out = next(out_iter)
+            if p.grad is None:  # the optimizer would skip it: the parameter stays
+                out.copy_(p)
+                continue
+            state = optimizer.state.get(p, {})
+            for start in range(0, p.numel(), _CHUNK):
+                end = min(start + _CHUNK, p.numel())
+                view = lambda t: t.view(-1)[start:end]  # noqa: E731
+                if isinstance(optimizer, torch.optim.SGD):
+                    new = _sgd_chunk(group, state, view, view(p), view(p.grad))
+                else:
+                    new = _adam_chunk(group, state, view, view(p), view(p.grad))
+                view(out).copy_(new)
+
+
+def _adam_chunk(group: dict, state: dict, view, param: Tensor, grad: Tensor) -> Tensor:
+    lr = float(group["lr"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
+    decoupled = group.get("decoupled_weight_decay", False)
+    step = float(state["step"]) + 1 if "step" in state else 1.0
+    if group["maximize"]:
+        grad = -grad
+    param = param.clone()  # chunk-sized temporary: θ itself must not move
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    if state:
+        exp_avg = view(state["exp_avg"]).lerp(grad, 1 - beta1)
+        exp_avg_sq = view(state["exp_avg_sq"]).mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+    else:  # first step: the moments start at zero
+        exp_avg = torch.zeros_like(grad).lerp_(grad, 1 - beta1)
+        exp_avg_sq = torch.zeros_like(grad).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    if group["amsgrad"]:
+        if state:
+            exp_avg_sq = torch.maximum(view(state["max_exp_avg_sq"]), exp_avg_sq)
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    return param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _sgd_chunk(group: dict, state: dict, view, param: Tensor, grad: Tensor) -> Tensor:
+    lr, momentum = float(group["lr"]), float(group["momentum"])
+    dampening, weight_decay = float(group["dampening"]), float(group["weight_decay"])
+    if group["maximize"]:
+        grad = -grad
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    if momentum != 0:
+        buf = state.get("momentum_buffer")
+        if buf is None:  # first step: the buffer starts as the gradient itself
+            buf = grad
+        else:
+            buf = view(buf).mul(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+    return param.add(grad, alpha=-lr)
+
+
+def _peek_by_snapshot(optimizer: torch.optim.Optimizer, params: list[Tensor], outputs) -> None:
+    """Fallback for optimizers we do not mirror: step for real, then put everything back."""
+    saved_params = [p.detach().clone() for p in params]
+    saved_state = {
+        p: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in optimizer.state[p].items()}
+        for p in params
+        if p in optimizer.state
+    }
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.step()
+    for p, out, saved in zip(params, outputs, saved_params):
+        out.copy_(p)
+        p.copy_(saved)
+    for p in params:
+        if p not in saved_state:
+            optimizer.state.pop(p, None)  # state created lazily by this step: drop it
+            continue
+        state = optimizer.state[p]
+        for key in list(state):
+            if key not in saved_state[p]:
+                del state[key]
+        for key, value in saved_state[p].items():
+            if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
+                state[key].copy_(value)
+            else:
+                state[key] = value
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update(saved)

@@ -1,0 +1,626 @@
+"""The ACCO engine: a sharded (ZeRO-1) optimizer whose communication overlaps the next rounds.
+
+This module is the one place where the algorithm lives; the front-ends (``ACCOOptimizer`` for a
+plain loop, the DDP hook, the torchtitan trainer) only feed it gradients and call
+:meth:`ACCOEngine.microbatch_done`. The contract is ``shared/spec/acco-algorithm.md``.
+
+The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
+
+    round   compute side (main thread)          communication side (worker thread)    live after
+    -----   --------------------------------    ----------------------------------   ----------
+      0     acc  = G̃_0 at θ_0                   (nothing in flight)                   θ_0
+      1     acc += G_0 at θ_0   (carry G̃_0)     θ̃_1 = Peek(θ_0, ΣG̃_0 / Σc̃_0)          θ̃_1
+      2     acc  = G̃_1 at θ̃_1                   θ_1 = Opt(θ_0, Σ(G̃_0+G_0) / Σ(c̃_0+c_0)) θ_1
+      3     acc += G_1 at θ_1   (carry G̃_1)     θ̃_2 = Peek(θ_1, ΣG̃_1 / Σc̃_1)          θ̃_2
+      …
+
+At the end of every round the main thread (1) waits for the communication launched at the end
+of the previous round, (2) copies its all-gathered result into the model (it becomes the live
+parameters of the next round), (3) copies the accumulator into the communication buffer and
+(4) hands that payload to the worker: reduce-scatter -> divide by the global count -> step (or
+Peek) the local 1/N fp32 master shard -> all-gather. ``dpu`` does the same with a real step
+every round and no carry; ``ddp`` waits for its own payload at once (synchronous ZeRO-1).
+
+Memory per rank for Φ parameters (model in dtype d, AdamW): the model (Φ·d), the fp32
+accumulator (4Φ), one communication buffer shared by the reduce-scatter input and the
+all-gather output (Φ·max(reduce dtype, d)), and the 1/N shard: fp32 master + optimizer state +
+reduce/gather staging (≈ 20Φ/N). The estimate step adds no memory for AdamW, Adam and SGD.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from acco_hooks._peek import has_functional_peek, peek
+from acco_hooks._worker import CommWorker
+
+__all__ = ["ACCOEngine", "MODES"]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("acco", "dpu", "ddp")
+_STATE_VERSION = 1
+
+
+class _Job(enum.Enum):
+    """What one round's communication computes from its averaged gradient."""
+
+    UPDATE = "update"  # θ_{t+1} = Opt(θ_t, g): the optimizer state and LR schedule advance
+    ESTIMATE = "estimate"  # θ̃_{t+1} = Peek(θ_t, g): nothing advances
+
+
+class _GroupBuffers:
+    """The flat, padded buffers of one parameter group, and their per-parameter views.
+
+    The group's parameters are laid end to end in one flat vector padded with zeros to a
+    multiple of the world size; rank r owns elements ``[r*shard, (r+1)*shard)`` of it.
+    """
+
+    __slots__ = (
+        # Layout
+        "params", "names", "padded_numel", "shard_numel", "gather_dtype",
+        # Full-size buffers (the compute side's accumulator; the payload / result buffer)
+        "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
+        # Shard-size buffers (the communication side)
+        "shard_sum", "master", "gather_input",
+    )  # fmt: skip
+
+    def __init__(
+        self, params: list[Tensor], names: list[str], world_size: int, rank: int,
+        reduce_dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        self.params, self.names = params, names
+        device = params[0].device
+        numel = sum(p.numel() for p in params)
+        self.shard_numel = max(1, math.ceil(numel / world_size))
+        self.padded_numel = self.shard_numel * world_size
+        dtypes = {p.dtype for p in params}
+        self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+        # Gradients accumulate in fp32 whatever the model dtype; the padding stays zero.
+        self.accumulator = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        self.accumulator_views = _split(self.accumulator, params)
+        # The reduce-scatter reads the payload once, before the all-gather writes the new
+        # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
+        itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
+        raw = torch.empty(self.padded_numel * itemsize, dtype=torch.uint8, device=device)
+        self.comm_input = raw[: self.padded_numel * reduce_dtype.itemsize].view(reduce_dtype)
+        self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
+            self.gather_dtype
+        )
+        self.gathered_views = _split(self.gathered, params)
+
+        self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
+        self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        torch._foreach_copy_(_split(flat, params), [p.detach() for p in params])
+        start = rank * self.shard_numel
+        self.master = flat[start : start + self.shard_numel].clone()
+
+    def copy_gathered_into_params(self) -> None:
+        if all(p.dtype == self.gather_dtype for p in self.params):
+            torch._foreach_copy_([p.detach() for p in self.params], self.gathered_views)
+        else:
+            for p, view in zip(self.params, self.gathered_views):
+                p.detach().copy_(view)
+
+
+def _split(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
+class ACCOEngine:
+    r"""Sharded optimizer with ACCO, DPU or synchronous ZeRO-1 rounds over one process group.
+
+    A front-end feeds it each micro-batch's parameter gradients (:meth:`accumulate_grad`) and
+    then calls :meth:`microbatch_done`; the engine decides when a round ends and runs the
+    communication of each round on a background thread. See the module docstring for the
+    timeline and ``ACCOOptimizer`` for the user-facing documentation of every argument.
+
+    Args:
+        params: parameters or parameter-group dicts, as for any ``torch.optim.Optimizer``;
+            ``(name, parameter)`` pairs are accepted and the names used in error messages.
+            Parameters with ``requires_grad=False`` are left alone.
+        optimizer_class: the ``torch.optim.Optimizer`` subclass stepped on the local shard.
+        mode: ``"acco"``, ``"dpu"`` or ``"ddp"``.
+        process_group: the data-parallel group (a ``ProcessGroup`` or a 1-D ``DeviceMesh``).
+            ``None``: the default group, or a single local worker without ``torch.distributed``.
+        accumulation_steps: micro-batches per round (the minimum, with
+            ``accumulate_until_ready``).
+        accumulate_until_ready: keep accumulating past ``accumulation_steps`` while the previous
+            round's communication runs, instead of waiting for it.
+        reduce_dtype: dtype of the gradient on the wire. Default: ``torch.float32``.
+        max_grad_norm: clip the averaged gradient to this global L2 norm. Default: no clipping.
+        lr_scheduler: ``callable(optimizer) -> LRScheduler``, built on the shard optimizer and
+            stepped after every real update.
+        **optimizer_kwargs: passed to ``optimizer_class``.
+    """
+
+    __slots__ = (
+        # Configuration
+        "mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype", "max_grad_norm",
+        # Process group (used by the worker thread only) and its coordinates
+        "_group", "world_size", "rank", "device",
+        # Buffers and the shard optimizer
+        "_groups", "_slot_of", "optimizer", "lr_scheduler",
+        # In-flight work
+        "_worker", "_in_flight", "_in_flight_job",
+        # Round bookkeeping (saved in checkpoints)
+        "round_index", "num_updates", "_round_microbatches", "_local_count", "_grad_arrived",
+        # Statistics of the last round, for logging
+        "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        mode: str = "acco",
+        process_group: Any = None,
+        accumulation_steps: int = 1,
+        accumulate_until_ready: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        _validate_config(
+            optimizer_class, mode, accumulation_steps, accumulate_until_ready, reduce_dtype,
+            max_grad_norm, lr_scheduler,
+        )  # fmt: skip
+        self.mode = mode
+        self.accumulation_steps = accumulation_steps
+        self.accumulate_until_ready = accumulate_until_ready
+        self.reduce_dtype = reduce_dtype or torch.float32
+        self.max_grad_norm = max_grad_norm
+
+        groups = _normalize_param_groups(params)
+        devices = {p.device for g in groups for p in g["params"]}
+        if len(devices) != 1:
+            raise ValueError(
+                f"ACCOEngine: parameters are on several devices {sorted(map(str, devices))}; "
+                "move the whole model to one device before building the optimizer"
+            )
+        self.device = devices.pop()
+
+        self._group = _dedicated_group(process_group)
+        self.world_size = 1 if self._group is None else dist.get_world_size(self._group)
+        self.rank = 0 if self._group is None else dist.get_rank(self._group)
+        if self._group is not None:
+            _broadcast_from_first_rank([p for g in groups for p in g["params"]], self._group)
+
+        self._groups = [
+            _GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype)
+            for g in groups
+        ]
+        self._slot_of = {
+            p: (gi, pi) for gi, g in enumerate(self._groups) for pi, p in enumerate(g.params)
+        }
+        shard_groups = [
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [b.master]}
+            for g, b in zip(groups, self._groups)
+        ]
+        self.optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+
+        self._worker = CommWorker(self.device)
+        self._in_flight: Future | None = None
+        self._in_flight_job: _Job | None = None
+        self.round_index = 0
+        self.num_updates = 0
+        self._round_microbatches = 0
+        self._local_count = 0.0
+        self._grad_arrived = [[False] * len(g.params) for g in self._groups]
+        self.last_wait_s = 0.0
+        self.last_round_microbatches = 0
+        self.last_global_count = 0.0
+        self.last_grad_norm: float | None = None
+        logger.info(
+            "ACCOEngine: mode=%s world_size=%d accumulation_steps=%d accumulate_until_ready=%s "
+            "reduce_dtype=%s max_grad_norm=%s optimizer=%s (estimate: %s), %d params in %d groups",
+            mode, self.world_size, accumulation_steps, accumulate_until_ready, self.reduce_dtype,
+            max_grad_norm, optimizer_class.__name__,
+            "functional" if has_functional_peek(self.optimizer) else "snapshot-and-restore",
+            sum(len(g.params) for g in self._groups), len(self._groups),
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- compute side (main thread)
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The model parameters the engine trains, in layout order."""
+        return [p for g in self._groups for p in g.params]
+
+    def accumulate_grad(self, param: Tensor, grad: Tensor) -> None:
+        """Add one micro-batch gradient of ``param`` to the fp32 accumulator."""
+        try:
+            gi, pi = self._slot_of[param]
+        except KeyError:
+            raise KeyError(
+                "ACCOEngine.accumulate_grad: this tensor is not one of the engine's parameters"
+            ) from None
+        self._groups[gi].accumulator_views[pi].add_(grad)
+        self._grad_arrived[gi][pi] = True
+
+    def microbatch_done(self, weight: float = 1.0) -> bool:
+        """Count one micro-batch; end the round when it may. Returns whether a round ended.
+
+        Args:
+            weight: how many units the micro-batch's loss sums over (1 for a per-micro-batch
+                mean loss; the number of tokens for a token-summed loss). The averaged gradient
+                is Σ gradients / Σ weights over all ranks.
+        """
+        if not weight > 0:
+            raise ValueError(f"ACCOEngine: micro-batch weight must be > 0, got {weight}")
+        self._round_microbatches += 1
+        self._local_count += float(weight)
+        if self._round_microbatches < self.accumulation_steps:
+            return False
+        if (
+            self.accumulate_until_ready
+            and self._in_flight is not None
+            and not self._in_flight.done()
+        ):
+            return False  # the caller runs another micro-batch while the network works
+        self._end_round()
+        return True
+
+    def _end_round(self) -> None:
+        self._check_every_grad_arrived()
+        start = time.perf_counter()
+        self._finish_in_flight(apply=True)
+        self.last_wait_s = time.perf_counter() - start
+
+        estimate = self.mode == "acco" and self.round_index % 2 == 0
+        for g in self._groups:
+            g.comm_input.copy_(g.accumulator)
+            if not estimate:  # acco carries G̃ into the next round; everything else restarts
+                g.accumulator.zero_()
+        count = self._local_count
+        if not estimate:
+            self._local_count = 0.0
+        job = _Job.ESTIMATE if estimate else _Job.UPDATE
+        self._in_flight = self._worker.submit(self._communicate, job, count)
+        self._in_flight_job = job
+
+        self.last_round_microbatches = self._round_microbatches
+        self._round_microbatches = 0
+        self.round_index += 1
+        for arrived in self._grad_arrived:
+            arrived[:] = [False] * len(arrived)
+        if self.mode == "ddp":
+            self._finish_in_flight(apply=True)
+
+    def _check_every_grad_arrived(self) -> None:
+        missing = [
+            g.names[pi]
+            for g, arrived in zip(self._groups, self._grad_arrived)
+            for pi, ok in enumerate(arrived)
+            if not ok
+        ]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise RuntimeError(
+                f"ACCOEngine: no gradient reached {shown} during round {self.round_index}. Every "
+                "trained parameter must get a gradient in every round: run backward() before "
+                "step(), and set requires_grad=False on parameters that are not trained (or leave "
+                "them out of the optimizer's params)"
+            )
+
+    def _finish_in_flight(self, apply: bool) -> None:
+        """Wait for the in-flight communication; with ``apply``, its result becomes live."""
+        if self._in_flight is None:
+            return
+        stats = self._worker.wait(self._in_flight)
+        if stats is not None:  # None: a re-gather after loading a checkpoint
+            self.last_global_count, self.last_grad_norm = stats
+        if apply:
+            with torch.no_grad():
+                for g in self._groups:
+                    g.copy_gathered_into_params()
+            self._in_flight = None
+            self._in_flight_job = None
+
+    def flush(self) -> None:
+        """Wait for in-flight communication and leave the latest real parameters θ in the model.
+
+        An estimate in flight is kept and applied at the next round end as usual (the model
+        already holds the real θ it was computed from), so training may go on exactly. A real
+        update in flight is applied now; training may go on from it (the next round then
+        computes at θ_{t+1} where it would have used θ̃_{t+1}: the estimate is exact).
+        """
+        if self._in_flight is None:
+            return
+        self._finish_in_flight(apply=self._in_flight_job is _Job.UPDATE)
+
+    def close(self) -> None:
+        """Drain and stop the communication thread."""
+        if self._in_flight is not None:
+            self._finish_in_flight(apply=False)
+        self._worker.close()
+
+    # ------------------------------------------------------- communication side (worker thread)
+
+    def _communicate(self, job: _Job, local_count: float) -> tuple[float, float | None]:
+        """reduce-scatter -> average -> clip -> step or estimate -> all-gather."""
+        counts = torch.tensor([local_count], dtype=torch.float64, device=self.device)
+        if self._group is None:
+            for g in self._groups:
+                g.shard_sum.copy_(g.comm_input)
+        else:
+            works = [
+                dist.reduce_scatter_single(g.shard_sum, g.comm_input, group=self._group, async_op=True)
+                for g in self._groups
+            ]
+            works.append(dist.all_reduce(counts, group=self._group, async_op=True))
+            for work in works:
+                work.wait()
+        global_count = counts.item()
+
+        grads = []
+        for g in self._groups:
+            if g.master.grad is None:
+                g.master.grad = torch.empty_like(g.master)
+            g.master.grad.copy_(g.shard_sum).div_(global_count)
+            grads.append(g.master.grad)
+        grad_norm = self._clip_(grads) if self.max_grad_norm is not None else None
+
+        if job is _Job.UPDATE:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.num_updates += 1
+            for g in self._groups:
+                g.gather_input.copy_(g.master)
+        else:
+            peek(self.optimizer, [g.gather_input for g in self._groups])
+        self._all_gather()
+        return global_count, grad_norm
+
+    def _clip_(self, grads: list[Tensor]) -> float:
+        """Clip the averaged gradient to ``max_grad_norm`` (global L2 norm, as torch does)."""
+        sq = torch.stack([grad.double().pow(2).sum() for grad in grads]).sum().reshape(1)
+        if self._group is not None:
+            dist.all_reduce(sq, group=self._group)
+        norm = sq.sqrt().float()
+        coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+        return norm.item()
+
+    def _all_gather(self) -> None:
+        if self._group is None:
+            for g in self._groups:
+                g.gathered.copy_(g.gather_input)
+            return
+        works = [
+            dist.all_gather_single(g.gathered, g.gather_input, group=self._group, async_op=True)
+            for g in self._groups
+        ]
+        for work in works:
+            work.wait()
+
+    # --------------------------------------------------------------------------- checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly, for this rank.
+
+        In-flight communication is waited for first (its result is kept, not applied, so
+        saving never changes the training trajectory). Save the model's ``state_dict()`` too:
+        it holds the live parameters (in ``acco``, possibly the estimate θ̃).
+
+        Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
+        the next ``step()``.
+        """
+        if self._in_flight is not None:
+            self._finish_in_flight(apply=False)
+        return {
+            "version": _STATE_VERSION,
+            "mode": self.mode,
+            "world_size": self.world_size,
+            "param_shapes": [[tuple(p.shape) for p in g.params] for g in self._groups],
+            "round_index": self.round_index,
+            "num_updates": self.num_updates,
+            "round_microbatches": self._round_microbatches,
+            "local_count": self._local_count,
+            "grad_arrived": [list(a) for a in self._grad_arrived],
+            "accumulator": [g.accumulator for g in self._groups],
+            "master": [g.master for g in self._groups],
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "pending_job": None if self._in_flight_job is None else self._in_flight_job.value,
+            "pending_shard": [g.gather_input for g in self._groups],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved by the same rank of a same-sized run."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"ACCOEngine.load_state_dict: unknown state version {state.get('version')!r} "
+                f"(this acco_hooks writes version {_STATE_VERSION})"
+            )
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"ACCOEngine.load_state_dict: the checkpoint was saved with a data-parallel world "
+                f"size of {state['world_size']}, this run has {self.world_size}. Resharding the "
+                f"optimizer state is not supported yet: resume with {state['world_size']} "
+                "data-parallel ranks"
+            )
+        if state["mode"] != self.mode:
+            raise ValueError(
+                f"ACCOEngine.load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
+                f"this engine has mode={self.mode!r}; build the optimizer with "
+                f"mode={state['mode']!r} to resume"
+            )
+        shapes = [[tuple(p.shape) for p in g.params] for g in self._groups]
+        if [[tuple(s) for s in g] for g in state["param_shapes"]] != shapes:
+            raise ValueError(
+                "ACCOEngine.load_state_dict: the checkpoint's parameter groups and shapes differ "
+                "from this optimizer's; build it over the same parameters in the same order"
+            )
+        if (self.lr_scheduler is None) != (state["lr_scheduler"] is None):
+            raise ValueError(
+                "ACCOEngine.load_state_dict: the checkpoint "
+                + ("has no" if state["lr_scheduler"] is None else "has an")
+                + " LR scheduler state but this optimizer "
+                + ("has one" if self.lr_scheduler is not None else "has none")
+                + "; pass the same lr_scheduler argument as the saved run"
+            )
+        if self._in_flight is not None:
+            self._finish_in_flight(apply=False)
+        with torch.no_grad():
+            for g, acc, master, shard in zip(
+                self._groups, state["accumulator"], state["master"], state["pending_shard"]
+            ):
+                g.accumulator.copy_(acc)
+                g.master.copy_(master)
+                g.gather_input.copy_(shard)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.round_index = state["round_index"]
+        self.num_updates = state["num_updates"]
+        self._round_microbatches = state["round_microbatches"]
+        self._local_count = state["local_count"]
+        self._grad_arrived = [list(a) for a in state["grad_arrived"]]
+        self._in_flight = self._in_flight_job = None
+        if state["pending_job"] is not None:
+            # The saved run had a finished, not yet applied result: every rank kept its shard of
+            # it; gathering the shards again rebuilds the full result bit for bit.
+            self._in_flight = self._worker.submit(self._regather)
+            self._in_flight_job = _Job(state["pending_job"])
+
+    def _regather(self) -> None:
+        self._all_gather()
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _validate_config(
+    optimizer_class, mode, accumulation_steps, accumulate_until_ready, reduce_dtype,
+    max_grad_norm, lr_scheduler,
+) -> None:  # fmt: skip
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"ACCOEngine: optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
+        )
+    if mode not in MODES:
+        raise ValueError(f"ACCOEngine: mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(
+            f"ACCOEngine: accumulation_steps={accumulation_steps!r} must be an integer >= 1 "
+            "(the number of micro-batches per round)"
+        )
+    if not isinstance(accumulate_until_ready, bool):
+        raise TypeError(
+            f"ACCOEngine: accumulate_until_ready={accumulate_until_ready!r} must be True or False"
+        )
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"ACCOEngine: reduce_dtype={reduce_dtype!r} must be a floating torch.dtype such as "
+            "torch.float32 or torch.bfloat16, or None for float32"
+        )
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+        or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
+    ):  # fmt: skip
+        raise ValueError(
+            f"ACCOEngine: max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None "
+            "for no clipping"
+        )
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError(
+            "ACCOEngine: lr_scheduler must be a callable that builds the scheduler from the "
+            "optimizer, e.g. lr_scheduler=lambda opt: CosineAnnealingLR(opt, T_max=1000)"
+        )
+
+
+def _normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Parameter groups as dicts with ``params`` and ``names``; frozen parameters removed."""
+    if isinstance(params, Tensor):
+        raise TypeError("ACCOEngine: params must be an iterable of tensors or dicts, got a Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("ACCOEngine: got an empty parameter list")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    normalized, seen = [], set()
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise TypeError("ACCOEngine: mix of parameter-group dicts and tensors in params")
+        members = group["params"]
+        members = [members] if isinstance(members, Tensor) else list(members)
+        tensors, names = [], []
+        for pi, item in enumerate(members):
+            name, p = item if isinstance(item, tuple) else (f"params[{gi}][{pi}]", item)
+            if not isinstance(p, Tensor):
+                raise TypeError(f"ACCOEngine: {name} is a {type(p).__name__}, not a tensor")
+            if p in seen:
+                raise ValueError(f"ACCOEngine: {name} appears more than once in params")
+            seen.add(p)
+            if not p.requires_grad:
+                continue
+            if not p.is_floating_point():
+                raise TypeError(f"ACCOEngine: {name} has dtype {p.dtype}; only floating parameters train")
+            tensors.append(p)
+            names.append(name)
+        if tensors:
+            normalized.append({**group, "params": tensors, "names": names})
+    if not normalized:
+        raise ValueError("ACCOEngine: none of the given parameters requires grad")
+    return normalized
+
+
+def _dedicated_group(process_group: Any) -> dist.ProcessGroup | None:
+    """A new process group with the same ranks, for the worker thread alone.
+
+    Two threads issuing collectives on one group deadlock, and ``init_device_mesh`` hands out
+    the WORLD group for a dimension spanning every rank, so the worker never shares a group with
+    the training loop. ``new_group`` must be called by every rank for every group in the same
+    order: the ranks of every data-parallel group are gathered first.
+    """
+    if process_group is not None and hasattr(process_group, "get_group"):  # a DeviceMesh
+        if process_group.ndim != 1:
+            raise ValueError(
+                f"ACCOEngine: process_group is a {process_group.ndim}-D DeviceMesh; pass the "
+                "data-parallel dimension, e.g. mesh['dp']"
+            )
+        process_group = process_group.get_group()
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None  # a single local worker
+        process_group = dist.group.WORLD
+    my_ranks = tuple(dist.get_process_group_ranks(process_group))
+    every_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ranks, my_ranks)
+    mine = None
+    for ranks in sorted(set(map(tuple, every_ranks))):
+        group = dist.new_group(list(ranks))
+        if ranks == my_ranks:
+            mine = group
+    return mine
+
+
+@torch.no_grad()
+def _broadcast_from_first_rank(params: list[Tensor], group: dist.ProcessGroup) -> None:
+    """Start every replica from the first rank's parameters, as DDP does."""
+    src = dist.get_global_rank(group, 0)
+    for p in params:
+        dist.broadcast(p.detach(), src=src, group=group)

@@ -1,0 +1,177 @@
+"""``ACCOOptimizer``: the ACCO engine for a plain ``backward(); step()`` training loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from acco_hooks.engine import ACCOEngine
+
+__all__ = ["ACCOOptimizer"]
+
+
+class ACCOOptimizer:
+    r"""Data-parallel sharded optimizer that keeps computing while it communicates (ACCO).
+
+    Each rank runs its own model replica. Gradients are summed locally over the micro-batches of
+    a *round*; at the round end they go to a background thread that reduce-scatters them,
+    steps this rank's 1/N shard of the fp32 master weights with ``optimizer_class`` (ZeRO-1)
+    and all-gathers the new parameters, while the training loop already computes the next
+    round's micro-batches. In ``acco`` mode every other round is computed at an estimate θ̃ of
+    the next parameters, which removes the damage of the one-round delay (arXiv 2406.02613).
+
+    Gradients never stay in ``.grad``: a hook moves each one into the engine's fp32
+    accumulator as soon as backward produces it, so ``.grad`` is ``None`` after ``backward()``
+    and ``zero_grad()`` is a no-op. The model holds the *live* parameters: in ``acco`` mode
+    these alternate between the real θ and the estimate θ̃; call :meth:`flush` to put the real
+    θ in the model (before evaluating or exporting it).
+
+    Tuning:
+
+    1. ``mode``: ``"acco"`` for training; ``"ddp"`` (synchronous ZeRO-1) as the baseline that
+       ACCO should match per token; ``"dpu"`` (delayed update without the estimate) only to
+       reproduce the paper's comparison.
+    2. ``accumulation_steps``: micro-batches per round. A real update in ``acco`` uses two
+       rounds of gradients, so ``accumulation_steps = k`` in ``acco`` matches ``2k`` in ``ddp``
+       per update. Raise it until the compute of one round covers its communication time.
+    3. ``accumulate_until_ready=True`` on heterogeneous hardware: a worker whose round ends
+       before the communication finished runs more micro-batches instead of idling; every
+       micro-batch counts equally in the average. Runs are then no longer bit-reproducible.
+    4. ``reduce_dtype=torch.bfloat16`` halves the bytes on the wire; the accumulation stays in
+       fp32.
+
+    .. warning::
+        LR schedulers must be given as ``lr_scheduler=`` (a function building the scheduler
+        from the shard optimizer), never attached to the ``ACCOOptimizer`` and stepped by the
+        loop: the loop cannot know when a real update happens (every round in ``ddp``/``dpu``,
+        every other round in ``acco``, whenever communication finishes with
+        ``accumulate_until_ready``). The engine steps it once after each real update θ_t →
+        θ_{t+1}, and the estimate θ̃_{t+1} uses the learning rate of the update it anticipates.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``model.named_parameters()``) or
+            parameter-group dicts with per-group options, as for any torch optimizer.
+        optimizer_class: the torch optimizer class run on the shard, e.g. ``torch.optim.AdamW``.
+            AdamW, Adam and SGD get a copy-free estimate step; other classes work by
+            snapshot-and-restore of their state.
+        mode: ``"acco"``, ``"dpu"`` or ``"ddp"``.
+        process_group: the data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``; default: the
+            whole world (or one local worker if ``torch.distributed`` is not initialized).
+        accumulation_steps: micro-batches per round (the minimum with
+            ``accumulate_until_ready``).
+        accumulate_until_ready: keep accumulating while the previous round communicates.
+        reduce_dtype: gradient dtype on the wire; default ``torch.float32``.
+        max_grad_norm: clip the averaged gradient to this global L2 norm; default: no clipping.
+        lr_scheduler: ``callable(optimizer) -> LRScheduler``; see the warning above.
+        **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...).
+
+    Example::
+
+        >>> opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco",
+        ...                     accumulation_steps=4, lr=6e-4, weight_decay=0.1,
+        ...                     lr_scheduler=lambda o: CosineAnnealingLR(o, T_max=1000))
+        >>> for batch in loader:
+        ...     model(batch).backward()    # loss of ONE micro-batch, not divided by 4
+        ...     opt.step()                 # counts it; ends the round when it may
+        >>> opt.flush()                    # the model now holds the real parameters
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        mode: str = "acco",
+        process_group: Any = None,
+        accumulation_steps: int = 1,
+        accumulate_until_ready: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        self.engine = ACCOEngine(
+            params,
+            optimizer_class,
+            mode=mode,
+            process_group=process_group,
+            accumulation_steps=accumulation_steps,
+            accumulate_until_ready=accumulate_until_ready,
+            reduce_dtype=reduce_dtype,
+            max_grad_norm=max_grad_norm,
+            lr_scheduler=lr_scheduler,
+            **optimizer_kwargs,
+        )
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._move_grad_to_engine)
+            for p in self.engine.params
+        ]
+
+    def _move_grad_to_engine(self, param: Tensor) -> None:
+        self.engine.accumulate_grad(param, param.grad)
+        param.grad = None
+
+    def step(self, weight: float = 1.0) -> bool:
+        """Count the micro-batch just back-propagated; end the round when it may.
+
+        Never waits for the network in ``acco``/``dpu`` unless the round must end and the
+        previous round's communication is still running.
+
+        Args:
+            weight: how many units the micro-batch's loss sums over. Default 1: the loss is a
+                mean over the micro-batch and every micro-batch weighs the same. Pass the token
+                count with a token-summed loss to average per token across ranks.
+
+        Returns:
+            ``True`` if this call ended a round.
+        """
+        return self.engine.microbatch_done(weight)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: gradients live in the engine (kept so standard loops run unchanged)."""
+
+    def flush(self) -> None:
+        """Wait for in-flight communication; the model then holds the real parameters θ."""
+        self.engine.flush()
+
+    def close(self) -> None:
+        """Drain the communication and stop its thread; remove the gradient hooks."""
+        self.engine.close()
+        for handle in self._hook_handles:
+            handle.remove()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer over this rank's fp32 master shard (stepped by the engine)."""
+        return self.engine.optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The shard optimizer's parameter groups (read the current ``lr`` here)."""
+        return self.engine.optimizer.param_groups
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The scheduler built from ``lr_scheduler=``, or ``None``."""
+        return self.engine.lr_scheduler
+
+    @property
+    def round_index(self) -> int:
+        """Rounds completed so far."""
+        return self.engine.round_index
+
+    @property
+    def num_updates(self) -> int:
+        """Real updates θ_t → θ_{t+1} completed so far (after the communication finished)."""
+        return self.engine.num_updates
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's engine state; save it with ``model.state_dict()`` to resume exactly."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved by the same rank of a same-sized run."""
+        self.engine.load_state_dict(state_dict)

@@ -1,0 +1,67 @@
+"""Run a function on N gloo processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# A test whose processes have not finished by then fails instead of hanging the suite.
+DEFAULT_DEADLINE_S = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        module, name = fn_path.rsplit(":", 1)
+        result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S):
+    """Call ``module:function(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    Returns the list of per-rank return values. A rank's exception is re-raised here; ranks
+    still running after ``deadline_s`` are killed and the call fails.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, _free_port(), fn_path, args, outdir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + deadline_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn_path} on {world_size} ranks ran past {deadline_s:.0f} s")
+        return [
+            torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]

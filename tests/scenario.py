@@ -1,0 +1,195 @@
+"""A small model, deterministic data and an independent reference of the spec's recursions.
+
+The reference is written from ``shared/spec/acco-algorithm.md`` alone: one process, the full
+(unsharded) model, a plain torch optimizer, the N workers simulated one after the other. It
+shares no code with ``acco_hooks``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """Two linear layers and a scalar gain: 56 weights + 11 other parameters (odd counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 7)
+        self.fc2 = nn.Linear(7, 3)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * self.gain
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> TinyNet:
+    torch.manual_seed(1234)
+    return TinyNet().to(dtype)
+
+
+def param_groups(model: nn.Module, two_groups: bool) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (the usual LLM recipe) or one group."""
+    named = list(model.named_parameters())
+    if not two_groups:
+        return [{"params": named}]
+    return [
+        {"params": [(n, p) for n, p in named if p.ndim == 2]},
+        {"params": [(n, p) for n, p in named if p.ndim != 2], "weight_decay": 0.0},
+    ]
+
+
+def microbatch_loss(model: nn.Module, rank: int, round_index: int, micro: int) -> torch.Tensor:
+    """Loss of a deterministic micro-batch that depends on (rank, round, micro)."""
+    g = torch.Generator().manual_seed(10_007 * rank + 101 * round_index + micro)
+    x = torch.randn(4, 5, generator=g)
+    y = torch.randn(4, 3, generator=g)
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+@dataclass
+class Config:
+    mode: str = "acco"
+    world_size: int = 2
+    rounds: int = 12
+    micro: list[int] = field(default_factory=lambda: [2, 2])  # micro-batches per round per rank
+    optimizer: str = "adamw"
+    two_groups: bool = True
+    max_grad_norm: float | None = None
+    scheduler: bool = False
+    dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+
+
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+}
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + 0.5 * t))
+
+
+def reference_run(cfg: Config) -> dict[str, Any]:
+    """The spec's recursion for ``cfg.mode``; returns the final real parameters θ by name."""
+    model = make_model(torch.float32)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    groups = [
+        {**g, "params": [p for _, p in g["params"]]} for g in param_groups(model, cfg.two_groups)
+    ]
+    opt = opt_class(groups, **kwargs)
+    sched = make_scheduler(opt) if cfg.scheduler else None
+
+    def set_params(values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+
+    def gradient_sum(at: list[torch.Tensor], round_index: int) -> tuple[list[torch.Tensor], float]:
+        """Σ over workers and their micro-batches of the gradient at ``at``; and the count."""
+        set_params(at)
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(cfg.world_size):
+            for micro in range(cfg.micro[rank]):
+                model.zero_grad()
+                microbatch_loss(model, rank, round_index, micro).backward()
+                for t, p in zip(total, params):
+                    t.add_(p.grad)
+        return total, float(sum(cfg.micro))
+
+    def opt_step(theta, grad_sum, count, estimate: bool):
+        set_params(theta)
+        for p, g in zip(params, grad_sum):
+            p.grad = g / count
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        saved = copy.deepcopy(opt.state_dict()) if estimate else None
+        opt.step()
+        new = [p.detach().clone() for p in params]
+        if estimate:  # Peek: the state (and so the LR) is put back as it was
+            opt.load_state_dict(saved)
+        elif sched is not None:
+            sched.step()
+        return new
+
+    theta = [p.detach().clone() for p in params]
+    live, in_flight = theta, None
+    carry_sum, carry_count = [torch.zeros_like(p) for p in params], 0.0
+    for r in range(cfg.rounds):
+        grad_sum, count = gradient_sum(live, r)
+        if cfg.mode == "ddp":
+            theta = live = opt_step(theta, grad_sum, count, estimate=False)
+            continue
+        if cfg.mode == "acco":  # odd rounds add on top of the previous round's G̃
+            grad_sum = [g + c for g, c in zip(grad_sum, carry_sum)]
+            count += carry_count
+        if in_flight is not None:  # the previous round's communication becomes live
+            live = in_flight
+        if cfg.mode == "acco" and r % 2 == 0:
+            in_flight = opt_step(theta, grad_sum, count, estimate=True)
+            carry_sum, carry_count = grad_sum, count
+        else:
+            theta = in_flight = opt_step(theta, grad_sum, count, estimate=False)
+            carry_sum, carry_count = [torch.zeros_like(p) for p in params], 0.0
+    return {
+        "params": dict(zip(names, theta)),
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+
+
+def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
+    """One rank of the same training with ``ACCOOptimizer`` (run under ``run_distributed``)."""
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model(cfg.dtype)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = ACCOOptimizer(
+        param_groups(model, cfg.two_groups),
+        opt_class,
+        mode=cfg.mode,
+        accumulation_steps=cfg.micro[rank],
+        max_grad_norm=cfg.max_grad_norm,
+        reduce_dtype=cfg.reduce_dtype,
+        lr_scheduler=make_scheduler if cfg.scheduler else None,
+        **kwargs,
+    )
+    for r in range(cfg.rounds):
+        for micro in range(cfg.micro[rank]):
+            microbatch_loss(model, rank, r, micro).backward()
+            ended = opt.step()
+            assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
+    opt.flush()
+    result = {
+        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "lr": [g["lr"] for g in opt.param_groups],
+        "num_updates": opt.num_updates,
+        "scheduler_epoch": None if opt.lr_scheduler is None else opt.lr_scheduler.last_epoch,
+        "master_dtypes": [p.dtype for g in opt.optimizer.param_groups for p in g["params"]],
+    }
+    opt.close()
+    return result
+
+
+def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """‖actual − expected‖ / ‖expected‖ over all parameters together."""
+    diff = sum(float((actual[n].double() - expected[n].double()).pow(2).sum()) for n in expected)
+    norm = sum(float(expected[n].double().pow(2).sum()) for n in expected)
+    return (diff / norm) ** 0.5
+
+
+def expected_updates(cfg: Config) -> int:
+    if cfg.mode == "acco":
+        return cfg.rounds // 2
+    return cfg.rounds
+
+
+Worker = Callable[..., Any]
