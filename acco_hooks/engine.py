@@ -193,7 +193,7 @@ class ACCOEngine:
         devices = {p.device for g in groups for p in g["params"]}
         if len(devices) != 1:
             raise ValueError(
-                f"ACCOEngine: parameters are on several devices {sorted(map(str, devices))}; "
+                f"acco_hooks: parameters are on several devices {sorted(map(str, devices))}; "
                 "move the whole model to one device before building the optimizer"
             )
         self.device = devices.pop()
@@ -231,7 +231,7 @@ class ACCOEngine:
         self.last_global_count = 0.0
         self.last_grad_norm: float | None = None
         logger.info(
-            "ACCOEngine: mode=%s world_size=%d accumulation_steps=%d accumulate_until_ready=%s "
+            "acco_hooks: mode=%s world_size=%d accumulation_steps=%d accumulate_until_ready=%s "
             "reduce_dtype=%s max_grad_norm=%s optimizer=%s (estimate: %s), %d params in %d groups",
             mode, self.world_size, accumulation_steps, accumulate_until_ready, self.reduce_dtype,
             max_grad_norm, optimizer_class.__name__,
@@ -252,7 +252,7 @@ class ACCOEngine:
             gi, pi = self._slot_of[param]
         except KeyError:
             raise KeyError(
-                "ACCOEngine.accumulate_grad: this tensor is not one of the engine's parameters"
+                "acco_hooks: accumulate_grad: this tensor is not one of the engine's parameters"
             ) from None
         self._groups[gi].accumulator_views[pi].add_(grad)
         self._grad_arrived[gi][pi] = True
@@ -266,7 +266,7 @@ class ACCOEngine:
                 is Σ gradients / Σ weights over all ranks.
         """
         if not weight > 0:
-            raise ValueError(f"ACCOEngine: micro-batch weight must be > 0, got {weight}")
+            raise ValueError(f"acco_hooks: micro-batch weight must be > 0, got {weight}")
         self._round_microbatches += 1
         self._local_count += float(weight)
         if self._round_microbatches < self.accumulation_steps:
@@ -313,10 +313,15 @@ class ACCOEngine:
             for pi, ok in enumerate(arrived)
             if not ok
         ]
+        if missing and len(missing) == sum(len(g.params) for g in self._groups):
+            raise RuntimeError(
+                f"acco_hooks: no gradient reached any parameter during round {self.round_index}: "
+                "call loss.backward() before each step()"
+            )
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise RuntimeError(
-                f"ACCOEngine: no gradient reached {shown} during round {self.round_index}. Every "
+                f"acco_hooks: no gradient reached {shown} during round {self.round_index}. Every "
                 "trained parameter must get a gradient in every round: run backward() before "
                 "step(), and set requires_grad=False on parameters that are not trained (or leave "
                 "them out of the optimizer's params)"
@@ -397,7 +402,7 @@ class ACCOEngine:
         sq = torch.stack([grad.double().pow(2).sum() for grad in grads]).sum().reshape(1)
         if self._group is not None:
             dist.all_reduce(sq, group=self._group)
-        norm = sq.sqrt().float()
+        norm = sq.sqrt().float().squeeze(0)
         coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
         return norm.item()
@@ -450,31 +455,31 @@ class ACCOEngine:
         """Restore :meth:`state_dict` output saved by the same rank of a same-sized run."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(
-                f"ACCOEngine.load_state_dict: unknown state version {state.get('version')!r} "
+                f"acco_hooks: load_state_dict: unknown state version {state.get('version')!r} "
                 f"(this acco_hooks writes version {_STATE_VERSION})"
             )
         if state["world_size"] != self.world_size:
             raise ValueError(
-                f"ACCOEngine.load_state_dict: the checkpoint was saved with a data-parallel world "
+                f"acco_hooks: load_state_dict: the checkpoint was saved with a data-parallel world "
                 f"size of {state['world_size']}, this run has {self.world_size}. Resharding the "
                 f"optimizer state is not supported yet: resume with {state['world_size']} "
                 "data-parallel ranks"
             )
         if state["mode"] != self.mode:
             raise ValueError(
-                f"ACCOEngine.load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
+                f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
                 f"this engine has mode={self.mode!r}; build the optimizer with "
                 f"mode={state['mode']!r} to resume"
             )
         shapes = [[tuple(p.shape) for p in g.params] for g in self._groups]
         if [[tuple(s) for s in g] for g in state["param_shapes"]] != shapes:
             raise ValueError(
-                "ACCOEngine.load_state_dict: the checkpoint's parameter groups and shapes differ "
+                "acco_hooks: load_state_dict: the checkpoint's parameter groups and shapes differ "
                 "from this optimizer's; build it over the same parameters in the same order"
             )
         if (self.lr_scheduler is None) != (state["lr_scheduler"] is None):
             raise ValueError(
-                "ACCOEngine.load_state_dict: the checkpoint "
+                "acco_hooks: load_state_dict: the checkpoint "
                 + ("has no" if state["lr_scheduler"] is None else "has an")
                 + " LR scheduler state but this optimizer "
                 + ("has one" if self.lr_scheduler is not None else "has none")
@@ -517,25 +522,25 @@ def _validate_config(
 ) -> None:  # fmt: skip
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
-            f"ACCOEngine: optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"acco_hooks: optimizer_class must be a torch.optim.Optimizer subclass such as "
             f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
         )
     if mode not in MODES:
-        raise ValueError(f"ACCOEngine: mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
+        raise ValueError(f"acco_hooks: mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(
-            f"ACCOEngine: accumulation_steps={accumulation_steps!r} must be an integer >= 1 "
+            f"acco_hooks: accumulation_steps={accumulation_steps!r} must be an integer >= 1 "
             "(the number of micro-batches per round)"
         )
     if not isinstance(accumulate_until_ready, bool):
         raise TypeError(
-            f"ACCOEngine: accumulate_until_ready={accumulate_until_ready!r} must be True or False"
+            f"acco_hooks: accumulate_until_ready={accumulate_until_ready!r} must be True or False"
         )
     if reduce_dtype is not None and not (
         isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
     ):
         raise ValueError(
-            f"ACCOEngine: reduce_dtype={reduce_dtype!r} must be a floating torch.dtype such as "
+            f"acco_hooks: reduce_dtype={reduce_dtype!r} must be a floating torch.dtype such as "
             "torch.float32 or torch.bfloat16, or None for float32"
         )
     if max_grad_norm is not None and (
@@ -543,12 +548,12 @@ def _validate_config(
         or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
     ):  # fmt: skip
         raise ValueError(
-            f"ACCOEngine: max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None "
+            f"acco_hooks: max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None "
             "for no clipping"
         )
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(
-            "ACCOEngine: lr_scheduler must be a callable that builds the scheduler from the "
+            "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
             "optimizer, e.g. lr_scheduler=lambda opt: CosineAnnealingLR(opt, T_max=1000)"
         )
 
@@ -556,35 +561,35 @@ def _validate_config(
 def _normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """Parameter groups as dicts with ``params`` and ``names``; frozen parameters removed."""
     if isinstance(params, Tensor):
-        raise TypeError("ACCOEngine: params must be an iterable of tensors or dicts, got a Tensor")
+        raise TypeError("acco_hooks: params must be an iterable of tensors or dicts, got a Tensor")
     items = list(params)
     if not items:
-        raise ValueError("ACCOEngine: got an empty parameter list")
+        raise ValueError("acco_hooks: got an empty parameter list")
     groups = items if isinstance(items[0], dict) else [{"params": items}]
     normalized, seen = [], set()
     for gi, group in enumerate(groups):
         if not isinstance(group, dict):
-            raise TypeError("ACCOEngine: mix of parameter-group dicts and tensors in params")
+            raise TypeError("acco_hooks: mix of parameter-group dicts and tensors in params")
         members = group["params"]
         members = [members] if isinstance(members, Tensor) else list(members)
         tensors, names = [], []
         for pi, item in enumerate(members):
             name, p = item if isinstance(item, tuple) else (f"params[{gi}][{pi}]", item)
             if not isinstance(p, Tensor):
-                raise TypeError(f"ACCOEngine: {name} is a {type(p).__name__}, not a tensor")
+                raise TypeError(f"acco_hooks: {name} is a {type(p).__name__}, not a tensor")
             if p in seen:
-                raise ValueError(f"ACCOEngine: {name} appears more than once in params")
+                raise ValueError(f"acco_hooks: {name} appears more than once in params")
             seen.add(p)
             if not p.requires_grad:
                 continue
             if not p.is_floating_point():
-                raise TypeError(f"ACCOEngine: {name} has dtype {p.dtype}; only floating parameters train")
+                raise TypeError(f"acco_hooks: {name} has dtype {p.dtype}; only floating parameters train")
             tensors.append(p)
             names.append(name)
         if tensors:
             normalized.append({**group, "params": tensors, "names": names})
     if not normalized:
-        raise ValueError("ACCOEngine: none of the given parameters requires grad")
+        raise ValueError("acco_hooks: none of the given parameters requires grad")
     return normalized
 
 
@@ -599,7 +604,7 @@ def _dedicated_group(process_group: Any) -> dist.ProcessGroup | None:
     if process_group is not None and hasattr(process_group, "get_group"):  # a DeviceMesh
         if process_group.ndim != 1:
             raise ValueError(
-                f"ACCOEngine: process_group is a {process_group.ndim}-D DeviceMesh; pass the "
+                f"acco_hooks: process_group is a {process_group.ndim}-D DeviceMesh; pass the "
                 "data-parallel dimension, e.g. mesh['dp']"
             )
         process_group = process_group.get_group()

@@ -1,0 +1,104 @@
+"""state_dict / load_state_dict resume bit-exactly, and refuse what they cannot resume."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.scenario import Config, make_model, make_scheduler, microbatch_loss, param_groups
+
+MICRO = 2  # micro-batches per round on every rank
+TOTAL_ROUNDS = 16
+
+
+def build(cfg: Config):
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model()
+    opt = ACCOOptimizer(param_groups(model, True), torch.optim.AdamW, mode=cfg.mode,
+                        accumulation_steps=MICRO, lr_scheduler=make_scheduler,
+                        lr=3e-2, weight_decay=0.1)  # fmt: skip
+    return model, opt
+
+
+def train(model, opt, rank: int, first: int, last: int) -> None:
+    """Run micro-batches number ``first`` .. ``last - 1`` of the schedule."""
+    for i in range(first, last):
+        microbatch_loss(model, rank, i // MICRO, i % MICRO).backward()
+        opt.step()
+
+
+def first_half(rank: int, world_size: int, cfg: Config, save_at: int, ckpt_dir: str) -> dict:
+    model, opt = build(cfg)
+    train(model, opt, rank, 0, TOTAL_ROUNDS * MICRO)
+    opt.flush()
+    straight = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+
+    model, opt = build(cfg)
+    train(model, opt, rank, 0, save_at)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(state, os.path.join(ckpt_dir, f"rank{rank}.pt"))
+    opt.close()
+    return straight
+
+
+def second_half(rank: int, world_size: int, cfg: Config, save_at: int, ckpt_dir: str) -> dict:
+    model, opt = build(cfg)
+    state = torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt"), weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    train(model, opt, rank, save_at, TOTAL_ROUNDS * MICRO)
+    opt.flush()
+    result = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result["lr_epoch"] = opt.lr_scheduler.last_epoch
+    opt.close()
+    return result
+
+
+@pytest.mark.parametrize(
+    "mode, save_at",
+    [
+        ("acco", 8 * MICRO),  # after 8 rounds: a real update in flight
+        ("acco", 7 * MICRO),  # after 7 rounds: an estimate in flight, its gradient carried
+        ("acco", 5 * MICRO + 1),  # in the middle of a round
+        ("dpu", 8 * MICRO),
+        ("ddp", 8 * MICRO),
+    ],
+)
+def test_resume_in_fresh_processes_is_bit_exact(mode: str, save_at: int, tmp_path) -> None:
+    cfg = Config(mode=mode)
+    straight = run_distributed("tests.test_checkpoint:first_half", 2, cfg, save_at, str(tmp_path))
+    resumed = run_distributed("tests.test_checkpoint:second_half", 2, cfg, save_at, str(tmp_path))
+    for rank in range(2):
+        assert resumed[rank].pop("lr_epoch") == (TOTAL_ROUNDS // 2 if mode == "acco" else TOTAL_ROUNDS)
+        assert resumed[rank].keys() == straight[rank].keys()
+        for name, value in straight[rank].items():
+            assert torch.equal(resumed[rank][name], value), f"rank {rank}: {name} differs"
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory) -> str:
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    run_distributed("tests.test_checkpoint:first_half", 2, Config(mode="acco"), 4, ckpt_dir)
+    return os.path.join(ckpt_dir, "rank0.pt")
+
+
+def test_resuming_with_another_world_size_is_refused(two_rank_checkpoint: str) -> None:
+    model, opt = build(Config(mode="acco"))  # one local worker: world size 1
+    state = torch.load(two_rank_checkpoint, weights_only=False)["optimizer"]
+    with pytest.raises(ValueError, match=r"world size of 2, this run has 1.*resume with 2"):
+        opt.load_state_dict(state)
+    opt.close()
+
+
+def test_resuming_in_another_mode_is_refused(two_rank_checkpoint: str) -> None:
+    state = torch.load(two_rank_checkpoint, weights_only=False)["optimizer"]
+    state["world_size"] = 1
+    model, opt = build(Config(mode="ddp"))
+    with pytest.raises(ValueError, match=r"mode='acco'.*mode='ddp'"):
+        opt.load_state_dict(state)
+    opt.close()

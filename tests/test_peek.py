@@ -1,0 +1,117 @@
+"""Peek (the estimate step) computes Opt(θ, g) and leaves the optimizer exactly as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from acco_hooks import _peek
+from acco_hooks._peek import has_functional_peek, peek
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "adam_coupled_wd": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+    "adam_maximize": (torch.optim.Adam, dict(lr=1e-2, maximize=True)),
+    "sgd": (torch.optim.SGD, dict(lr=0.1)),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "sgd_dampening": (torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.3)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),  # snapshot fallback
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-1)),  # snapshot fallback
+}
+FUNCTIONAL = {"adamw", "adamw_amsgrad", "adam_coupled_wd", "adam_maximize", "sgd",
+              "sgd_nesterov", "sgd_dampening"}  # fmt: skip
+
+
+def make_optimizer(name: str, prior_steps: int):
+    """An optimizer over two flat shards (two groups) after ``prior_steps`` real steps."""
+    torch.manual_seed(0)
+    shards = [torch.randn(37, requires_grad=True), torch.randn(11, requires_grad=True)]
+    cls, kwargs = OPTIMIZERS[name]
+    opt = cls([{"params": [shards[0]]}, {"params": [shards[1]], "lr": 3e-3}], **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    for _ in range(prior_steps):
+        for p in shards:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sched.step()
+    for p in shards:
+        p.grad = torch.randn_like(p)
+    return opt, shards
+
+
+def snapshot(opt: torch.optim.Optimizer, shards: list[torch.Tensor]):
+    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in shards]
+
+
+def assert_bit_identical(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bit_identical(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bit_identical(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("prior_steps", [0, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_peek_leaves_optimizer_state_and_lr_bit_identical(name: str, prior_steps: int) -> None:
+    opt, shards = make_optimizer(name, prior_steps)
+    state_before, params_before = snapshot(opt, shards)
+    peek(opt, [torch.empty_like(p) for p in shards])
+    state_after, params_after = snapshot(opt, shards)
+    # Moments, step counts, lr, betas, and which parameters have state at all (none is created).
+    assert_bit_identical(state_after, state_before)
+    assert_bit_identical(params_after, params_before)
+
+
+@pytest.mark.parametrize("prior_steps", [0, 3])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_peek_equals_the_real_step(name: str, prior_steps: int) -> None:
+    opt, shards = make_optimizer(name, prior_steps)
+    estimate = [torch.empty_like(p) for p in shards]
+    peek(opt, estimate)
+    opt.step()
+    for p, e in zip(shards, estimate):
+        torch.testing.assert_close(e, p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONAL))
+def test_peek_is_functional_for_adamw_adam_and_sgd(name: str, monkeypatch) -> None:
+    """No snapshot of the optimizer state is taken: the copying fallback is never called."""
+    opt, shards = make_optimizer(name, prior_steps=2)
+    assert has_functional_peek(opt)
+
+    def forbidden(*args):
+        raise AssertionError("the snapshot fallback copied the optimizer state")
+
+    monkeypatch.setattr(_peek, "_peek_by_snapshot", forbidden)
+    # Tiny chunks: the element-wise recomputation must be right across chunk boundaries.
+    monkeypatch.setattr(_peek, "_CHUNK", 5)
+    estimate = [torch.empty_like(p) for p in shards]
+    peek(opt, estimate)
+    opt.step()
+    for p, e in zip(shards, estimate):
+        torch.testing.assert_close(e, p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_other_optimizers_fall_back_to_snapshot_and_restore() -> None:
+    opt, _ = make_optimizer("rmsprop", prior_steps=1)
+    assert not has_functional_peek(opt)
+
+
+def test_peek_writes_into_a_bf16_gather_buffer() -> None:
+    opt, shards = make_optimizer("adamw", prior_steps=2)
+    estimate = [torch.empty(p.shape, dtype=torch.bfloat16) for p in shards]
+    peek(opt, estimate)
+    opt.step()
+    for p, e in zip(shards, estimate):
+        torch.testing.assert_close(e, p.detach().to(torch.bfloat16), rtol=0, atol=0)
