@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from acco_hooks._collectives import all_gather, reduce_scatter_sum
 from acco_hooks._peek import has_functional_peek, peek
 from acco_hooks._worker import CommWorker
 
@@ -368,13 +369,9 @@ class ACCOEngine:
             for g in self._groups:
                 g.shard_sum.copy_(g.comm_input)
         else:
-            works = [
-                dist.reduce_scatter_single(g.shard_sum, g.comm_input, group=self._group, async_op=True)
-                for g in self._groups
-            ]
-            works.append(dist.all_reduce(counts, group=self._group, async_op=True))
-            for work in works:
-                work.wait()
+            for g in self._groups:
+                reduce_scatter_sum(g.shard_sum, g.comm_input, self._group)
+            dist.all_reduce(counts, group=self._group)
         global_count = counts.item()
 
         grads = []
@@ -412,12 +409,8 @@ class ACCOEngine:
             for g in self._groups:
                 g.gathered.copy_(g.gather_input)
             return
-        works = [
-            dist.all_gather_single(g.gathered, g.gather_input, group=self._group, async_op=True)
-            for g in self._groups
-        ]
-        for work in works:
-            work.wait()
+        for g in self._groups:
+            all_gather(g.gathered, g.gather_input, self._group)
 
     # --------------------------------------------------------------------------- checkpointing
 
