@@ -65,6 +65,9 @@ class Config:
     scheduler: bool = False
     dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
+    # Per-rank micro-batch weight (e.g. tokens): the loss is multiplied by it (a sum over that
+    # many units) and passed to step(weight=...). None: every micro-batch weighs 1.
+    weights: list[float] | None = None
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -101,10 +104,12 @@ def reference_run(cfg: Config) -> dict[str, Any]:
         for rank in range(cfg.world_size):
             for micro in range(cfg.micro[rank]):
                 model.zero_grad()
-                microbatch_loss(model, rank, round_index, micro).backward()
+                weight = cfg.weights[rank] if cfg.weights else 1.0
+                (weight * microbatch_loss(model, rank, round_index, micro)).backward()
                 for t, p in zip(total, params):
                     t.add_(p.grad)
-        return total, float(sum(cfg.micro))
+        weights = cfg.weights or [1.0] * cfg.world_size
+        return total, float(sum(m * w for m, w in zip(cfg.micro, weights)))
 
     def opt_step(theta, grad_sum, count, estimate: bool):
         set_params(theta)
@@ -162,10 +167,11 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         lr_scheduler=make_scheduler if cfg.scheduler else None,
         **kwargs,
     )
+    weight = cfg.weights[rank] if cfg.weights else 1.0
     for r in range(cfg.rounds):
         for micro in range(cfg.micro[rank]):
-            microbatch_loss(model, rank, r, micro).backward()
-            ended = opt.step()
+            (weight * microbatch_loss(model, rank, r, micro)).backward()
+            ended = opt.step(weight)
             assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
     opt.flush()
     result = {

@@ -129,3 +129,45 @@ def test_ddp_mode_equals_single_process_training_on_the_union() -> None:
     expected = {n: p.detach() for n, p in model.named_parameters()}
     for result in results:
         assert relative_error(result, expected) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["acco", "ddp"])
+def test_token_weighted_microbatches_average_per_token(mode: str) -> None:
+    """step(weight=n) with an n-unit summed loss: the average is over units, not micro-batches."""
+    cfg = Config(mode=mode, weights=[3.0, 17.0], rounds=12)
+    unweighted = reference_run(dataclasses.replace(cfg, weights=None))["params"]
+    assert relative_error(reference_run(cfg)["params"], unweighted) > 1e-3  # weighting matters
+    assert_matches_reference(cfg)
+
+
+def mesh_dp_run(rank: int, world_size: int, rounds: int) -> dict:
+    """Engine over mesh['dp'] of a 2 x 2 (dp, tp) mesh; the loop meanwhile uses the tp group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from acco_hooks import ACCOOptimizer
+    from tests.scenario import OPTIMIZERS, make_model, microbatch_loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    model = make_model()
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    opt = ACCOOptimizer(model.named_parameters(), opt_class, mode="acco", accumulation_steps=2,
+                        process_group=mesh["dp"], **kwargs)  # fmt: skip
+    for r in range(rounds):
+        for micro in range(2):
+            loss = microbatch_loss(model, dp_rank, r, micro)
+            loss.backward()
+            # A collective on another mesh dimension while the worker communicates over dp.
+            dist.all_reduce(loss.detach().clone(), group=mesh["tp"].get_group())
+            opt.step()
+    opt.flush()
+    opt.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_engine_runs_over_a_device_mesh_dimension_with_several_dp_groups() -> None:
+    cfg = Config(mode="acco", world_size=2, micro=[2, 2], rounds=12, two_groups=False)
+    reference = reference_run(cfg)["params"]
+    for rank, result in enumerate(run_distributed("tests.test_engine_reference:mesh_dp_run", 4, 12)):
+        assert relative_error(result, reference) <= FP32_TOLERANCE, f"rank {rank}"

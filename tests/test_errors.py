@@ -89,3 +89,11 @@ def test_non_positive_microbatch_weight_is_refused() -> None:
     with pytest.raises(ValueError, match="weight must be > 0"):
         opt.step(0)
     opt.close()
+
+
+def test_lr_scheduler_cannot_be_attached_to_the_acco_optimizer() -> None:
+    """Schedulers go through lr_scheduler=, which steps them once per real update."""
+    _, opt = build()
+    with pytest.raises(TypeError, match="ACCOOptimizer is not an Optimizer"):
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    opt.close()
