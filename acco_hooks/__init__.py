@@ -6,8 +6,22 @@ micro-batches; an estimate of the next weights removes the damage of the one-ste
 (Nabli et al., arXiv 2406.02613).
 """
 
+from acco_hooks.ddp_comm_hooks import (
+    ACCOState,
+    DelayedAllReduceState,
+    acco_hook,
+    delayed_allreduce_hook,
+)
 from acco_hooks.engine import MODES, ACCOEngine
 from acco_hooks.optimizer import ACCOOptimizer
 
-__all__ = ["ACCOEngine", "ACCOOptimizer", "MODES"]
+__all__ = [
+    "ACCOEngine",
+    "ACCOOptimizer",
+    "ACCOState",
+    "DelayedAllReduceState",
+    "MODES",
+    "acco_hook",
+    "delayed_allreduce_hook",
+]
 __version__ = "0.1.0"

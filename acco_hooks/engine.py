@@ -268,8 +268,21 @@ class ACCOEngine:
         """
         if not weight > 0:
             raise ValueError(f"acco_hooks: micro-batch weight must be > 0, got {weight}")
+        return self._count_microbatch(float(weight))
+
+    def skip_microbatch(self) -> bool:
+        """Count a micro-batch that contributes nothing, e.g. on a rank that ran out of data.
+
+        Keeps this rank's rounds (and so its collectives) in step with the other ranks; the
+        averaged gradient is taken over the ranks that did contribute.
+        """
+        for arrived in self._grad_arrived:
+            arrived[:] = [True] * len(arrived)
+        return self._count_microbatch(0.0)
+
+    def _count_microbatch(self, weight: float) -> bool:
         self._round_microbatches += 1
-        self._local_count += float(weight)
+        self._local_count += weight
         if self._round_microbatches < self.accumulation_steps:
             return False
         if (
@@ -373,6 +386,11 @@ class ACCOEngine:
                 reduce_scatter_sum(g.shard_sum, g.comm_input, self._group)
             dist.all_reduce(counts, group=self._group)
         global_count = counts.item()
+        if global_count <= 0:
+            raise RuntimeError(
+                "acco_hooks: no rank contributed a micro-batch to this round (the global count "
+                "is 0); at least one rank must run a real micro-batch in every round"
+            )
 
         grads = []
         for g in self._groups:

@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine
 
 __all__ = ["ACCOOptimizer"]
 
 
-class ACCOOptimizer:
+class ACCOOptimizer(EngineFrontEnd):
     r"""Data-parallel sharded optimizer that keeps computing while it communicates (ACCO).
 
     Each rank runs its own model replica. Gradients are summed locally over the micro-batches of
@@ -133,45 +134,8 @@ class ACCOOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: gradients live in the engine (kept so standard loops run unchanged)."""
 
-    def flush(self) -> None:
-        """Wait for in-flight communication; the model then holds the real parameters θ."""
-        self.engine.flush()
-
     def close(self) -> None:
         """Drain the communication and stop its thread; remove the gradient hooks."""
-        self.engine.close()
+        super().close()
         for handle in self._hook_handles:
             handle.remove()
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer over this rank's fp32 master shard (stepped by the engine)."""
-        return self.engine.optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The shard optimizer's parameter groups (read the current ``lr`` here)."""
-        return self.engine.optimizer.param_groups
-
-    @property
-    def lr_scheduler(self) -> Any:
-        """The scheduler built from ``lr_scheduler=``, or ``None``."""
-        return self.engine.lr_scheduler
-
-    @property
-    def round_index(self) -> int:
-        """Rounds completed so far."""
-        return self.engine.round_index
-
-    @property
-    def num_updates(self) -> int:
-        """Real updates θ_t → θ_{t+1} completed so far (after the communication finished)."""
-        return self.engine.num_updates
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's engine state; save it with ``model.state_dict()`` to resume exactly."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by the same rank of a same-sized run."""
-        self.engine.load_state_dict(state_dict)

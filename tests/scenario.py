@@ -68,6 +68,9 @@ class Config:
     # Per-rank micro-batch weight (e.g. tokens): the loss is multiplied by it (a sum over that
     # many units) and passed to step(weight=...). None: every micro-batch weighs 1.
     weights: list[float] | None = None
+    # Per-rank number of micro-batches actually run (uneven inputs): later ones contribute
+    # nothing, neither gradient nor count. None: every rank runs every micro-batch.
+    limit: list[int] | None = None
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -101,15 +104,18 @@ def reference_run(cfg: Config) -> dict[str, Any]:
         """Σ over workers and their micro-batches of the gradient at ``at``; and the count."""
         set_params(at)
         total = [torch.zeros_like(p) for p in params]
+        count = 0.0
         for rank in range(cfg.world_size):
             for micro in range(cfg.micro[rank]):
+                if cfg.limit and round_index * cfg.micro[rank] + micro >= cfg.limit[rank]:
+                    continue
                 model.zero_grad()
                 weight = cfg.weights[rank] if cfg.weights else 1.0
                 (weight * microbatch_loss(model, rank, round_index, micro)).backward()
                 for t, p in zip(total, params):
                     t.add_(p.grad)
-        weights = cfg.weights or [1.0] * cfg.world_size
-        return total, float(sum(m * w for m, w in zip(cfg.micro, weights)))
+                count += weight
+        return total, count
 
     def opt_step(theta, grad_sum, count, estimate: bool):
         set_params(theta)

@@ -28,3 +28,15 @@ def test_main_job_trains_and_prints_rounds_and_summary(mode: str) -> None:
     assert summary.group(1) == mode
     assert int(summary.group(2)) == (12 if mode == "acco" else 24)
     assert float(summary.group(4)) < float(summary.group(3)) - 0.5  # it learns
+
+
+def test_ddp_llama_example_trains_with_the_acco_hook() -> None:
+    script = SCRIPT.parent / "ddp_llama_acco.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), "--rounds", "30"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = re.search(r"^summary: mode=acco world_size=2 rounds=30 updates=15 "
+                        r"first_loss=([\d.]+) final_loss=([\d.]+)", proc.stdout, re.M)  # fmt: skip
+    assert summary, proc.stdout
+    assert float(summary.group(2)) < float(summary.group(1)) - 0.5

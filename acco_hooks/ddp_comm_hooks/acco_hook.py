@@ -1,0 +1,199 @@
+"""``acco_hook``: ACCO for an existing ``DistributedDataParallel`` training loop."""
+
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel
+
+from acco_hooks._frontend import EngineFrontEnd
+from acco_hooks.engine import ACCOEngine
+
+__all__ = ["ACCOState", "acco_hook"]
+
+logger = logging.getLogger(__name__)
+
+
+class ACCOState(EngineFrontEnd, Joinable):
+    r"""State of :func:`acco_hook`: the ACCO engine over a DDP model's parameters.
+
+    The hook takes each bucket's local gradients into the engine's fp32 accumulator and lets
+    DDP go on at once. The engine communicates once per *round*, on its own thread and
+    process group, while the next round's micro-batches run. :meth:`step` replaces both
+    ``optimizer.step()`` and ``optimizer.zero_grad()``: it counts the micro-batch and ends the
+    round when it may. The engine owns the optimizer, sharded ZeRO-1 style over DDP's process
+    group.
+
+    Every setting of :class:`acco_hooks.ACCOOptimizer` (``mode``, ``accumulation_steps``,
+    ``accumulate_until_ready``, ``reduce_dtype``, ``max_grad_norm``, ``lr_scheduler``) is
+    accepted here with the same meaning, followed by the keyword arguments of
+    ``optimizer_class``.
+
+    .. warning::
+        DDP rebuilds its buckets after the first iteration, and under ``static_graph`` or
+        ``find_unused_parameters`` their content changes. The state is therefore keyed by
+        parameter and never by bucket index or size.
+
+    .. warning::
+        With uneven inputs, pass the state to DDP's join context after the model:
+        ``with Join([ddp_model, state]):``. A rank that has run out of data then counts empty
+        micro-batches, so its rounds, and the collectives of each round, stay in step with the
+        other ranks. Do not combine this with ``no_sync()``: DDP does not tell a joined rank
+        about ``no_sync`` iterations.
+
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model to register the hook on.
+        optimizer_class: the torch optimizer class stepped on the shard, e.g. ``torch.optim.AdamW``.
+        param_groups: optional parameter groups (dicts, as for a torch optimizer) over the
+            model's parameters. Default: one group of every trainable parameter, by name.
+        **kwargs: ``ACCOOptimizer`` settings and ``optimizer_class`` arguments.
+
+    Example::
+
+        >>> ddp_model = DDP(model)
+        >>> state = ACCOState(ddp_model, torch.optim.AdamW, mode="acco", lr=6e-4, weight_decay=0.1)
+        >>> ddp_model.register_comm_hook(state, acco_hook)
+        >>> for batch in loader:
+        ...     ddp_model(batch).loss.backward()
+        ...     state.step()
+        >>> state.flush()
+    """
+
+    __slots__ = (
+        # The DDP model the state serves
+        "ddp_model",
+        # The engine (optimizer, shard, communication thread)
+        "engine",
+        # What reached the engine since the last step(): bucket gradients from the hook, and
+        # parameters whose .grad autograd accumulated (these stay in .grad under no_sync())
+        "_delivered", "_accumulated", "_grad_hook_handles",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        ddp_model: DistributedDataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        param_groups: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError(
+                f"ACCOState needs a torch.nn.parallel.DistributedDataParallel model, got "
+                f"{type(ddp_model).__name__}: wrap it first, ddp_model = DDP(model)"
+            )
+        Joinable.__init__(self)
+        self.ddp_model = ddp_model
+        model_params = set(ddp_model.module.parameters())
+        if param_groups is None:
+            param_groups = list(ddp_model.module.named_parameters())
+        self.engine = ACCOEngine(
+            param_groups, optimizer_class, process_group=ddp_model.process_group, **kwargs
+        )
+        if not set(self.engine.params) <= model_params:
+            raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
+        self._delivered: set[Tensor] = set()
+        self._accumulated: set[Tensor] = set()
+        self._grad_hook_handles = [
+            p.register_post_accumulate_grad_hook(self._accumulated.add) for p in self.engine.params
+        ]
+
+    def step(self, weight: float = 1.0) -> bool:
+        """Count the micro-batch just back-propagated; end the round when it may.
+
+        Replaces ``optimizer.step()`` and ``optimizer.zero_grad()``. Gradients that DDP left in
+        ``.grad`` (a backward under ``no_sync()``, which skips the hook) are moved to the
+        engine here.
+
+        Args:
+            weight: the number of units the micro-batch's loss sums over (default 1), as in
+                :meth:`acco_hooks.ACCOOptimizer.step`.
+
+        Returns:
+            ``True`` if this call ended a round.
+        """
+        if not self._accumulated and not self._delivered:
+            raise RuntimeError(
+                "ACCOState.step() was called but no backward() ran since the last step(): call "
+                "loss.backward() on the DDP model's output first"
+            )
+        with torch.no_grad():
+            for param in self._accumulated - self._delivered:
+                self.engine.accumulate_grad(param, param.grad)
+                param.grad.zero_()
+        self._accumulated.clear()
+        self._delivered.clear()
+        return self.engine.microbatch_done(weight)
+
+    def close(self) -> None:
+        """Drain the communication, stop its thread and remove the gradient hooks."""
+        super().close()
+        for handle in self._grad_hook_handles:
+            handle.remove()
+
+    # Joinable: a rank out of data counts empty micro-batches while the others train.
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ACCOJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.ddp_model.process_group
+
+
+class _ACCOJoinHook(JoinHook):
+    def __init__(self, state: ACCOState) -> None:
+        self.state = state
+
+    def main_hook(self) -> None:
+        """One iteration of the ranks still training: this rank contributes nothing."""
+        self.state._delivered.clear()
+        self.state._accumulated.clear()
+        self.state.engine.skip_microbatch()
+
+
+def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    r"""Take a DDP bucket's gradients into the ACCO engine; never wait for the network.
+
+    1. Add each gradient of the bucket to the engine's fp32 accumulator, keyed by parameter.
+    2. Zero the bucket, so that ``.grad`` is zero after backward: the gradient now lives in
+       the engine, and the next micro-batch starts from zero without ``zero_grad()``.
+    3. Return an already completed future. DDP's all-reduce is replaced, not doubled. The
+       engine communicates once per round, at the round end in ``state.step()``, on its own
+       thread.
+
+    Args:
+        state: the :class:`ACCOState` built for the same DDP model.
+        bucket: the bucket of gradients DDP hands the hook.
+
+    Returns:
+        A completed future holding the zeroed bucket buffer.
+
+    Example::
+
+        >>> state = ACCOState(ddp_model, torch.optim.AdamW, lr=6e-4)
+        >>> ddp_model.register_comm_hook(state, acco_hook)
+    """
+    engine: ACCOEngine = state.engine
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        try:
+            engine.accumulate_grad(param, grad)
+        except KeyError:
+            raise RuntimeError(
+                "acco_hook: the bucket holds a parameter that this ACCOState does not train: "
+                "the state was built for another model (or another parameter set). Build "
+                "ACCOState(ddp_model, ...) with the DDP model you register the hook on"
+            ) from None
+        state._delivered.add(param)
+    buffer = bucket.buffer()
+    buffer.zero_()
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future

@@ -1,0 +1,228 @@
+"""The DDP communication hooks on real gloo process groups."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist_utils import run_distributed
+from tests.scenario import OPTIMIZERS, Config, reference_run, relative_error
+
+MICRO = 2
+ROUNDS = 12
+TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class DDPVariant:
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    no_sync: bool = False  # the first micro-batch of each round runs under ddp.no_sync()
+    unused_param: bool = False  # the model has a parameter that gets no gradient
+
+
+def train_with_acco_optimizer(rank: int, mode: str) -> dict[str, torch.Tensor]:
+    from acco_hooks import ACCOOptimizer
+    from tests.scenario import make_model, microbatch_loss, param_groups
+
+    model = make_model()
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    opt = ACCOOptimizer(param_groups(model, True), opt_class, mode=mode,
+                        accumulation_steps=MICRO, **kwargs)  # fmt: skip
+    for r in range(ROUNDS):
+        for m in range(MICRO):
+            microbatch_loss(model, rank, r, m).backward()
+            opt.step()
+    opt.flush()
+    opt.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import ACCOState, acco_hook
+    from tests.scenario import make_model, microbatch_loss, param_groups
+
+    expected = train_with_acco_optimizer(rank, mode)
+
+    model = make_model()
+    if variant.unused_param:
+        model.unused = nn.Linear(2, 2)
+    # A tiny bucket cap: every parameter lands in a bucket of its own after the rebuild.
+    ddp = DDP(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=variant.gradient_as_bucket_view,
+              static_graph=variant.static_graph,
+              find_unused_parameters=variant.find_unused_parameters)  # fmt: skip
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    groups = param_groups(model, True)
+    state = ACCOState(ddp, opt_class, mode=mode, accumulation_steps=MICRO,
+                      param_groups=groups, **kwargs)  # fmt: skip
+    buckets_per_backward: list[list[int]] = []
+
+    def counting_acco_hook(state, bucket):
+        buckets_per_backward[-1].append(len(bucket.parameters()))
+        return acco_hook(state, bucket)
+
+    ddp.register_comm_hook(state, counting_acco_hook)
+    for r in range(ROUNDS):
+        for m in range(MICRO):
+            skip_sync = variant.no_sync and m == 0
+            buckets_per_backward.append([])
+            with ddp.no_sync() if skip_sync else contextlib.nullcontext():
+                microbatch_loss(ddp, rank, r, m).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if not skip_sync:  # the gradient went to the engine; .grad is left zero
+                assert all(not g.any() for g in grads)
+            state.step()
+    state.flush()
+    state.close()
+    actual = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"expected": expected, "actual": actual, "buckets": [b for b in buckets_per_backward if b]}
+
+
+@pytest.mark.parametrize(
+    "mode, variant",
+    [
+        ("acco", DDPVariant()),
+        ("dpu", DDPVariant()),
+        ("ddp", DDPVariant()),
+        ("acco", DDPVariant(gradient_as_bucket_view=True)),
+        ("acco", DDPVariant(static_graph=True)),
+        ("acco", DDPVariant(no_sync=True)),
+        ("dpu", DDPVariant(no_sync=True, gradient_as_bucket_view=True)),
+        ("acco", DDPVariant(find_unused_parameters=True, unused_param=True)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else ",".join(
+        k for k, on in vars(v).items() if on) or "default",
+)
+def test_acco_hook_equals_acco_optimizer(mode: str, variant: DDPVariant) -> None:
+    results = run_distributed("tests.test_ddp_hooks:hook_vs_optimizer", 2, mode, variant)
+    for rank, result in enumerate(results):
+        actual = {n: v for n, v in result["actual"].items() if not n.startswith("unused")}
+        error = relative_error(actual, result["expected"])
+        assert error <= TOLERANCE, f"rank {rank}: relative error {error:.2e}"
+        buckets = result["buckets"]
+        assert max(len(b) for b in buckets) > 1  # several buckets per backward
+        if not variant.find_unused_parameters:  # DDP only rebuilds without unused detection
+            assert buckets[0] != buckets[-1]  # it rebuilt them after the first iteration
+    for name, value in results[0]["actual"].items():  # the replicas agree, unused param too
+        assert torch.equal(value, results[1]["actual"][name]), name
+
+
+def delayed_allreduce_run(rank: int, world_size: int, rounds: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import DelayedAllReduceState, delayed_allreduce_hook
+    from tests.scenario import make_model, microbatch_loss
+
+    model = make_model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model, bucket_cap_mb=1e-4)
+    state = DelayedAllReduceState()
+    ddp.register_comm_hook(state, delayed_allreduce_hook)
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    opt = opt_class(model.parameters(), **kwargs)
+    first_round = {}
+    for r in range(rounds):
+        microbatch_loss(ddp, rank, r, 0).backward()
+        if r == 0:
+            first_round["grads_are_none"] = all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        if r == 0:
+            first_round["params_unchanged"] = all(
+                torch.equal(p, q) for p, q in zip(model.parameters(), initial)
+            )
+            first_round["adam_state_empty"] = len(opt.state) == 0
+    state.flush()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, **first_round}
+
+
+def test_delayed_allreduce_hook_equals_the_dpu_recursion() -> None:
+    rounds = 13
+    results = run_distributed("tests.test_ddp_hooks:delayed_allreduce_run", 2, rounds)
+    # After R backward passes, R-1 updates have been applied (the last gradient is in flight).
+    reference = reference_run(Config(mode="dpu", rounds=rounds - 1, micro=[1, 1], two_groups=False))
+    for result in results:
+        assert relative_error(result["params"], reference["params"]) <= TOLERANCE
+
+
+def test_delayed_allreduce_hook_applies_no_update_in_the_first_round() -> None:
+    for result in run_distributed("tests.test_ddp_hooks:delayed_allreduce_run", 2, 1):
+        assert result["grads_are_none"]
+        assert result["params_unchanged"]  # AdamW did not decay the weights
+        assert result["adam_state_empty"]  # nor advance its step
+
+
+def uneven_inputs_run(rank: int, world_size: int, limits: list[int]) -> dict:
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import ACCOState, acco_hook
+    from tests.scenario import make_model, microbatch_loss
+
+    model = make_model()
+    ddp = DDP(model)
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    state = ACCOState(ddp, opt_class, mode="acco", accumulation_steps=MICRO, **kwargs)
+    ddp.register_comm_hook(state, acco_hook)
+    with Join([ddp, state]):
+        for i in range(limits[rank]):
+            microbatch_loss(ddp, rank, i // MICRO, i % MICRO).backward()
+            state.step()
+    state.flush()
+    state.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "rounds": state.round_index}  # fmt: skip
+
+
+def test_join_with_uneven_inputs_keeps_ranks_in_step() -> None:
+    limits = [ROUNDS * MICRO, 15]  # rank 1 runs out of data in the middle of round 7
+    results = run_distributed("tests.test_ddp_hooks:uneven_inputs_run", 2, limits)
+    reference = reference_run(Config(mode="acco", rounds=ROUNDS, micro=[MICRO, MICRO],
+                                     two_groups=False, limit=limits))  # fmt: skip
+    for result in results:
+        assert result["rounds"] == ROUNDS
+        assert relative_error(result["params"], reference["params"]) <= TOLERANCE
+
+
+def bad_use_run(rank: int, world_size: int) -> dict[str, str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import ACCOState, acco_hook
+    from tests.scenario import make_model, microbatch_loss
+
+    messages = {}
+
+    def capture(key, fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects the message
+            messages[key] = f"{type(exc).__name__}: {exc}"
+
+    model = make_model()
+    capture("not_ddp", lambda: ACCOState(model, torch.optim.AdamW))
+    ddp = DDP(model)
+    state = ACCOState(ddp, torch.optim.AdamW)
+    ddp.register_comm_hook(state, acco_hook)
+    capture("twice", lambda: ddp.register_comm_hook(state, acco_hook))
+    capture("step_first", lambda: state.step())
+
+    other = DDP(make_model())
+    other.register_comm_hook(state, acco_hook)  # a state built for another model
+    capture("other_model", lambda: microbatch_loss(other, rank, 0, 0).backward())
+    state.close()
+    return messages
+
+
+def test_bad_use_is_refused_with_a_clear_message() -> None:
+    messages = run_distributed("tests.test_ddp_hooks:bad_use_run", 1)[0]
+    assert messages["not_ddp"].startswith("TypeError: ACCOState needs a torch.nn.parallel.DistributedDataParallel model")
+    assert "can only be called once" in messages["twice"]
+    assert "no backward() ran since the last step()" in messages["step_first"]
+    assert "the state was built for another model" in messages["other_model"]
