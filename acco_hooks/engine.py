@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from acco_hooks._collectives import all_gather, reduce_scatter_sum
 from acco_hooks._peek import has_functional_peek, peek
@@ -68,8 +69,11 @@ class _GroupBuffers:
     """
 
     __slots__ = (
-        # Layout
-        "params", "names", "padded_numel", "shard_numel", "gather_dtype",
+        # Layout (``locals``: the tensors holding this rank's data; a DTensor's local shard)
+        "params", "locals", "names", "padded_numel", "shard_numel", "gather_dtype",
+        # Slices of this rank's shard whose squared norm counts less than once in the global
+        # gradient norm: parameters replicated over a mesh dimension outside the data-parallel one
+        "norm_discounts",
         # Full-size buffers (the compute side's accumulator; the payload / result buffer)
         "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
         # Shard-size buffers (the communication side)
@@ -81,16 +85,18 @@ class _GroupBuffers:
         reduce_dtype: torch.dtype,
     ) -> None:  # fmt: skip
         self.params, self.names = params, names
-        device = params[0].device
-        numel = sum(p.numel() for p in params)
+        self.locals = [_local(p) for p in params]
+        device = self.locals[0].device
+        numel = sum(t.numel() for t in self.locals)
         self.shard_numel = max(1, math.ceil(numel / world_size))
         self.padded_numel = self.shard_numel * world_size
-        dtypes = {p.dtype for p in params}
+        dtypes = {t.dtype for t in self.locals}
         self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.norm_discounts = _norm_discounts(params, self.locals, rank, self.shard_numel)
 
         # Gradients accumulate in fp32 whatever the model dtype; the padding stays zero.
         self.accumulator = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        self.accumulator_views = _split(self.accumulator, params)
+        self.accumulator_views = _split(self.accumulator, self.locals)
         # The reduce-scatter reads the payload once, before the all-gather writes the new
         # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
         itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
@@ -99,29 +105,61 @@ class _GroupBuffers:
         self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
             self.gather_dtype
         )
-        self.gathered_views = _split(self.gathered, params)
+        self.gathered_views = _split(self.gathered, self.locals)
 
         self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
         self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
         flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        torch._foreach_copy_(_split(flat, params), [p.detach() for p in params])
+        torch._foreach_copy_(_split(flat, self.locals), self.locals)
         start = rank * self.shard_numel
         self.master = flat[start : start + self.shard_numel].clone()
 
     def copy_gathered_into_params(self) -> None:
-        if all(p.dtype == self.gather_dtype for p in self.params):
-            torch._foreach_copy_([p.detach() for p in self.params], self.gathered_views)
+        if all(t.dtype == self.gather_dtype for t in self.locals):
+            torch._foreach_copy_(self.locals, self.gathered_views)
         else:
-            for p, view in zip(self.params, self.gathered_views):
-                p.detach().copy_(view)
+            for t, view in zip(self.locals, self.gathered_views):
+                t.copy_(view)
 
 
-def _split(flat: Tensor, params: list[Tensor]) -> list[Tensor]:
+def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
     views, offset = [], 0
-    for p in params:
-        views.append(flat[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
     return views
+
+
+def _local(param: Tensor) -> Tensor:
+    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.detach()
+
+
+def _replication(param: Tensor) -> int:
+    """On how many ranks of its (non data-parallel) mesh a parameter's local values repeat."""
+    if not isinstance(param, DTensor):
+        return 1
+    mesh = param.device_mesh
+    return math.prod(
+        mesh.size(dim) for dim, placement in enumerate(param.placements)
+        if isinstance(placement, Replicate)
+    )  # fmt: skip
+
+
+def _norm_discounts(
+    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int
+) -> list[tuple[int, int, float]]:
+    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
+    discounts, offset = [], 0
+    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
+    for param, local in zip(params, locals_):
+        replication = _replication(param)
+        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
+        if replication > 1 and start < end:
+            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
+        offset += local.numel()
+    return discounts
 
 
 class ACCOEngine:
@@ -148,14 +186,17 @@ class ACCOEngine:
         max_grad_norm: clip the averaged gradient to this global L2 norm. Default: no clipping.
         lr_scheduler: ``callable(optimizer) -> LRScheduler``, built on the shard optimizer and
             stepped after every real update.
+        norm_process_group: the ranks whose shards make up the whole model, for the global
+            gradient norm: the data-parallel group times the tensor/pipeline-parallel ranks
+            (with TP, replicated parameters count once). Default: the data-parallel group.
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
     __slots__ = (
         # Configuration
         "mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype", "max_grad_norm",
-        # Process group (used by the worker thread only) and its coordinates
-        "_group", "world_size", "rank", "device",
+        # Process groups (used by the worker thread only) and coordinates
+        "_group", "_norm_group", "world_size", "rank", "device",
         # Buffers and the shard optimizer
         "_groups", "_slot_of", "optimizer", "lr_scheduler",
         # In-flight work
@@ -178,6 +219,7 @@ class ACCOEngine:
         reduce_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        norm_process_group: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         _validate_config(
@@ -200,10 +242,15 @@ class ACCOEngine:
         self.device = devices.pop()
 
         self._group = _dedicated_group(process_group)
+        self._norm_group = (
+            self._group if norm_process_group is None else _dedicated_group(norm_process_group)
+        )
         self.world_size = 1 if self._group is None else dist.get_world_size(self._group)
         self.rank = 0 if self._group is None else dist.get_rank(self._group)
         if self._group is not None:
-            _broadcast_from_first_rank([p for g in groups for p in g["params"]], self._group)
+            _broadcast_from_first_rank(
+                [_local(p) for g in groups for p in g["params"]], self._group
+            )
 
         self._groups = [
             _GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype)
@@ -255,6 +302,10 @@ class ACCOEngine:
             raise KeyError(
                 "acco_hooks: accumulate_grad: this tensor is not one of the engine's parameters"
             ) from None
+        if isinstance(grad, DTensor):
+            if grad.placements != param.placements:  # e.g. Partial sums over tensor-parallel ranks
+                grad = grad.redistribute(grad.device_mesh, param.placements)
+            grad = grad.to_local()
         self._groups[gi].accumulator_views[pi].add_(grad)
         self._grad_arrived[gi][pi] = True
 
@@ -414,9 +465,14 @@ class ACCOEngine:
 
     def _clip_(self, grads: list[Tensor]) -> float:
         """Clip the averaged gradient to ``max_grad_norm`` (global L2 norm, as torch does)."""
-        sq = torch.stack([grad.double().pow(2).sum() for grad in grads]).sum().reshape(1)
-        if self._group is not None:
-            dist.all_reduce(sq, group=self._group)
+        terms = []
+        for g, grad in zip(self._groups, grads):
+            terms.append(grad.double().pow(2).sum())
+            for start, end, discount in g.norm_discounts:  # replicated: count each value once
+                terms.append(-discount * grad[start:end].double().pow(2).sum())
+        sq = torch.stack(terms).sum().reshape(1)
+        if self._norm_group is not None:
+            dist.all_reduce(sq, group=self._norm_group)
         norm = sq.sqrt().float().squeeze(0)
         coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)

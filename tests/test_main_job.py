@@ -1,4 +1,4 @@
-"""The README's main job: a short 2-process ACCO training run of a small transformer."""
+"""The README's main job and the examples, run as a user runs them."""
 
 from __future__ import annotations
 
@@ -40,3 +40,21 @@ def test_ddp_llama_example_trains_with_the_acco_hook() -> None:
                         r"first_loss=([\d.]+) final_loss=([\d.]+)", proc.stdout, re.M)  # fmt: skip
     assert summary, proc.stdout
     assert float(summary.group(2)) < float(summary.group(1)) - 0.5
+
+
+def test_readme_main_job_trains_with_acco_and_prints_a_summary() -> None:
+    """The README's first command (after its setup part), shortened to 8 rounds."""
+    readme = (SCRIPT.parents[1] / "README.md").read_text()
+    first_command = readme.split("```bash\n", 1)[1].splitlines()[0]
+    setup, main_job = first_command.split(" && ", 1)
+    assert setup == "bash scripts/setup.sh"
+    assert "train_titan.py" in main_job and "debug_cpu_acco.toml" in main_job
+    proc = subprocess.run(main_job + " --training.steps 8 --metrics.disable_color_printing",
+                          shell=True, capture_output=True, text=True, timeout=600,
+                          cwd=SCRIPT.parents[1])  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert len(re.findall(r"step:\s+\d+\s+loss:", output)) >= 8
+    summary = re.search(r"summary: mode=acco data_parallel=2 rounds=8 updates=4 .*"
+                        r"first_loss=([\d.]+) final_loss=([\d.]+)", output)  # fmt: skip
+    assert summary, output[-3000:]

@@ -1,0 +1,1 @@
+"""torchtitan integration: the ACCO trainer, its ``[acco]`` config section and helpers."""

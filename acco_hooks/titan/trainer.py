@@ -1,0 +1,199 @@
+"""``ACCOTrainer``: torchtitan's Trainer with ACCO on the data-parallel dimension.
+
+One training step is one ACCO round: micro-batches are run until the engine ends the round
+(``accumulation_steps`` of them, or more with ``accumulate_until_ready``). The round's
+communication (reduce-scatter -> shard step -> all-gather over ``dp_replicate``) then runs on
+the engine's thread during the next step. Everything else is torchtitan's: model building,
+tensor and pipeline parallelism, activation checkpointing, torch.compile, data loading,
+metrics, validation and DCP checkpointing.
+
+Loss scaling: torchtitan divides each micro-batch's token-summed loss by the global number of
+valid tokens, which needs an all-reduce before the micro-batches run. The engine instead takes
+token-summed gradients (``global_valid_tokens = 1``), with the valid tokens of each micro-batch
+as its weight, and divides by their global sum. This is the same per-token average for DDP and
+PP alike (torchtitan's PP schedule sums token losses, ``scale_grads=False``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer
+
+from acco_hooks.titan.components import (
+    ACCOOptimizersContainer,
+    build_acco_lr_schedulers,
+    build_acco_optimizers,
+    parallelize_without_data_parallel,
+    real_updates,
+)
+from acco_hooks.titan.config import JobConfig, validate_acco_config
+
+__all__ = ["ACCOTrainer", "acco_train_spec", "ensure_acco_train_spec"]
+
+# The trainer whose __init__ is running. torchtitan calls a spec's builders with
+# (model_parts, optimizer_config, parallel_dims) only; the engine also needs [acco] and the
+# round size, which the trainer being built holds.
+_TRAINER_BEING_BUILT: contextvars.ContextVar["ACCOTrainer"] = contextvars.ContextVar("acco_trainer")
+
+
+def _build_optimizers(model_parts, optimizer_config, parallel_dims) -> ACCOOptimizersContainer:
+    trainer = _TRAINER_BEING_BUILT.get()
+    steps = trainer.job_config.acco.accumulation_steps or trainer.gradient_accumulation_steps
+    return build_acco_optimizers(model_parts, optimizer_config, parallel_dims,
+                                 trainer.job_config, steps)  # fmt: skip
+
+
+def _build_lr_schedulers(optimizers, lr_scheduler_config, training_steps):
+    mode = _TRAINER_BEING_BUILT.get().job_config.acco.mode
+    return build_acco_lr_schedulers(optimizers, lr_scheduler_config, training_steps, mode)
+
+
+def acco_train_spec(base: TrainSpec) -> TrainSpec:
+    """``base`` with the ACCO engine in place of its data parallelism and optimizer.
+
+    Use it to give your own model ACCO: ``register_train_spec("mymodel_acco",
+    acco_train_spec(get_train_spec("mymodel")))``; ``ACCOTrainer`` does this on the fly.
+    """
+    return dataclasses.replace(
+        base,
+        parallelize_fn=parallelize_without_data_parallel(base.parallelize_fn),
+        build_optimizers_fn=_build_optimizers,
+        build_lr_schedulers_fn=_build_lr_schedulers,
+    )
+
+
+def ensure_acco_train_spec(model_name: str) -> str:
+    """Register ``<model_name>_acco`` once (from the ``<model_name>`` spec); return its name."""
+    base_name = model_name.removesuffix("_acco")
+    name = f"{base_name}_acco"
+    try:
+        get_train_spec(name)
+    except ValueError:
+        register_train_spec(name, acco_train_spec(get_train_spec(base_name)))
+    return name
+
+
+class ACCOTrainer(Trainer):
+    """torchtitan ``Trainer`` whose data parallelism and optimizer are the ACCO engine.
+
+    Needs ``[acco] enable = true``. The model's train spec is replaced by ``<name>_acco``
+    (registered on the fly): the same model and parallelize function, without DDP.
+    """
+
+    optimizers: ACCOOptimizersContainer
+
+    def __init__(self, job_config: JobConfig) -> None:
+        validate_acco_config(job_config)
+        if not job_config.acco.enable:
+            raise ValueError("ACCOTrainer needs [acco] enable = true")
+        job_config.model.name = ensure_acco_train_spec(job_config.model.name)
+        token = _TRAINER_BEING_BUILT.set(self)
+        try:
+            super().__init__(job_config)
+        finally:
+            _TRAINER_BEING_BUILT.reset(token)
+        self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        if job_config.validation.enable:
+            validate = self.validator.validate
+
+            def validate_real_parameters(*args: Any, **kwargs: Any) -> Any:
+                self.optimizers.engine.flush()  # evaluate θ, not the estimate θ̃
+                return validate(*args, **kwargs)
+
+            self.validator.validate = validate_real_parameters
+        logger.info(
+            f"ACCO: mode={job_config.acco.mode} rounds={job_config.training.steps} "
+            f"real updates={real_updates(job_config.acco.mode, job_config.training.steps)} "
+            f"micro-batches per round={self.optimizers.engine.accumulation_steps} "
+            f"data-parallel degree={self.parallel_dims.dp_replicate}"
+        )
+
+    def train_step(
+        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    ) -> None:
+        engine = self.optimizers.engine
+        parallel_dims = self.parallel_dims
+        lr = engine.optimizer.param_groups[0]["lr"]
+        one = torch.ones((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64)
+        start = time.perf_counter()
+        round_ended = False
+        while not round_ended:
+            input_dict, labels = next(data_iterator)
+            valid = (labels != IGNORE_INDEX).sum()
+            for key, value in input_dict.items():
+                if isinstance(value, torch.Tensor):
+                    input_dict[key] = value.to(self.device)
+            # global_valid_tokens = 1: backward of the token-summed loss (see module docstring).
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=one
+            )
+            if isinstance(loss, DTensor):  # loss parallel under TP
+                loss = loss.full_tensor()
+            loss_sum += loss.detach().reshape(())
+            tokens += valid
+            if valid > 0:
+                round_ended = engine.microbatch_done(weight=float(valid))
+            else:  # nothing to learn from; keep the round count in step with the other ranks
+                round_ended = engine.skip_microbatch()
+        if self.step == self.job_config.training.steps:
+            engine.flush()  # the final model (and a model-only last checkpoint) holds θ
+
+        if not self.metrics_processor.should_log(self.step):
+            return
+        has_loss = not parallel_dims.pp_enabled or self.pp_has_last_stage
+        local_avg = loss_sum / max(int(tokens), 1) if has_loss else torch.tensor(-1.0)
+        if parallel_dims.dp_cp_enabled and has_loss:
+            loss_mesh = parallel_dims.get_optional_mesh("loss")
+            global_tokens = dist_utils.dist_sum(tokens.to(self.device, torch.float32), loss_mesh)
+            global_avg = dist_utils.dist_sum(loss_sum, loss_mesh) / max(global_tokens, 1)
+            global_max = dist_utils.dist_max(local_avg.to(self.device), loss_mesh)
+        else:
+            global_avg = global_max = float(local_avg)
+        self.logged_losses[self.step] = float(global_avg)
+        grad_norm = engine.last_grad_norm if engine.last_grad_norm is not None else -1.0
+        self.metrics_processor.log(
+            self.step,
+            global_avg,
+            global_max,
+            grad_norm,
+            extra_metrics={
+                "n_tokens_seen": self.ntokens_seen,
+                "lr": lr,
+                "acco/round": engine.round_index,
+                "acco/real_updates": engine.num_updates,
+                "acco/microbatches": engine.last_round_microbatches,
+                "acco/comm_wait_s": engine.last_wait_s,
+                "acco/step_time_s": time.perf_counter() - start,
+            },
+        )
+
+    def train(self) -> None:
+        start = time.perf_counter()
+        super().train()
+        engine, losses = self.optimizers.engine, list(self.logged_losses.values())
+        if losses and losses[0] >= 0:
+            tail = max(1, len(losses) // 10)
+            logger.info(
+                f"summary: mode={self.job_config.acco.mode} "
+                f"data_parallel={self.parallel_dims.dp_replicate} rounds={engine.round_index} "
+                f"updates={engine.num_updates} tokens_per_rank={self.ntokens_seen} "
+                f"first_loss={losses[0]:.4f} final_loss={sum(losses[-tail:]) / tail:.4f} "
+                f"time={time.perf_counter() - start:.1f}s"
+            )
+
+    def close(self) -> None:
+        if hasattr(self, "optimizers") and isinstance(self.optimizers, ACCOOptimizersContainer):
+            self.optimizers.close()
+        super().close()

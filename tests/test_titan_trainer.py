@@ -1,0 +1,130 @@
+"""train_titan.py: ACCO in torchtitan on CPU/gloo, composed with TP and PP, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
+
+
+def run_titan(
+    nproc: int, config: str, *overrides: str, dump: pathlib.Path, grad_norms: dict | None = None
+) -> dict[int, str]:
+    """Run train_titan.py on ``nproc`` CPU processes; return {step: loss} as printed.
+
+    Losses are compared as printed strings (torchtitan prints 5 decimals), from every rank
+    that has one (with PP only the last stage has the loss). ``grad_norms``, if given, receives
+    {step: grad_norm}.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(ROOT / "train_titan.py"),
+           "--job.config_file", str(ROOT / "torchtitan_configs" / config),
+           "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
+           *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    losses: dict[int, str] = {}
+    for step, loss, grad_norm in STEP_LOSS.findall(output):
+        if float(loss) >= 0:
+            assert losses.get(int(step), loss) == loss, f"ranks disagree at step {step}"
+            losses[int(step)] = loss
+            if grad_norms is not None:
+                grad_norms[int(step)] = float(grad_norm)
+    return losses
+
+
+def assert_learns(losses: dict[int, str], steps: int) -> None:
+    assert sorted(losses) == list(range(1, steps + 1)), losses
+    values = [float(losses[s]) for s in sorted(losses)]
+    assert all(v == v and v < 20 for v in values)  # finite
+    assert sum(values[-3:]) / 3 < values[0] - 0.1, values  # the loss goes down
+
+
+FAST = ("--optimizer.lr", "3e-3", "--training.seq_len", "64", "--training.local_batch_size", "2")
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ()),
+        (4, ("--parallelism.tensor_parallel_degree", "2")),
+        (4, ("--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_microbatch_size", "1")),
+    ],
+    ids=["dp2", "dp2xtp2", "dp2xpp2"],
+)
+def test_acco_trains_and_composes_with_tp_and_pp(nproc, layout, tmp_path) -> None:
+    steps = 12
+    losses = run_titan(nproc, "debug_cpu_acco.toml", "--training.steps", str(steps),
+                       "--training.global_batch_size", str(2 * 2 * 2), *FAST, *layout,
+                       dump=tmp_path)  # fmt: skip
+    assert_learns(losses, steps)
+
+
+def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
+    """The engine's synchronous ZeRO-1 and torchtitan's DDP: same seed, data and batch.
+
+    torchtitan's DDP path ends with gradients 1/dp too small (the loss is divided by the global
+    token count, then DDP averages): its printed gradient norm is half of ours on 2 ranks, and
+    with clipping on, the two clip differently. With clipping off, AdamW is invariant to the
+    scale up to its eps, so the losses agree to float noise.
+    """
+    common = ("--training.steps", "4", *FAST, "--training.global_batch_size", "8",
+              "--training.max_norm", "1e9")  # fmt: skip
+    our_norms, their_norms = {}, {}
+    ours = run_titan(2, "debug_cpu_ddp.toml", *common, dump=tmp_path / "acco_ddp",
+                     grad_norms=our_norms)  # fmt: skip
+    theirs = run_titan(2, "debug_cpu_titan_ddp.toml", *common, dump=tmp_path / "titan_ddp",
+                       grad_norms=their_norms)  # fmt: skip
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    assert ours[1] == theirs[1]  # same initial weights and data
+    for step in (2, 3, 4):
+        assert float(ours[step]) == pytest.approx(float(theirs[step]), abs=2e-4)
+    assert float(ours[4]) < float(ours[1])
+    # The engine's gradient is the per-token average; torchtitan's DDP one is 1/dp of it.
+    assert our_norms[1] == pytest.approx(2 * their_norms[1], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_checkpoint_resume_continues_exactly(mode: str, tmp_path) -> None:
+    common = ("--acco.mode", mode, "--training.steps", "8", *FAST,
+              "--training.global_batch_size", "8", "--checkpoint.enable",
+              "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only",
+              "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    # Resume from step 3: an estimate is in flight there in acco mode, its gradient carried.
+    resumed = run_titan(2, "debug_cpu_acco.toml", *common, "--checkpoint.load_step", "3",
+                        dump=tmp_path)  # fmt: skip
+    assert sorted(resumed) == [4, 5, 6, 7, 8]
+    assert {s: straight[s] for s in resumed} == resumed
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
+        (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' is not one of"),
+        (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
+        (("--parallelism.data_parallel_shard_degree", "2",
+          "--parallelism.data_parallel_replicate_degree", "1"),
+         "data_parallel_shard_degree resolves to 2"),
+    ],
+)
+def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path) -> None:
+    cmd = [sys.executable, str(ROOT / "train_titan.py"),
+           "--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
+           "--job.dump_folder", str(tmp_path), *override]  # fmt: skip
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "step:" not in proc.stdout + proc.stderr
