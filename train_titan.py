@@ -41,7 +41,10 @@ def main() -> None:
     trainer = None
     try:
         trainer = trainer_class(config)
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:  # as torchtitan's own main does
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
     finally:
         if trainer is not None:
             trainer.close()

@@ -406,6 +406,24 @@ class ACCOEngine:
             self._in_flight = None
             self._in_flight_job = None
 
+    @torch.no_grad()
+    def reset_master_from_params(self) -> None:
+        """Take the fp32 master shard from the model's current parameters.
+
+        The master shard is copied from the model when the engine is built. Call this after
+        loading model weights that come without engine state (a pretrained or seed checkpoint),
+        before the first round.
+        """
+        if self.round_index != 0 or self._in_flight is not None:
+            raise RuntimeError(
+                "acco_hooks: reset_master_from_params() after training started would drop the "
+                "optimizer's progress; call it right after loading weights, before the first step"
+            )
+        for g in self._groups:
+            flat = torch.zeros(g.padded_numel, dtype=torch.float32, device=self.device)
+            torch._foreach_copy_(_split(flat, g.locals), g.locals)
+            g.master.copy_(flat[self.rank * g.shard_numel : (self.rank + 1) * g.shard_numel])
+
     def flush(self) -> None:
         """Wait for in-flight communication and leave the latest real parameters θ in the model.
 

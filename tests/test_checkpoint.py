@@ -102,3 +102,27 @@ def test_resuming_in_another_mode_is_refused(two_rank_checkpoint: str) -> None:
     with pytest.raises(ValueError, match=r"mode='acco'.*mode='ddp'"):
         opt.load_state_dict(state)
     opt.close()
+
+
+def test_master_shard_follows_weights_loaded_after_construction() -> None:
+    """Loading pretrained weights after building the optimizer, then resetting the master."""
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model()
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="ddp", lr=1e-2)
+    pretrained = {n: torch.randn_like(p) for n, p in model.state_dict().items()}
+    model.load_state_dict(pretrained)
+    opt.engine.reset_master_from_params()
+    microbatch_loss(model, 0, 0, 0).backward()
+    opt.step()
+
+    reference = make_model()
+    reference.load_state_dict(pretrained)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    microbatch_loss(reference, 0, 0, 0).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="after training started would drop"):
+        opt.engine.reset_master_from_params()
+    opt.close()

@@ -103,6 +103,17 @@ class ACCOTrainer(Trainer):
         finally:
             _TRAINER_BEING_BUILT.reset(token)
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        load = self.checkpointer.load
+
+        def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
+            loaded = load(*args, **kwargs)
+            if self.optimizers.engine.round_index == 0:
+                # Model weights loaded without engine state (seed or pretrained checkpoint):
+                # the master shard was copied from the freshly initialised model.
+                self.optimizers.engine.reset_master_from_params()
+            return loaded
+
+        self.checkpointer.load = load_then_sync_master
         if job_config.validation.enable:
             validate = self.validator.validate
 
