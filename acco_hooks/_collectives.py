@@ -61,10 +61,13 @@ def all_gather(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
 
 
 def _exchange(send: Tensor, recv: Tensor, group: dist.ProcessGroup, rank: int, n: int) -> None:
-    """Send ``send`` to the next rank of the ring while receiving ``recv`` from the previous."""
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % n),
-        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % n),
-    ])  # fmt: skip
-    for work in works:
-        work.wait()
+    """Send ``send`` to the next rank of the ring while receiving ``recv`` from the previous.
+
+    The receive is posted first. Measured at 200 Mbit/s, 12 MiB each way: receive first
+    0.52-0.61 s (full duplex), send first 0.51-0.95 s, ``batch_isend_irecv`` (send first)
+    1.02 s every time (the two directions serialised).
+    """
+    received = dist.irecv(recv, group=group, group_src=(rank - 1) % n)
+    sent = dist.isend(send, group=group, group_dst=(rank + 1) % n)
+    sent.wait()
+    received.wait()

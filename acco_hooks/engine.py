@@ -406,6 +406,29 @@ class ACCOEngine:
             self._in_flight = None
             self._in_flight_job = None
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by the categories of the spec's memory table."""
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        return {
+            "model": nbytes(t for g in self._groups for t in g.locals),
+            "grad_accumulator": nbytes(g.accumulator for g in self._groups),
+            # comm_input and gathered share one byte buffer
+            "comm_buffer": sum(
+                g.padded_numel * max(self.reduce_dtype.itemsize, g.gather_dtype.itemsize)
+                for g in self._groups
+            ),
+            "master_shard": nbytes(g.master for g in self._groups),
+            "optimizer_state": nbytes(state),
+            "shard_staging": nbytes(
+                t for g in self._groups for t in (g.shard_sum, g.gather_input, g.master.grad)
+                if t is not None
+            ),
+        }
+
     @torch.no_grad()
     def reset_master_from_params(self) -> None:
         """Take the fp32 master shard from the model's current parameters.

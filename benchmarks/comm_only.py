@@ -1,0 +1,50 @@
+"""Communication-only round time of the ACCO engine on torchtitan's llama3 debug model.
+
+One rank per host (run it under ``benchmarks.netbed``): no forward or backward, only what a
+round end costs the network and the shard: reduce-scatter of the gradient buffer, the AdamW step
+of the 1/N fp32 shard, all-gather of the new parameters. ``mode="ddp"`` makes every round end
+wait for its own communication, so the time of ``microbatch_done`` is that cost.
+Prints one JSON line: {"comm_s": [...], "memory_bytes": {...}, "params": N}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torchtitan.models.llama3 import Transformer, llama3_args
+
+from acco_hooks import ACCOEngine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--flavor", default="debugmodel")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Transformer(llama3_args[args.flavor])
+    with torch.no_grad():  # torchtitan initialises in place
+        model.init_weights()
+    engine = ACCOEngine(model.named_parameters(), torch.optim.AdamW, mode="ddp", lr=1e-4)
+    grads = [torch.zeros_like(p) for p in engine.params]
+    times = []
+    for _ in range(args.rounds + 1):
+        for p, g in zip(engine.params, grads):
+            engine.accumulate_grad(p, g)
+        start = time.perf_counter()
+        engine.microbatch_done()
+        times.append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        print(json.dumps({"comm_s": times[1:], "memory_bytes": engine.memory_bytes(),
+                          "params": sum(p.numel() for p in engine.params)}))  # fmt: skip
+    engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""Convergence of ACCO vs DPU vs DDP per token, and ACCO on heterogeneous ranks (torchtitan, CPU).
+
+What it measures
+    Convergence (default): for each mode (``ddp``, ``acco``, ``dpu``) and seed, one run of
+    ``train_titan.py`` on 2 gloo CPU processes with ``torchtitan_configs/debug_cpu_<mode>.toml``
+    (llama3 debug model, embedded ``stdlib`` dataset). Every run makes ``--updates`` real
+    optimizer updates: ``2 x updates`` rounds (torchtitan steps) for ``acco``, ``updates``
+    steps for ``ddp``/``dpu``. Per logged step it records the loss (global token average, as
+    printed by torchtitan), the tokens seen so far by all ranks (step x global_batch_size x
+    seq_len, read from the TOML and the overrides), each rank's tokens/s (``tps``) and the
+    time since training started (from the log timestamps), plus the run's wall time.
+
+    Heterogeneous (``--heterogeneous``): global rank 1 sleeps ``--slow-seconds`` before each
+    of its micro-batches (``benchmarks/convergence/slow_rank.py``, loaded with
+    ``--experimental.custom_import``). Arms (``--arms``): ``acco_until_ready`` (``acco`` with
+    ``[acco] accumulate_until_ready = true``: the fast rank keeps computing micro-batches while
+    it waits) against ``ddp``, with the same number of real updates. Besides the above it
+    records how many micro-batches and tokens each rank ran per step (the slow_rank module's
+    per-rank JSONL logs), so "tokens" is then the tokens actually processed by all ranks.
+
+Reproduce (from the repository root; ~9 runs of 300 updates, see the README of the results)::
+
+    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2
+    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2
+    python -m benchmarks.convergence.plot
+
+Extra torchtitan overrides go after ``--`` and are applied to every run, e.g.
+``python -m benchmarks.convergence.run --updates 2 -- --training.seq_len 64``.
+Results go to ``docs/results/convergence.json`` (``--out``), rewritten atomically after every
+run; a run already there with the same settings is skipped unless ``--force``. Raw logs stay
+in ``outputs/convergence/<experiment>/<arm>/seed<N>/console.log`` (``--workdir``).
+
+Assumptions
+    * The three TOMLs share model, data, optimizer and LR schedule; ``acco`` uses half the
+      global batch per round (two rounds make one update), so x = tokens is comparable.
+      ``--batch-per-update B`` overrides this: ``acco`` gets B/2 per round, the others B.
+    * ``--debug.seed`` changes the model initialisation only: torchtitan's data loader does not
+      shuffle, so every seed sees the same token stream.
+    * Each run is alone on the machine: wall times and tokens/s are only meaningful without
+      other CPU load. ``OMP_NUM_THREADS=1`` (``--omp-threads``) for every rank.
+    * ``tps`` is torchtitan's per-rank tokens/s of the interval since the previous log line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from datetime import datetime
+from typing import Any, Iterable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODES = ("ddp", "acco", "dpu")
+CONFIG_TEMPLATE = "torchtitan_configs/debug_cpu_{mode}.toml"
+DEFAULT_OUT = "docs/results/convergence.json"
+DEFAULT_WORKDIR = "outputs/convergence"
+SLOW_MODULE = "benchmarks.convergence.slow_rank"
+SLOW_S_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_S", "ACCO_BENCH_STATS_DIR"
+# arm -> (acco.mode, extra overrides) for --heterogeneous
+ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "acco_until_ready": ("acco", ("--acco.accumulate_until_ready", "true")),
+    "dpu_until_ready": ("dpu", ("--acco.accumulate_until_ready", "true")),
+    "acco": ("acco", ("--acco.accumulate_until_ready", "false")),
+    "dpu": ("dpu", ("--acco.accumulate_until_ready", "false")),
+    "ddp": ("ddp", ()),
+}
+MANAGED = ("--training.steps", "--debug.seed", "--job.dump_folder", "--job.config_file",
+           "--metrics.disable_color_printing")  # fmt: skip
+
+# "[default1]:[titan] 2026-11-21 10:41:02,903 - root - INFO - step:  1  loss:  8.13211
+#  grad_norm:  1.0413  memory: ...  tps: 1,044  tflops: ..."
+_PREFIX = r"^(?:\[default(?P<rank>\d+)\]:)?.*?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+STEP_RE = re.compile(
+    _PREFIX + r".*?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
+    r"\s+grad_norm:\s*(?P<grad_norm>-?[\d.]+|nan|inf).*?tps:\s*(?P<tps>[\d,]+)"
+)
+START_RE = re.compile(_PREFIX + r".*Training starts at step")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """What one torchtitan step consumes: ``global_batch_size`` sequences of ``seq_len``."""
+
+    global_batch_size: int
+    local_batch_size: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run: an experiment, an arm (the mode, or a heterogeneous arm) and a seed."""
+
+    experiment: str  # "convergence" or "heterogeneous"
+    arm: str
+    mode: str
+    seed: int
+    updates: int
+    overrides: tuple[str, ...]
+    slow_seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}/{self.arm}/seed{self.seed}"
+
+
+# ----------------------------------------------------------------------------- log parsing
+
+
+def _timestamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
+    """Per rank, the logged steps: {rank: {"step", "loss", "grad_norm", "tps", "ts"}}.
+
+    Lines come from ``torchrun --tee 3`` (prefixed ``[default<local rank>]:``) or, without a
+    prefix, are all counted as rank 0. A step logged twice by one rank keeps the last line.
+    ``ts`` is the UNIX time of the line; ``start`` (a one-element list, if found) the time of
+    torchtitan's "Training starts" line.
+    """
+    per_rank: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    starts: dict[int, float] = {}
+    for line in text.splitlines():
+        match = STEP_RE.search(line)
+        if match:
+            rank = int(match["rank"] or 0)
+            row = (float(match["loss"]), float(match["grad_norm"]),
+                   float(match["tps"].replace(",", "")), _timestamp(match["ts"]))  # fmt: skip
+            per_rank.setdefault(rank, {})[int(match["step"])] = row
+            continue
+        match = START_RE.search(line)
+        if match:
+            starts.setdefault(int(match["rank"] or 0), _timestamp(match["ts"]))
+    parsed: dict[int, dict[str, list[float]]] = {}
+    for rank, rows in sorted(per_rank.items()):
+        steps = sorted(rows)
+        columns = list(zip(*(rows[s] for s in steps)))
+        parsed[rank] = {"step": steps, "loss": list(columns[0]), "grad_norm": list(columns[1]),
+                        "tps": list(columns[2]), "ts": list(columns[3])}  # fmt: skip
+        if rank in starts:
+            parsed[rank]["start"] = [starts[rank]]
+    return parsed
+
+
+def read_stats(stats_dir: pathlib.Path) -> dict[int, dict[int, tuple[int, int]]]:
+    """The slow_rank module's logs: {rank: {step: (micro-batches, tokens)}}."""
+    stats: dict[int, dict[int, tuple[int, int]]] = {}
+    for path in sorted(stats_dir.glob("microbatches_rank*.jsonl")):
+        rank = int(path.stem.removeprefix("microbatches_rank"))
+        per_step: dict[int, tuple[int, int]] = {}
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            count, tokens = per_step.get(row["step"], (0, 0))
+            per_step[row["step"]] = (count + 1, tokens + int(row["tokens"]))
+        stats[rank] = per_step
+    return stats
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def steps_for(mode: str, updates: int) -> int:
+    """torchtitan steps (rounds) for ``updates`` real updates: an ACCO update takes two."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+    return 2 * updates if mode == "acco" else updates
+
+
+def override_value(overrides: Sequence[str], name: str) -> str | None:
+    """The last value given to ``--name`` in ``overrides`` (``--name V`` or ``--name=V``)."""
+    value = None
+    for i, arg in enumerate(overrides):
+        if arg == name and i + 1 < len(overrides):
+            value = overrides[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def batch_settings(config: dict[str, Any], overrides: Sequence[str], dp: int) -> BatchSettings:
+    """Global/local batch and seq_len from a parsed TOML, overridden by ``overrides``."""
+    training = config.get("training", {})
+
+    def pick(name: str, default: int) -> int:
+        given = override_value(overrides, f"--training.{name}")
+        return int(given) if given is not None else int(training.get(name, default))
+
+    local = pick("local_batch_size", 8)
+    global_ = pick("global_batch_size", -1)
+    if global_ <= 0:  # torchtitan: local_batch_size x data-parallel degree
+        global_ = local * dp
+    return BatchSettings(global_, local, pick("seq_len", 2048))
+
+
+def load_config(mode: str, template: str = CONFIG_TEMPLATE) -> tuple[pathlib.Path, dict]:
+    path = REPO / template.format(mode=mode)
+    with open(path, "rb") as f:
+        return path, tomllib.load(f)
+
+
+def tokens_per_step_list(steps: Iterable[int], settings: BatchSettings) -> list[int]:
+    """Cumulative tokens seen by all ranks after each of ``steps`` (a fixed batch per step)."""
+    return [int(s) * settings.tokens_per_step for s in steps]
+
+
+def mode_overrides(mode: str, batch_per_update: int | None) -> tuple[str, ...]:
+    """``--training.global_batch_size`` for ``--batch-per-update``: acco gets half per round."""
+    if batch_per_update is None:
+        return ()
+    if mode == "acco" and batch_per_update % 2:
+        raise ValueError(f"--batch-per-update {batch_per_update} must be even for acco")
+    size = batch_per_update // 2 if mode == "acco" else batch_per_update
+    return ("--training.global_batch_size", str(size))
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Path,
+                  nproc: int) -> list[str]:  # fmt: skip
+    overrides = list(spec.overrides)
+    if spec.experiment == "heterogeneous":
+        overrides += ["--experimental.custom_import", SLOW_MODULE]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
+        str(REPO / "train_titan.py"), "--job.config_file", str(config_path),
+        "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
+        "--training.steps", str(steps_for(spec.mode, spec.updates)),
+        "--debug.seed", str(spec.seed), *overrides,
+    ]  # fmt: skip
+
+
+def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_every: int,
+            timeout: float | None) -> int:  # fmt: skip
+    """Run ``cmd``, copying its output to ``log_path``; echo rank 0's every Nth step line."""
+    deadline = time.monotonic() + timeout if timeout else None
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            match = STEP_RE.search(line)
+            if match and int(match["rank"] or 0) == 0 and print_every > 0:
+                if int(match["step"]) % print_every == 0:
+                    print(f"    {line.strip()[-120:]}", flush=True)
+            if deadline and time.monotonic() > deadline:
+                proc.kill()
+                break
+        return proc.wait()
+
+
+def summarize(record: dict[str, Any]) -> dict[str, float]:
+    """Throughput of a finished run: global tokens/s over the training time (step 1 on)."""
+    tokens, time_s = record["tokens"], record["time_s"]
+    if not tokens or not time_s or time_s[-1] <= 0:
+        return {}
+    summary = {"tokens": float(tokens[-1]), "train_s": float(time_s[-1]),
+               "tokens_per_s": tokens[-1] / time_s[-1]}  # fmt: skip
+    if len(tokens) > 2 and time_s[-1] > time_s[0]:  # without step 1 (warm-up)
+        summary["tokens_per_s_after_step1"] = (tokens[-1] - tokens[0]) / (time_s[-1] - time_s[0])
+    for rank, tps in record["tps"].items():
+        summary[f"mean_tps_rank{rank}"] = sum(tps[1:] or tps) / len(tps[1:] or tps)
+    for rank, counts in record.get("microbatches", {}).items():
+        summary[f"microbatches_rank{rank}"] = float(sum(counts))
+    return summary
+
+
+def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dict,
+                returncode: int, wall_s: float) -> dict[str, Any]:  # fmt: skip
+    """The JSON record of one run, from its parsed log (and slow_rank stats, if any)."""
+    ranks = sorted(parsed)
+    main = parsed[ranks[0]] if ranks else {"step": [], "loss": [], "ts": []}
+    t0 = main.get("start", main["ts"][:1] or [0.0])[0]
+    expected = steps_for(spec.mode, spec.updates)
+    record: dict[str, Any] = {
+        **dataclasses.asdict(spec), "overrides": list(spec.overrides),
+        "steps": expected, "global_batch_size": settings.global_batch_size,
+        "local_batch_size": settings.local_batch_size, "seq_len": settings.seq_len,
+        "tokens_per_step": settings.tokens_per_step, "returncode": returncode,
+        "complete": returncode == 0 and main["step"][-1:] == [expected],
+        "wall_s": wall_s, "step": main["step"], "loss": main["loss"],
+        "tokens_nominal": tokens_per_step_list(main["step"], settings),
+        "time_s": [round(t - t0, 3) for t in main["ts"]],
+        "tps": {str(r): parsed[r]["tps"] for r in ranks},
+        "finished_at": datetime.now().isoformat(timespec="seconds"),
+    }  # fmt: skip
+    record["tokens"] = record["tokens_nominal"]
+    if stats:
+        record["microbatches"] = {str(r): [stats[r].get(s, (0, 0))[0] for s in main["step"]]
+                                  for r in sorted(stats)}  # fmt: skip
+        record["rank_tokens"] = {str(r): [stats[r].get(s, (0, 0))[1] for s in main["step"]]
+                                 for r in sorted(stats)}  # fmt: skip
+        # tokens actually processed by all ranks up to the end of each logged step
+        cumulative = {r: _cumulative(stats[r]) for r in stats}
+        record["tokens"] = [sum(c.get(s, 0) for c in cumulative.values()) for s in main["step"]]
+    record["summary"] = summarize(record)
+    return record
+
+
+def _cumulative(per_step: dict[int, tuple[int, int]]) -> dict[int, int]:
+    total, out = 0, {}
+    for step in sorted(per_step):
+        total += per_step[step][1]
+        out[step] = total
+    return out
+
+
+def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Launch one run, parse it, return its record."""
+    config_path, config = load_config(spec.mode, args.config_template)
+    settings = batch_settings(config, spec.overrides, args.nproc)
+    run_dir = pathlib.Path(args.workdir).resolve() / spec.key
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cmd = build_command(spec, config_path, run_dir, args.nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.omp_threads)}
+    env.pop(SLOW_S_ENV, None)
+    env.pop(STATS_DIR_ENV, None)
+    if spec.experiment == "heterogeneous":
+        env[SLOW_S_ENV] = str(spec.slow_seconds)
+        env[STATS_DIR_ENV] = str(run_dir / "stats")
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")
+    start = time.perf_counter()
+    returncode = _stream(cmd, env, run_dir / "console.log", args.print_every, args.run_timeout)
+    wall_s = time.perf_counter() - start
+    parsed = parse_log((run_dir / "console.log").read_text(encoding="utf-8", errors="replace"))
+    stats = read_stats(run_dir / "stats") if spec.experiment == "heterogeneous" else {}
+    record = make_record(spec, settings, parsed, stats, returncode, round(wall_s, 2))
+    record["command"] = cmd
+    record["log"] = str(run_dir / "console.log")
+    return record
+
+
+# ----------------------------------------------------------------------------- results file
+
+
+def load_results(path: pathlib.Path) -> dict[str, Any]:
+    if path.exists():
+        return json.loads(path.read_text(encoding="utf-8"))
+    return {"version": 1, "runs": {}}
+
+
+def save_results(path: pathlib.Path, results: dict[str, Any]) -> None:
+    """Write atomically: a kill while writing leaves the previous file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
+    return (record.get("updates") == spec.updates
+            and record.get("overrides") == list(spec.overrides)
+            and float(record.get("slow_seconds", 0.0)) == spec.slow_seconds)  # fmt: skip
+
+
+def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
+    """The runs asked for, in the order they run (seed-major: a partial result covers modes)."""
+    specs = []
+    for seed in args.seeds:
+        if args.heterogeneous:
+            for arm in args.arms:
+                mode, extra = ARMS[arm]
+                specs.append(RunSpec("heterogeneous", arm, mode, seed, args.updates,
+                                     extra + mode_overrides(mode, args.batch_per_update)
+                                     + overrides, args.slow_seconds))  # fmt: skip
+        else:
+            for mode in args.modes:
+                specs.append(RunSpec("convergence", mode, mode, seed, args.updates,
+                                     mode_overrides(mode, args.batch_per_update) + overrides))
+    return specs
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    """``argv`` before ``--`` for this script; after it, torchtitan overrides for every run."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, ()
+    cut = argv.index("--")
+    overrides = tuple(argv[cut + 1 :])
+    for arg in overrides:
+        if arg.split("=", 1)[0] in MANAGED:
+            raise SystemExit(f"{arg.split('=', 1)[0]} is set by this script; see --help")
+    return argv[:cut], overrides
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.convergence.run",
+        description="Run ddp/acco/dpu x seeds through train_titan.py (2 CPU ranks) and record "
+        "loss per token; --heterogeneous: rank 1 slowed, acco_until_ready vs ddp. torchtitan "
+        "overrides for every run go after '--'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--updates", type=int, default=300,
+                        help="real optimizer updates per run (acco: 2x as many rounds)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--heterogeneous", action="store_true",
+                        help="run the heterogeneous experiment (rank 1 slowed) instead")
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),
+                        default=["acco_until_ready", "ddp"], help="heterogeneous arms")
+    parser.add_argument("--slow-seconds", type=float, default=0.3,
+                        help="heterogeneous: sleep of rank 1 per micro-batch")
+    parser.add_argument("--batch-per-update", type=int, default=None,
+                        help="sequences per real update (acco: half per round); default: TOMLs")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON (relative to the repo)")
+    parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="logs and dump folders")
+    parser.add_argument("--config-template", default=CONFIG_TEMPLATE)
+    parser.add_argument("--nproc", type=int, default=2, help="processes (data-parallel ranks)")
+    parser.add_argument("--omp-threads", type=int, default=1)
+    parser.add_argument("--print-every", type=int, default=25, help="echo every Nth step line")
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds per run")
+    parser.add_argument("--force", action="store_true", help="rerun runs already in --out")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    own, overrides = split_overrides(argv)  # fmt: skip
+    args = parser.parse_args(own)
+    if args.updates < 1:
+        parser.error("--updates must be >= 1")
+    return args, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    out = pathlib.Path(args.out)
+    out = out if out.is_absolute() else REPO / out
+    if not pathlib.Path(args.workdir).is_absolute():
+        args.workdir = str(REPO / args.workdir)
+    results = load_results(out)
+    specs = plan(args, overrides)
+    failed = 0
+    for i, spec in enumerate(specs, 1):
+        old = results["runs"].get(spec.key)
+        if old and old.get("complete") and not args.force:
+            if same_settings(old, spec):
+                print(f"[{i}/{len(specs)}] {spec.key}: in {out.name}, skipped", flush=True)
+                continue
+            raise SystemExit(f"{spec.key} is in {out} with other settings (updates/overrides/"
+                             "slow seconds): pass --force to replace it, or another --out")
+        if args.dry_run:
+            config_path, _ = load_config(spec.mode, args.config_template)
+            run_dir = pathlib.Path(args.workdir) / spec.key
+            print(" ".join(build_command(spec, config_path, run_dir, args.nproc)))
+            continue
+        print(f"[{i}/{len(specs)}] {spec.key}: {steps_for(spec.mode, spec.updates)} steps",
+              flush=True)  # fmt: skip
+        record = run_one(spec, args)
+        results["runs"][spec.key] = record
+        save_results(out, results)
+        s = record["summary"]
+        last = record["loss"][-1] if record["loss"] else math.nan
+        print(f"    rc={record['returncode']} complete={record['complete']} "
+              f"wall={record['wall_s']:.1f}s train={s.get('train_s', math.nan):.1f}s "
+              f"tokens={s.get('tokens', 0):.0f} tokens/s={s.get('tokens_per_s', math.nan):.0f} "
+              f"last loss={last:.4f}", flush=True)  # fmt: skip
+        if not record["complete"]:
+            failed += 1
+            print(f"    FAILED: see {record['log']}", flush=True)
+    if not args.dry_run:
+        print(f"results: {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""A bandwidth-limited two-host link on one machine, for 2-rank benchmarks.
+
+Two network namespaces joined by a veth pair, egress capped on both ends with ``tc tbf``
+(``netem`` is not available on these kernels, so there is no added latency). One rank runs in
+each namespace, pinned to its own core, with gloo bound to the veth. Needs root. Everything is
+removed on every exit path (normal end, exception, Ctrl-C, SIGTERM).
+
+    sudo python -m benchmarks.netbed --rate 200mbit -- python my_2rank_script.py
+
+runs the command twice, as rank 0 in host A and rank 1 in host B, with RANK, WORLD_SIZE=2,
+LOCAL_RANK=0, MASTER_ADDR/MASTER_PORT and GLOO_SOCKET_IFNAME set (the usual torchrun variables,
+so ``dist.init_process_group("gloo")`` works unchanged).
+
+The recipe and its measured link figures come from the workplace's shared netbed notes: the
+tbf bucket must be at least 256 KiB, or tbf splits every packet and costs a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Link", "two_host_link", "run_two_ranks"]
+
+_NET = "10.213.78"
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def _rate_bits(rate: str) -> int:
+    units = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+    for unit, factor in units.items():
+        if rate.lower().endswith(unit):
+            return int(float(rate[: -len(unit)]) * factor)
+    raise ValueError(f"netbed: rate {rate!r}: use a tc rate like 1gbit, 200mbit, 50mbit, or none")
+
+
+@dataclass
+class Link:
+    """The two hosts of a running testbed."""
+
+    ns: tuple[str, str]
+    ifname: tuple[str, str]
+    ip: tuple[str, str]
+    rate: str = "none"
+
+    def set_rate(self, rate: str) -> None:
+        """Cap both directions at ``rate`` (``"none"`` removes the cap)."""
+        for ns, ifname in zip(self.ns, self.ifname):
+            if rate == "none":
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", ifname, "root",
+                    check=False)  # fmt: skip
+                continue
+            burst = max(256 * 1024, _rate_bits(rate) // 8 // 250)  # >= 4 ms of traffic
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", ifname, "root",
+                "tbf", "rate", rate, "burst", str(burst), "latency", "50ms")  # fmt: skip
+        self.rate = rate
+
+
+@contextlib.contextmanager
+def two_host_link(rate: str = "none") -> Iterator[Link]:
+    """Create the testbed, yield it, and remove it whatever happens."""
+    if os.geteuid() != 0:
+        raise SystemExit(
+            "netbed: needs root (it creates network namespaces and tc qdiscs); run the benchmark "
+            "as root, e.g. with sudo"
+        )
+    tag = os.getpid()
+    link = Link(ns=(f"accoA_{tag}", f"accoB_{tag}"), ifname=(f"acA{tag}", f"acB{tag}"),
+                ip=(f"{_NET}.1", f"{_NET}.2"))  # fmt: skip
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def interrupted(signum, frame):  # turn SIGTERM/SIGHUP into an exception: cleanup runs
+        raise SystemExit(128 + signum)
+
+    for sig in previous:
+        signal.signal(sig, interrupted)
+    try:
+        for ns in link.ns:
+            _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", link.ifname[0], "type", "veth", "peer", "name", link.ifname[1])
+        for ns, ifname, ip in zip(link.ns, link.ifname, link.ip):
+            _sh("ip", "link", "set", ifname, "netns", ns)
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", ns, "link", "set", ifname, "up")
+        link.set_rate(rate)
+        yield link
+    finally:
+        for ns in link.ns:
+            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _sh("ip", "netns", "del", ns, check=False)
+        for ifname in link.ifname:
+            _sh("ip", "link", "del", ifname, check=False)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_two_ranks(
+    link: Link, argv: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 900,
+    port: int = 29621,
+) -> tuple[int, str, str]:
+    """Run ``argv`` as rank 0 on host A (core 0) and rank 1 on host B (core 1).
+
+    Returns:
+        (exit status: the first non-zero of the two, or 0; rank 0's output; rank 1's output)
+    """
+    procs = []
+    for rank in (0, 1):
+        rank_env = {
+            **os.environ, **(env or {}),
+            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": link.ip[0], "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": link.ifname[rank], "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        cmd = ["ip", "netns", "exec", link.ns[rank], "taskset", "-c", str(rank), *argv]
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    status = next((p.returncode for p in procs if p.returncode), 0)
+    return status, outputs[0], outputs[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--rate", default="none", help="egress cap of each host: 1gbit, 200mbit, none")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command of each rank")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    with two_host_link(args.rate) as link:
+        status, out0, out1 = run_two_ranks(link, command)
+    sys.stdout.write(f"--- rank 0 ---\n{out0}--- rank 1 ---\n{out1}")
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
