@@ -140,10 +140,10 @@ def build_acco_optimizers(
         "betas": (optimizer_config.beta1, optimizer_config.beta2),
         "eps": optimizer_config.eps,
         "weight_decay": optimizer_config.weight_decay,
-        # The shard is one flat tensor per group: the for-loop implementation is as fast, and
-        # it is the arithmetic the copy-free estimate step mirrors.
-        "foreach": False,
-        "fused": False,
+        # torchtitan's [optimizer] implementation. On CPU "for-loop" is the fastest step of the
+        # flat shard (measured with the debug model: 1.24 s per ACCO round vs 2.23 s fused).
+        "foreach": optimizer_config.implementation == "foreach",
+        "fused": optimizer_config.implementation == "fused",
     }
     # With TP or PP a rank holds only part of the model: the gradient norm is summed over every
     # rank (each counts its shard of its part; replicated tensors count once).

@@ -22,6 +22,7 @@ import time
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
@@ -103,6 +104,10 @@ class ACCOTrainer(Trainer):
         finally:
             _TRAINER_BEING_BUILT.reset(token)
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        # A step's metrics are all-reduced without waiting and logged at the start of the next
+        # step: a blocking all-reduce per step would make a fast rank wait for the slowest one
+        # every round, which is what accumulate_until_ready exists to avoid.
+        self._pending_metrics: tuple | None = None
         load = self.checkpointer.load
 
         def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
@@ -132,13 +137,12 @@ class ACCOTrainer(Trainer):
     def train_step(
         self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
     ) -> None:
+        self._log_pending_metrics()
         engine = self.optimizers.engine
-        parallel_dims = self.parallel_dims
         lr = engine.optimizer.param_groups[0]["lr"]
         one = torch.ones((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int64)
-        start = time.perf_counter()
         round_ended = False
         while not round_ended:
             input_dict, labels = next(data_iterator)
@@ -160,39 +164,48 @@ class ACCOTrainer(Trainer):
                 round_ended = engine.skip_microbatch()
         if self.step == self.job_config.training.steps:
             engine.flush()  # the final model (and a model-only last checkpoint) holds θ
+        if self.metrics_processor.should_log(self.step):
+            self._start_metrics(lr, loss_sum, tokens)
 
-        if not self.metrics_processor.should_log(self.step):
+    def _start_metrics(self, lr: float, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Launch this step's metric all-reduces over the loss mesh; log them next step."""
+        parallel_dims = self.parallel_dims
+        sums = torch.stack([loss_sum.double().cpu(), tokens.double(),
+                            torch.tensor(float(self.ntokens_seen), dtype=torch.float64)])  # fmt: skip
+        local_avg = (sums[0] / sums[1].clamp(min=1)).reshape(1)
+        works = []
+        if parallel_dims.dp_cp_enabled:
+            group = parallel_dims.get_optional_mesh("loss").get_group()
+            sums, local_avg = sums.to(self.device), local_avg.to(self.device)
+            works = [dist.all_reduce(sums, group=group, async_op=True),
+                     dist.all_reduce(local_avg, op=dist.ReduceOp.MAX, group=group, async_op=True)]  # fmt: skip
+        engine = self.optimizers.engine
+        self._pending_metrics = (
+            self.step, lr, works, sums, local_avg,
+            engine.last_grad_norm if engine.last_grad_norm is not None else -1.0,
+            {"acco/round": engine.round_index, "acco/real_updates": engine.num_updates,
+             "acco/microbatches": engine.last_round_microbatches,
+             "acco/comm_wait_s": engine.last_wait_s},
+        )  # fmt: skip
+
+    def _log_pending_metrics(self) -> None:
+        if self._pending_metrics is None:
             return
-        has_loss = not parallel_dims.pp_enabled or self.pp_has_last_stage
-        local_avg = loss_sum / max(int(tokens), 1) if has_loss else torch.tensor(-1.0)
-        if parallel_dims.dp_cp_enabled and has_loss:
-            loss_mesh = parallel_dims.get_optional_mesh("loss")
-            global_tokens = dist_utils.dist_sum(tokens.to(self.device, torch.float32), loss_mesh)
-            global_avg = dist_utils.dist_sum(loss_sum, loss_mesh) / max(global_tokens, 1)
-            global_max = dist_utils.dist_max(local_avg.to(self.device), loss_mesh)
-        else:
-            global_avg = global_max = float(local_avg)
-        self.logged_losses[self.step] = float(global_avg)
-        grad_norm = engine.last_grad_norm if engine.last_grad_norm is not None else -1.0
-        self.metrics_processor.log(
-            self.step,
-            global_avg,
-            global_max,
-            grad_norm,
-            extra_metrics={
-                "n_tokens_seen": self.ntokens_seen,
-                "lr": lr,
-                "acco/round": engine.round_index,
-                "acco/real_updates": engine.num_updates,
-                "acco/microbatches": engine.last_round_microbatches,
-                "acco/comm_wait_s": engine.last_wait_s,
-                "acco/step_time_s": time.perf_counter() - start,
-            },
-        )
+        step, lr, works, sums, local_max, grad_norm, extra = self._pending_metrics
+        self._pending_metrics = None
+        for work in works:
+            work.wait()
+        has_loss = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
+        global_avg = float(sums[0] / sums[1].clamp(min=1)) if has_loss else -1.0
+        global_max = float(local_max) if has_loss else -1.0
+        self.logged_losses[step] = global_avg
+        self.metrics_processor.log(step, global_avg, global_max, grad_norm,
+                                   extra_metrics={"n_tokens_seen": int(sums[2]), "lr": lr, **extra})  # fmt: skip
 
     def train(self) -> None:
         start = time.perf_counter()
         super().train()
+        self._log_pending_metrics()
         engine, losses = self.optimizers.engine, list(self.logged_losses.values())
         if losses and losses[0] >= 0:
             tail = max(1, len(losses) // 10)

@@ -14,11 +14,16 @@ What it measures
     of its micro-batches (``benchmarks/convergence/slow_rank.py``, loaded with
     ``--experimental.custom_import``). Arms (``--arms``): ``acco_until_ready`` (``acco`` with
     ``[acco] accumulate_until_ready = true``: the fast rank keeps computing micro-batches while
-    it waits) against ``ddp``, with the same number of real updates. Besides the above it
-    records how many micro-batches and tokens each rank ran per step (the slow_rank module's
-    per-rank JSONL logs), so "tokens" is then the tokens actually processed by all ranks.
+    it waits) against ``ddp``, with the same number of real updates. Every rank logs each
+    micro-batch (step, tokens, token-summed loss, time: the slow_rank module's JSONL files);
+    from them come the per-step loss, the tokens actually processed by all ranks, the time and
+    the micro-batches of each rank. torchtitan logs only the first and last step
+    (``--metrics.log_freq``, see ``--log-freq``): each logged step all-reduces the loss, which
+    would put the ranks back in step every round and hide what accumulate_until_ready does.
 
-Reproduce (from the repository root; ~9 runs of 300 updates, see the README of the results)::
+Reproduce (from the repository root, nothing else running; measured on the 2-core dev box at
+the TOMLs' sizes: ~0.8-0.9 s per update for ddp/dpu, ~1.1-1.5 s for acco, plus ~12 s start-up
+per run, i.e. roughly 45-60 min for the 9 convergence runs)::
 
     python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2
     python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2
@@ -51,8 +56,10 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from datetime import datetime
@@ -67,10 +74,10 @@ SLOW_MODULE = "benchmarks.convergence.slow_rank"
 SLOW_S_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_S", "ACCO_BENCH_STATS_DIR"
 # arm -> (acco.mode, extra overrides) for --heterogeneous
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "acco_until_ready": ("acco", ("--acco.accumulate_until_ready", "true")),
-    "dpu_until_ready": ("dpu", ("--acco.accumulate_until_ready", "true")),
-    "acco": ("acco", ("--acco.accumulate_until_ready", "false")),
-    "dpu": ("dpu", ("--acco.accumulate_until_ready", "false")),
+    "acco_until_ready": ("acco", ("--acco.accumulate_until_ready",)),  # a tyro flag: no value
+    "dpu_until_ready": ("dpu", ("--acco.accumulate_until_ready",)),
+    "acco": ("acco", ("--acco.no_accumulate_until_ready",)),
+    "dpu": ("dpu", ("--acco.no_accumulate_until_ready",)),
     "ddp": ("ddp", ()),
 }
 MANAGED = ("--training.steps", "--debug.seed", "--job.dump_folder", "--job.config_file",
@@ -155,21 +162,68 @@ def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
     return parsed
 
 
-def read_stats(stats_dir: pathlib.Path) -> dict[int, dict[int, tuple[int, int]]]:
-    """The slow_rank module's logs: {rank: {step: (micro-batches, tokens)}}."""
-    stats: dict[int, dict[int, tuple[int, int]]] = {}
+@dataclasses.dataclass
+class StepStats:
+    """One rank's micro-batches of one step, from the slow_rank module's log."""
+
+    microbatches: int = 0
+    tokens: int = 0
+    valid: int = 0
+    loss_sum: float = 0.0
+    has_loss: bool = False
+    t_end: float = 0.0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.microbatches += 1
+        self.tokens += int(row["tokens"])
+        self.valid += int(row.get("valid", row["tokens"]))
+        if row.get("loss_sum") is not None:
+            self.loss_sum += float(row["loss_sum"])
+            self.has_loss = True
+        self.t_end = max(self.t_end, float(row["t"]))
+
+
+def read_stats(stats_dir: pathlib.Path) -> dict[int, dict[int, StepStats]]:
+    """The slow_rank module's logs: {rank: {step: StepStats}}."""
+    stats: dict[int, dict[int, StepStats]] = {}
     for path in sorted(stats_dir.glob("microbatches_rank*.jsonl")):
         rank = int(path.stem.removeprefix("microbatches_rank"))
-        per_step: dict[int, tuple[int, int]] = {}
+        per_step: dict[int, StepStats] = {}
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
-            count, tokens = per_step.get(row["step"], (0, 0))
-            per_step[row["step"]] = (count + 1, tokens + int(row["tokens"]))
+            per_step.setdefault(int(row["step"]), StepStats()).add(row)
         stats[rank] = per_step
     return stats
+
+
+def curves_from_stats(stats: dict[int, dict[int, StepStats]], t0: float | None) -> dict[str, Any]:
+    """Per step (every rank's): global loss, cumulative tokens, time, per-rank micro-batches.
+
+    The loss of a step is Σ token-summed losses / Σ valid tokens over all ranks: what
+    torchtitan/ACCOTrainer log as the global average loss. ``time_s`` is when the last rank
+    finished the step's last backward, from ``t0`` (default: the first backward's end).
+    """
+    ranks = sorted(stats)
+    steps = sorted(set().union(*(stats[r].keys() for r in ranks))) if ranks else []
+    complete = [s for s in steps if all(s in stats[r] for r in ranks)]
+    if t0 is None:
+        t0 = min((st.t_end for r in ranks for st in stats[r].values()), default=0.0)
+    loss, tokens, time_s, total = [], [], [], 0
+    for step in complete:
+        rows = [stats[r][step] for r in ranks]
+        valid = sum(st.valid for st in rows if st.has_loss)
+        loss.append(sum(st.loss_sum for st in rows) / valid if valid else math.nan)
+        total += sum(st.tokens for st in rows)
+        tokens.append(total)
+        time_s.append(round(max(st.t_end for st in rows) - t0, 3))
+    return {
+        "step": complete, "loss": loss, "tokens": tokens, "time_s": time_s,
+        "microbatches": {str(r): [stats[r][s].microbatches for s in complete] for r in ranks},
+        "rank_tokens": {str(r): [stats[r][s].tokens for s in complete] for r in ranks},
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- settings
@@ -247,28 +301,49 @@ def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Pat
     ]  # fmt: skip
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop torchrun and its ranks (their own process group): SIGTERM, then SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_every: int,
             timeout: float | None) -> int:  # fmt: skip
     """Run ``cmd``, copying its output to ``log_path``; echo rank 0's every Nth step line."""
-    deadline = time.monotonic() + timeout if timeout else None
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            match = STEP_RE.search(line)
-            if match and int(match["rank"] or 0) == 0 and print_every > 0:
-                if int(match["step"]) % print_every == 0:
-                    print(f"    {line.strip()[-120:]}", flush=True)
-            if deadline and time.monotonic() > deadline:
-                proc.kill()
-                break
-        return proc.wait()
+                                stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True)  # fmt: skip
+        watchdog = threading.Timer(timeout, _stop, (proc,)) if timeout else None
+        if watchdog:
+            watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                match = STEP_RE.search(line)
+                if match and int(match["rank"] or 0) == 0 and print_every > 0:
+                    if int(match["step"]) % print_every == 0:
+                        text = line[line.index("step:") :].split("memory:")[0]
+                        print(f"    {text.strip()}  tps: {match['tps']}", flush=True)
+            return proc.wait()
+        finally:
+            if watchdog:
+                watchdog.cancel()
+            if proc.poll() is None:  # interrupted: do not leave the ranks running
+                _stop(proc)
 
 
 def summarize(record: dict[str, Any]) -> dict[str, float]:
-    """Throughput of a finished run: global tokens/s over the training time (step 1 on)."""
+    """Throughput of a run: global tokens/s over the training time (from training start)."""
     tokens, time_s = record["tokens"], record["time_s"]
     if not tokens or not time_s or time_s[-1] <= 0:
         return {}
@@ -276,51 +351,57 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
                "tokens_per_s": tokens[-1] / time_s[-1]}  # fmt: skip
     if len(tokens) > 2 and time_s[-1] > time_s[0]:  # without step 1 (warm-up)
         summary["tokens_per_s_after_step1"] = (tokens[-1] - tokens[0]) / (time_s[-1] - time_s[0])
-    for rank, tps in record["tps"].items():
-        summary[f"mean_tps_rank{rank}"] = sum(tps[1:] or tps) / len(tps[1:] or tps)
+    for rank, tps in record.get("tps", {}).items():
+        if tps:
+            summary[f"mean_logged_tps_rank{rank}"] = sum(tps[1:] or tps) / len(tps[1:] or tps)
     for rank, counts in record.get("microbatches", {}).items():
+        rank_tokens = sum(record["rank_tokens"][rank])
         summary[f"microbatches_rank{rank}"] = float(sum(counts))
+        summary[f"microbatches_per_step_rank{rank}"] = sum(counts) / max(len(counts), 1)
+        summary[f"tokens_rank{rank}"] = float(rank_tokens)
+        summary[f"tokens_per_s_rank{rank}"] = rank_tokens / time_s[-1]
     return summary
 
 
 def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dict,
                 returncode: int, wall_s: float) -> dict[str, Any]:  # fmt: skip
-    """The JSON record of one run, from its parsed log (and slow_rank stats, if any)."""
+    """The JSON record of one run, from its parsed log (and slow_rank stats, if any).
+
+    Without stats: the logged steps, tokens = step x global batch x seq_len. With stats
+    (heterogeneous): every step, from the per-micro-batch logs of all ranks; the logged
+    loss/steps stay as ``loss_logged``/``step_logged``.
+    """
     ranks = sorted(parsed)
     main = parsed[ranks[0]] if ranks else {"step": [], "loss": [], "ts": []}
-    t0 = main.get("start", main["ts"][:1] or [0.0])[0]
+    t0 = main.get("start", main["ts"][:1] or [None])[0]
     expected = steps_for(spec.mode, spec.updates)
     record: dict[str, Any] = {
         **dataclasses.asdict(spec), "overrides": list(spec.overrides),
         "steps": expected, "global_batch_size": settings.global_batch_size,
         "local_batch_size": settings.local_batch_size, "seq_len": settings.seq_len,
         "tokens_per_step": settings.tokens_per_step, "returncode": returncode,
-        "complete": returncode == 0 and main["step"][-1:] == [expected],
         "wall_s": wall_s, "step": main["step"], "loss": main["loss"],
-        "tokens_nominal": tokens_per_step_list(main["step"], settings),
-        "time_s": [round(t - t0, 3) for t in main["ts"]],
+        "tokens": tokens_per_step_list(main["step"], settings),
+        "time_s": [round(t - (t0 or 0.0), 3) for t in main["ts"]],
         "tps": {str(r): parsed[r]["tps"] for r in ranks},
         "finished_at": datetime.now().isoformat(timespec="seconds"),
     }  # fmt: skip
-    record["tokens"] = record["tokens_nominal"]
     if stats:
-        record["microbatches"] = {str(r): [stats[r].get(s, (0, 0))[0] for s in main["step"]]
-                                  for r in sorted(stats)}  # fmt: skip
-        record["rank_tokens"] = {str(r): [stats[r].get(s, (0, 0))[1] for s in main["step"]]
-                                 for r in sorted(stats)}  # fmt: skip
-        # tokens actually processed by all ranks up to the end of each logged step
-        cumulative = {r: _cumulative(stats[r]) for r in stats}
-        record["tokens"] = [sum(c.get(s, 0) for c in cumulative.values()) for s in main["step"]]
+        record["step_logged"], record["loss_logged"] = record["step"], record["loss"]
+        record.update(curves_from_stats(stats, t0))
+        record["tokens_nominal"] = tokens_per_step_list(record["step"], settings)
+    record["complete"] = returncode == 0 and record["step"][-1:] == [expected]
     record["summary"] = summarize(record)
     return record
 
 
-def _cumulative(per_step: dict[int, tuple[int, int]]) -> dict[int, int]:
-    total, out = 0, {}
-    for step in sorted(per_step):
-        total += per_step[step][1]
-        out[step] = total
-    return out
+def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str, str]:
+    """The variables this script sets for a run (on top of the current environment)."""
+    env = {"OMP_NUM_THREADS": str(omp_threads)}
+    if spec.experiment == "heterogeneous":
+        env[SLOW_S_ENV] = str(spec.slow_seconds)
+        env[STATS_DIR_ENV] = str(run_dir / "stats")
+    return env
 
 
 def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -332,13 +413,11 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = build_command(spec, config_path, run_dir, args.nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.omp_threads)}
-    env.pop(SLOW_S_ENV, None)
-    env.pop(STATS_DIR_ENV, None)
-    if spec.experiment == "heterogeneous":
-        env[SLOW_S_ENV] = str(spec.slow_seconds)
-        env[STATS_DIR_ENV] = str(run_dir / "stats")
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n", encoding="utf-8")
+    own_env = run_env(spec, run_dir, args.omp_threads)
+    env = {k: v for k, v in os.environ.items() if k not in (SLOW_S_ENV, STATS_DIR_ENV)}
+    env.update(own_env)
+    shown = " ".join(f"{k}={v}" for k, v in own_env.items())
+    (run_dir / "command.txt").write_text(f"{shown} {' '.join(cmd)}\n", encoding="utf-8")
     start = time.perf_counter()
     returncode = _stream(cmd, env, run_dir / "console.log", args.print_every, args.run_timeout)
     wall_s = time.perf_counter() - start
@@ -380,6 +459,8 @@ def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
         if args.heterogeneous:
             for arm in args.arms:
                 mode, extra = ARMS[arm]
+                log_freq = args.log_freq or steps_for(mode, args.updates)
+                extra += ("--metrics.log_freq", str(log_freq))
                 specs.append(RunSpec("heterogeneous", arm, mode, seed, args.updates,
                                      extra + mode_overrides(mode, args.batch_per_update)
                                      + overrides, args.slow_seconds))  # fmt: skip
@@ -413,14 +494,20 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     )
     parser.add_argument("--updates", type=int, default=300,
                         help="real optimizer updates per run (acco: 2x as many rounds)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="convergence: acco.mode values, one TOML each")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                        help="--debug.seed values (model initialisation)")
     parser.add_argument("--heterogeneous", action="store_true",
                         help="run the heterogeneous experiment (rank 1 slowed) instead")
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),
                         default=["acco_until_ready", "ddp"], help="heterogeneous arms")
     parser.add_argument("--slow-seconds", type=float, default=0.3,
                         help="heterogeneous: sleep of rank 1 per micro-batch")
+    parser.add_argument("--log-freq", type=int, default=0,
+                        help="heterogeneous: torchtitan metrics.log_freq; 0: first and last step "
+                        "only (each logged step all-reduces the loss, a sync of all ranks); the "
+                        "per-step losses come from slow_rank's per-micro-batch logs")
     parser.add_argument("--batch-per-update", type=int, default=None,
                         help="sequences per real update (acco: half per round); default: TOMLs")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON (relative to the repo)")
@@ -459,7 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             config_path, _ = load_config(spec.mode, args.config_template)
             run_dir = pathlib.Path(args.workdir) / spec.key
-            print(" ".join(build_command(spec, config_path, run_dir, args.nproc)))
+            env = " ".join(f"{k}={v}" for k, v in run_env(spec, run_dir, args.omp_threads).items())
+            print(env, " ".join(build_command(spec, config_path, run_dir, args.nproc)))
             continue
         print(f"[{i}/{len(specs)}] {spec.key}: {steps_for(spec.mode, spec.updates)} steps",
               flush=True)  # fmt: skip
