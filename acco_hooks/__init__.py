@@ -12,10 +12,11 @@ from acco_hooks.ddp_comm_hooks import (
     acco_hook,
     delayed_allreduce_hook,
 )
-from acco_hooks.engine import MODES, ACCOEngine
+from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine
 from acco_hooks.optimizer import ACCOOptimizer
 
 __all__ = [
+    "ACCOCommunicationError",
     "ACCOEngine",
     "ACCOOptimizer",
     "ACCOState",

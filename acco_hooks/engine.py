@@ -29,10 +29,12 @@ reduce/gather staging (≈ 20Φ/N). The estimate step adds no memory for AdamW, 
 
 from __future__ import annotations
 
+import datetime
 import enum
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -46,12 +48,20 @@ from acco_hooks._collectives import all_gather, reduce_scatter_sum
 from acco_hooks._peek import has_functional_peek, peek
 from acco_hooks._worker import CommWorker
 
-__all__ = ["ACCOEngine", "MODES"]
+__all__ = ["ACCOCommunicationError", "ACCOEngine", "MODES"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("acco", "dpu", "ddp")
+NONFINITE_POLICIES = ("skip", "raise")
 _STATE_VERSION = 1
+
+
+class ACCOCommunicationError(RuntimeError):
+    """A round's communication failed (a peer died or hung, a collective or the shard step
+    raised). Every rank of the group fails its round the same way: a collective cannot complete
+    without all its ranks. The engine cannot continue: restart from the last complete checkpoint.
+    """
 
 
 class _Job(enum.Enum):
@@ -186,6 +196,11 @@ class ACCOEngine:
         max_grad_norm: clip the averaged gradient to this global L2 norm. Default: no clipping.
         lr_scheduler: ``callable(optimizer) -> LRScheduler``, built on the shard optimizer and
             stepped after every real update.
+        nonfinite: what a round with a NaN/Inf in the averaged gradient does: ``"skip"`` (every
+            rank skips that update, or that estimate and the update it belongs to, counts it in
+            ``skipped_rounds`` and warns) or ``"raise"`` (``FloatingPointError``).
+        timeout: seconds after which a collective of the engine's group fails (a hung peer).
+            Default: the default process group's timeout.
         norm_process_group: the ranks whose shards make up the whole model, for the global
             gradient norm: the data-parallel group times the tensor/pipeline-parallel ranks
             (with TP, replicated parameters count once). Default: the data-parallel group.
@@ -195,14 +210,16 @@ class ACCOEngine:
     __slots__ = (
         # Configuration
         "mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype", "max_grad_norm",
+        "nonfinite", "timeout",
         # Process groups (used by the worker thread only) and coordinates
         "_group", "_norm_group", "world_size", "rank", "device",
         # Buffers and the shard optimizer
         "_groups", "_slot_of", "optimizer", "lr_scheduler",
-        # In-flight work
-        "_worker", "_in_flight", "_in_flight_job",
+        # In-flight work, and the failure that stopped the engine (if any)
+        "_worker", "_in_flight", "_in_flight_job", "_in_flight_round", "_failure",
         # Round bookkeeping (saved in checkpoints)
-        "round_index", "num_updates", "_round_microbatches", "_local_count", "_grad_arrived",
+        "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
+        "_grad_arrived",
         # Statistics of the last round, for logging
         "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
     )  # fmt: skip
@@ -220,13 +237,17 @@ class ACCOEngine:
         max_grad_norm: float | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         norm_process_group: Any = None,
+        nonfinite: str = "skip",
+        timeout: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         _validate_config(
             optimizer_class, mode, accumulation_steps, accumulate_until_ready, reduce_dtype,
-            max_grad_norm, lr_scheduler,
+            max_grad_norm, lr_scheduler, nonfinite, timeout,
         )  # fmt: skip
         self.mode = mode
+        self.nonfinite = nonfinite
+        self.timeout = timeout
         self.accumulation_steps = accumulation_steps
         self.accumulate_until_ready = accumulate_until_ready
         self.reduce_dtype = reduce_dtype or torch.float32
@@ -241,9 +262,11 @@ class ACCOEngine:
             )
         self.device = devices.pop()
 
-        self._group = _dedicated_group(process_group)
+        self._group = _dedicated_group(process_group, timeout)
         self._norm_group = (
-            self._group if norm_process_group is None else _dedicated_group(norm_process_group)
+            self._group
+            if norm_process_group is None
+            else _dedicated_group(norm_process_group, timeout)
         )
         self.world_size = 1 if self._group is None else dist.get_world_size(self._group)
         self.rank = 0 if self._group is None else dist.get_rank(self._group)
@@ -269,8 +292,11 @@ class ACCOEngine:
         self._worker = CommWorker(self.device)
         self._in_flight: Future | None = None
         self._in_flight_job: _Job | None = None
+        self._in_flight_round = -1
+        self._failure: ACCOCommunicationError | None = None
         self.round_index = 0
         self.num_updates = 0
+        self.skipped_rounds = 0
         self._round_microbatches = 0
         self._local_count = 0.0
         self._grad_arrived = [[False] * len(g.params) for g in self._groups]
@@ -332,6 +358,7 @@ class ACCOEngine:
         return self._count_microbatch(0.0)
 
     def _count_microbatch(self, weight: float) -> bool:
+        self._raise_if_failed()
         self._round_microbatches += 1
         self._local_count += weight
         if self._round_microbatches < self.accumulation_steps:
@@ -362,6 +389,7 @@ class ACCOEngine:
         job = _Job.ESTIMATE if estimate else _Job.UPDATE
         self._in_flight = self._worker.submit(self._communicate, job, count)
         self._in_flight_job = job
+        self._in_flight_round = self.round_index
 
         self.last_round_microbatches = self._round_microbatches
         self._round_microbatches = 0
@@ -392,19 +420,61 @@ class ACCOEngine:
                 "them out of the optimizer's params)"
             )
 
+    def _raise_if_failed(self) -> None:
+        """Raise at once if a round's communication failed, even before the round end."""
+        if self._failure is not None:
+            raise self._failure
+        if self._in_flight is not None and self._in_flight.done() and self._in_flight.exception():
+            self._finish_in_flight(apply=False)
+
     def _finish_in_flight(self, apply: bool) -> None:
         """Wait for the in-flight communication; with ``apply``, its result becomes live."""
         if self._in_flight is None:
             return
-        stats = self._worker.wait(self._in_flight)
+        if self._failure is not None:
+            raise self._failure
+        # Backstop only: a dead peer fails the collective within the group's timeout.
+        backstop = None if self.timeout is None else self.timeout + 60.0
+        try:
+            stats = self._worker.wait(self._in_flight, timeout_s=backstop)
+        except BaseException as exc:
+            self._failure = ACCOCommunicationError(
+                f"acco_hooks: the communication of round {self._in_flight_round} failed on rank "
+                f"{self.rank} of the data-parallel group: {type(exc).__name__}: {exc}. The other "
+                "ranks fail their round too; restart from the last complete checkpoint"
+            )
+            raise self._failure from exc
         if stats is not None:  # None: a re-gather after loading a checkpoint
-            self.last_global_count, self.last_grad_norm = stats
+            self.last_global_count, self.last_grad_norm, nonfinite = stats
+            if nonfinite:
+                self._on_nonfinite()
         if apply:
             with torch.no_grad():
                 for g in self._groups:
                     g.copy_gathered_into_params()
             self._in_flight = None
             self._in_flight_job = None
+
+    def _on_nonfinite(self) -> None:
+        what = "update" if self._in_flight_job is _Job.UPDATE else "estimate"
+        if self.nonfinite == "raise":
+            self._failure = ACCOCommunicationError(
+                f"acco_hooks: non-finite gradient (NaN/Inf) in round {self._in_flight_round}; "
+                "nonfinite='raise'"
+            )
+            raise FloatingPointError(
+                f"acco_hooks: the averaged gradient of round {self._in_flight_round} has NaN/Inf "
+                f"values (nonfinite='raise'); the {what} was not applied and the optimizer state "
+                "is unchanged"
+            )
+        self.skipped_rounds += 1
+        warnings.warn(
+            f"acco_hooks: non-finite gradient (NaN/Inf) in round {self._in_flight_round}: every "
+            f"rank skipped this {what}; the optimizer state and learning rate are unchanged "
+            f"({self.skipped_rounds} rounds skipped so far)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by the categories of the spec's memory table."""
@@ -460,24 +530,41 @@ class ACCOEngine:
         self._finish_in_flight(apply=self._in_flight_job is _Job.UPDATE)
 
     def close(self) -> None:
-        """Drain and stop the communication thread."""
-        if self._in_flight is not None:
-            self._finish_in_flight(apply=False)
-        self._worker.close()
+        """Drain and stop the communication thread (quietly, if a failure was already raised)."""
+        try:
+            if self._in_flight is not None and self._failure is None:
+                self._finish_in_flight(apply=False)
+        except (ACCOCommunicationError, FloatingPointError):
+            pass  # already reported to the training loop by the call that failed
+        finally:
+            self._worker.close()
 
     # ------------------------------------------------------- communication side (worker thread)
 
-    def _communicate(self, job: _Job, local_count: float) -> tuple[float, float | None]:
-        """reduce-scatter -> average -> clip -> step or estimate -> all-gather."""
-        counts = torch.tensor([local_count], dtype=torch.float64, device=self.device)
+    def _communicate(self, job: _Job, local_count: float) -> tuple[float, float | None, bool]:
+        """reduce-scatter -> average -> clip -> step or estimate -> all-gather.
+
+        Returns (global count, gradient norm or None, whether the round was non-finite).
+        """
         if self._group is None:
             for g in self._groups:
                 g.shard_sum.copy_(g.comm_input)
         else:
             for g in self._groups:
                 reduce_scatter_sum(g.shard_sum, g.comm_input, self._group)
+        # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
+        # whether to skip, although each has seen only its own shard.
+        finite = all(bool(torch.isfinite(g.shard_sum).all()) for g in self._groups)
+        counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
+                              device=self.device)  # fmt: skip
+        if self._group is not None:
             dist.all_reduce(counts, group=self._group)
-        global_count = counts.item()
+        global_count, nonfinite = counts[0].item(), counts[1].item() > 0
+        if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
+            for g in self._groups:
+                g.gather_input.copy_(g.master)
+            self._all_gather()
+            return global_count, None, True
         if global_count <= 0:
             raise RuntimeError(
                 "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -502,7 +589,7 @@ class ACCOEngine:
         else:
             peek(self.optimizer, [g.gather_input for g in self._groups])
         self._all_gather()
-        return global_count, grad_norm
+        return global_count, grad_norm, False
 
     def _clip_(self, grads: list[Tensor]) -> float:
         """Clip the averaged gradient to ``max_grad_norm`` (global L2 norm, as torch does)."""
@@ -548,6 +635,7 @@ class ACCOEngine:
             "param_shapes": [[tuple(p.shape) for p in g.params] for g in self._groups],
             "round_index": self.round_index,
             "num_updates": self.num_updates,
+            "skipped_rounds": self.skipped_rounds,
             "round_microbatches": self._round_microbatches,
             "local_count": self._local_count,
             "grad_arrived": [list(a) for a in self._grad_arrived],
@@ -607,6 +695,7 @@ class ACCOEngine:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.round_index = state["round_index"]
         self.num_updates = state["num_updates"]
+        self.skipped_rounds = state.get("skipped_rounds", 0)
         self._round_microbatches = state["round_microbatches"]
         self._local_count = state["local_count"]
         self._grad_arrived = [list(a) for a in state["grad_arrived"]]
@@ -626,7 +715,7 @@ class ACCOEngine:
 
 def _validate_config(
     optimizer_class, mode, accumulation_steps, accumulate_until_ready, reduce_dtype,
-    max_grad_norm, lr_scheduler,
+    max_grad_norm, lr_scheduler, nonfinite, timeout,
 ) -> None:  # fmt: skip
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
@@ -658,6 +747,19 @@ def _validate_config(
         raise ValueError(
             f"acco_hooks: max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None "
             "for no clipping"
+        )
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"acco_hooks: nonfinite={nonfinite!r} is not one of 'skip' (skip the round's update "
+            "on every rank) or 'raise'"
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout) or timeout <= 0
+    ):  # fmt: skip
+        raise ValueError(
+            f"acco_hooks: timeout={timeout!r} must be a number of seconds > 0, or None for the "
+            "default process group's timeout"
         )
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(
@@ -701,7 +803,7 @@ def _normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     return normalized
 
 
-def _dedicated_group(process_group: Any) -> dist.ProcessGroup | None:
+def _dedicated_group(process_group: Any, timeout: float | None = None) -> dist.ProcessGroup | None:
     """A new process group with the same ranks, for the worker thread alone.
 
     Two threads issuing collectives on one group deadlock, and ``init_device_mesh`` hands out
@@ -725,7 +827,9 @@ def _dedicated_group(process_group: Any) -> dist.ProcessGroup | None:
     dist.all_gather_object(every_ranks, my_ranks)
     mine = None
     for ranks in sorted(set(map(tuple, every_ranks))):
-        group = dist.new_group(list(ranks))
+        group = dist.new_group(
+            list(ranks), timeout=None if timeout is None else datetime.timedelta(seconds=timeout)
+        )
         if ranks == my_ranks:
             mine = group
     return mine

@@ -67,6 +67,10 @@ class ACCOOptimizer(EngineFrontEnd):
         reduce_dtype: gradient dtype on the wire; default ``torch.float32``.
         max_grad_norm: clip the averaged gradient to this global L2 norm; default: no clipping.
         lr_scheduler: ``callable(optimizer) -> LRScheduler``; see the warning above.
+        nonfinite: ``"skip"`` (default: a round whose averaged gradient has NaN/Inf is skipped
+            on every rank, counted in ``engine.skipped_rounds`` and warned about) or ``"raise"``.
+        timeout: seconds after which a collective of the engine fails when a peer hangs
+            (default: the process group's timeout). A dead peer fails it at once.
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...).
 
     Example::
@@ -92,6 +96,8 @@ class ACCOOptimizer(EngineFrontEnd):
         reduce_dtype: torch.dtype | None = None,
         max_grad_norm: float | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        nonfinite: str = "skip",
+        timeout: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self.engine = ACCOEngine(
@@ -104,6 +110,8 @@ class ACCOOptimizer(EngineFrontEnd):
             reduce_dtype=reduce_dtype,
             max_grad_norm=max_grad_norm,
             lr_scheduler=lr_scheduler,
+            nonfinite=nonfinite,
+            timeout=timeout,
             **optimizer_kwargs,
         )
         self._hook_handles = [

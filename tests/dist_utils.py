@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -37,15 +38,23 @@ def _entry(rank: int, world_size: int, port: int, fn_path: str, args: tuple, out
         result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # after a peer died, teardown may fail too
+            dist.destroy_process_group()
 
 
-def run_distributed(fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S):
+def run_distributed(
+    fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S,
+    may_die: tuple[int, ...] = (),
+):  # fmt: skip
     """Call ``module:function(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
     Returns the list of per-rank return values. A rank's exception is re-raised here; ranks
-    still running after ``deadline_s`` are killed and the call fails.
+    still running after ``deadline_s`` are killed and the call fails. Ranks in ``may_die`` may
+    end without a result (``None``), e.g. a rank that kills itself to test fault handling; the
+    others are then left to finish on their own instead of being terminated.
     """
+    if may_die:
+        return _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die)
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,
@@ -65,3 +74,30 @@ def run_distributed(fn_path: str, world_size: int, *args, deadline_s: float = DE
             torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)
         ]
+
+
+def _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die):
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn_path, args, outdir))
+                 for r in range(world_size)]  # fmt: skip
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + deadline_s
+        while any(p.is_alive() for p in procs):
+            if time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise TimeoutError(f"{fn_path}: a surviving rank did not finish in {deadline_s:.0f} s")
+            time.sleep(0.2)
+        results = []
+        for rank, p in enumerate(procs):
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            if os.path.exists(path):
+                results.append(torch.load(path, weights_only=False))
+            elif rank in may_die:
+                results.append(None)
+            else:
+                raise RuntimeError(f"{fn_path}: rank {rank} exited with {p.exitcode} and no result")
+        return results

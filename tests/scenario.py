@@ -71,6 +71,9 @@ class Config:
     # Per-rank number of micro-batches actually run (uneven inputs): later ones contribute
     # nothing, neither gradient nor count. None: every rank runs every micro-batch.
     limit: list[int] | None = None
+    # Rounds whose micro-batches give rank 1 a NaN loss; the engine skips their update, and the
+    # reference (ddp mode only) leaves the parameters unchanged in those rounds.
+    nan_rounds: frozenset[int] = frozenset()
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -138,7 +141,8 @@ def reference_run(cfg: Config) -> dict[str, Any]:
     for r in range(cfg.rounds):
         grad_sum, count = gradient_sum(live, r)
         if cfg.mode == "ddp":
-            theta = live = opt_step(theta, grad_sum, count, estimate=False)
+            if r not in cfg.nan_rounds:
+                theta = live = opt_step(theta, grad_sum, count, estimate=False)
             continue
         if cfg.mode == "acco":  # odd rounds add on top of the previous round's G̃
             grad_sum = [g + c for g, c in zip(grad_sum, carry_sum)]
@@ -176,7 +180,8 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     weight = cfg.weights[rank] if cfg.weights else 1.0
     for r in range(cfg.rounds):
         for micro in range(cfg.micro[rank]):
-            (weight * microbatch_loss(model, rank, r, micro)).backward()
+            poison = float("nan") if rank == 1 and r in cfg.nan_rounds else 1.0
+            (poison * weight * microbatch_loss(model, rank, r, micro)).backward()
             ended = opt.step(weight)
             assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
     opt.flush()
@@ -186,6 +191,8 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         "num_updates": opt.num_updates,
         "scheduler_epoch": None if opt.lr_scheduler is None else opt.lr_scheduler.last_epoch,
         "master_dtypes": [p.dtype for g in opt.optimizer.param_groups for p in g["params"]],
+        "skipped_rounds": opt.engine.skipped_rounds,
+        "optimizer_steps": [int(s["step"]) for s in opt.optimizer.state.values() if "step" in s],
     }
     opt.close()
     return result

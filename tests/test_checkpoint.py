@@ -126,3 +126,38 @@ def test_master_shard_follows_weights_loaded_after_construction() -> None:
     with pytest.raises(RuntimeError, match="after training started would drop"):
         opt.engine.reset_master_from_params()
     opt.close()
+
+
+def _payload(step: int) -> torch.Tensor:
+    return torch.randn(2_000_000, generator=torch.Generator().manual_seed(0)) * step
+
+
+def _save_forever(path: str) -> None:
+    from acco_hooks import checkpoint
+
+    step = 0
+    while True:  # 8 MB per save: long enough to be interrupted mid-write
+        step += 1
+        checkpoint.save({"step": step, "payload": _payload(step)}, path)
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 0.75, 1.3])
+def test_sigkill_during_saving_leaves_a_complete_checkpoint(delay_s: float, tmp_path) -> None:
+    import multiprocessing
+    import signal
+    import time
+
+    from acco_hooks import checkpoint
+
+    path = tmp_path / "rank0.pt"
+    checkpoint.save({"step": 0, "payload": _payload(0)}, path)
+    proc = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),))
+    proc.start()
+    time.sleep(delay_s + 2.0)  # + the child's start-up
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    state = checkpoint.load(path)  # a complete file, never a truncated one
+    assert state["step"] > 0  # the child did overwrite it, possibly many times
+    assert torch.equal(state["payload"], _payload(state["step"]))
+    leftovers = [f for f in os.listdir(tmp_path) if f != "rank0.pt"]
+    assert all(f.endswith(".tmp") for f in leftovers)  # at most the interrupted temporary

@@ -135,6 +135,18 @@ def test_checkpoint_resume_continues_exactly(mode: str, tmp_path) -> None:
     assert {s: straight[s] for s in resumed} == resumed
 
 
+def test_a_checkpoint_interrupted_while_saving_is_skipped_on_resume(tmp_path) -> None:
+    """A crash while step 6 was being saved leaves no .metadata: resume takes step 3."""
+    common = ("--training.steps", "6", *FAST, "--training.global_batch_size", "8",
+              "--checkpoint.enable", "--checkpoint.interval", "3",
+              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    (tmp_path / "checkpoint" / "step-6" / ".metadata").unlink()  # DCP writes it last
+    resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {s: straight[s] for s in (4, 5, 6)}
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
