@@ -141,7 +141,7 @@ def _save_forever(path: str) -> None:
         checkpoint.save({"step": step, "payload": _payload(step)}, path)
 
 
-@pytest.mark.parametrize("delay_s", [0.3, 0.75, 1.3])
+@pytest.mark.parametrize("delay_s", [0.05, 0.2, 0.5])
 def test_sigkill_during_saving_leaves_a_complete_checkpoint(delay_s: float, tmp_path) -> None:
     import multiprocessing
     import signal
@@ -153,7 +153,12 @@ def test_sigkill_during_saving_leaves_a_complete_checkpoint(delay_s: float, tmp_
     checkpoint.save({"step": 0, "payload": _payload(0)}, path)
     proc = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),))
     proc.start()
-    time.sleep(delay_s + 2.0)  # + the child's start-up
+    first = os.stat(path).st_ino
+    deadline = time.monotonic() + 120
+    while os.stat(path).st_ino == first:  # the child's first save replaced the file
+        assert time.monotonic() < deadline and proc.is_alive(), "the saving child never saved"
+        time.sleep(0.01)
+    time.sleep(delay_s)  # now kill it somewhere in a later save
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     state = checkpoint.load(path)  # a complete file, never a truncated one

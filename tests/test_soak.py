@@ -58,7 +58,7 @@ MAX_DELAY_S = 0.003
 # Each micro-batch also takes a random extra 0-1 ms on rank 0 and 0-2 ms on rank 1 (a slower
 # worker, as on heterogeneous hardware). Without it a TinyNet micro-batch costs ~0.1 ms and a
 # rank runs ~40 micro-batches per round, which makes the reference replay needlessly slow.
-COMPUTE_MAX_DELAY_S = (0.001, 0.002)
+COMPUTE_MAX_DELAY_S = (0.002, 0.004)
 # A round whose communication never finishes would make a rank loop forever: stop it instead.
 MAX_MICROBATCHES_PER_ROUND = 5_000
 # The delay RNG seed (per rank: SEED * 1000 + rank); the counts also depend on timing.
@@ -244,7 +244,7 @@ def run_soak(mode: str, rounds: int, deadline_s: float) -> dict[str, Any]:
         "rounds": rounds,
         "errors": errors,
         "histogram": dict(sorted(histogram.items())),
-        "mean_count": statistics.fmean(c for rank_counts in counts for c in rank_counts),
+        "mean_count": [statistics.fmean(rank_counts) for rank_counts in counts],
         "rounds_with_more_than_one": sum(1 for rc in counts for c in rc if c > 1),
         "unequal_rounds": sum(1 for r in range(rounds) if counts[0][r] != counts[1][r]),
         "mean_delay_ms": [1e3 * res["mean_delay_s"] for res in results],
