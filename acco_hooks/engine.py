@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 MODES = ("acco", "dpu", "ddp")
 NONFINITE_POLICIES = ("skip", "raise")
+# Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STATE_VERSION = 1
 
 
@@ -493,10 +495,11 @@ class ACCOEngine:
             ),
             "master_shard": nbytes(g.master for g in self._groups),
             "optimizer_state": nbytes(state),
-            "shard_staging": nbytes(
-                t for g in self._groups for t in (g.shard_sum, g.gather_input, g.master.grad)
+            "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the
+                id(t): t                 # reduce-scatter output is the master's gradient
+                for g in self._groups for t in (g.shard_sum, g.gather_input, g.master.grad)
                 if t is not None
-            ),
+            }.values()),
         }
 
     @torch.no_grad()
@@ -573,9 +576,12 @@ class ACCOEngine:
 
         grads = []
         for g in self._groups:
-            if g.master.grad is None:
-                g.master.grad = torch.empty_like(g.master)
-            g.master.grad.copy_(g.shard_sum).div_(global_count)
+            if g.shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
+                g.master.grad = g.shard_sum.div_(global_count)
+            else:
+                if g.master.grad is None or g.master.grad is g.shard_sum:
+                    g.master.grad = torch.empty_like(g.master)
+                g.master.grad.copy_(g.shard_sum).div_(global_count)
             grads.append(g.master.grad)
         grad_norm = self._clip_(grads) if self.max_grad_norm is not None else None
 
@@ -733,17 +739,13 @@ def _validate_config(
         raise TypeError(
             f"acco_hooks: accumulate_until_ready={accumulate_until_ready!r} must be True or False"
         )
-    if reduce_dtype is not None and not (
-        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-    ):
+    if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(
-            f"acco_hooks: reduce_dtype={reduce_dtype!r} must be a floating torch.dtype such as "
-            "torch.float32 or torch.bfloat16, or None for float32"
+            f"acco_hooks: reduce_dtype={reduce_dtype!r} must be one of torch.float32, "
+            "torch.bfloat16, torch.float16, torch.float64 (the dtypes collectives can sum), or "
+            "None for float32"
         )
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-        or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
-    ):  # fmt: skip
+    if max_grad_norm is not None and not _positive_number(max_grad_norm):
         raise ValueError(
             f"acco_hooks: max_grad_norm={max_grad_norm!r} must be a finite number > 0, or None "
             "for no clipping"
@@ -753,19 +755,27 @@ def _validate_config(
             f"acco_hooks: nonfinite={nonfinite!r} is not one of 'skip' (skip the round's update "
             "on every rank) or 'raise'"
         )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout) or timeout <= 0
-    ):  # fmt: skip
+    if timeout is not None and not _positive_number(timeout, low=1e-3, high=1e12):
         raise ValueError(
-            f"acco_hooks: timeout={timeout!r} must be a number of seconds > 0, or None for the "
-            "default process group's timeout"
+            f"acco_hooks: timeout={timeout!r} must be a number of seconds between 0.001 and "
+            "1e12, or None for the default process group's timeout"
         )
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(
             "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
             "optimizer, e.g. lr_scheduler=lambda opt: CosineAnnealingLR(opt, T_max=1000)"
         )
+
+
+def _positive_number(value: Any, low: float = 0.0, high: float = math.inf) -> bool:
+    """A real number (not a bool), finite as a float, > 0 and within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond the float range
+        return False
+    return math.isfinite(as_float) and as_float > 0 and low <= as_float <= high
 
 
 def _normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -148,7 +148,8 @@ def plot(results: dict) -> None:
     ax.axhline(results["compute_only_s"], color="gray", linestyle="--", label="compute only")
     ax.plot([], [], "k:", label="communication only (engine)")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rates))], [f"cap {r}" for r in rates])
-    ax.set_ylabel("seconds per round (same micro-batches)")
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per round (same micro-batches, log scale)")
     ax.set_title(f"{results['model']}, 2 ranks, {results['microbatches_per_round']} "
                  f"micro-batches/round/rank", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)

@@ -60,7 +60,7 @@ def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -
         raise ValueError(f"[acco] enable = {acco.enable!r}: must be true or false")
     if not acco.enable:
         return
-    if acco.mode not in MODES:
+    if not isinstance(acco.mode, str) or acco.mode not in MODES:
         raise ValueError(
             f"[acco] mode = {acco.mode!r} is not one of {', '.join(map(repr, MODES))}"
         )
@@ -74,7 +74,7 @@ def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -
         raise ValueError(
             f"[acco] accumulate_until_ready = {acco.accumulate_until_ready!r}: must be true or false"
         )
-    if acco.reduce_dtype not in REDUCE_DTYPES:
+    if not isinstance(acco.reduce_dtype, str) or acco.reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(
             f"[acco] reduce_dtype = {acco.reduce_dtype!r} is not one of "
             f"{', '.join(map(repr, REDUCE_DTYPES))}"
