@@ -23,7 +23,7 @@ def build(model=None, **kwargs):
         ({"accumulation_steps": 2.5}, ValueError, r"accumulation_steps=2.5 must be an integer"),
         ({"accumulation_steps": True}, ValueError, r"accumulation_steps=True"),
         ({"accumulate_until_ready": "yes"}, TypeError, r"accumulate_until_ready='yes'"),
-        ({"reduce_dtype": torch.int32}, ValueError, r"reduce_dtype=torch.int32 must be a floating"),
+        ({"reduce_dtype": torch.int32}, ValueError, r"reduce_dtype=torch.int32 must be one of torch.float32"),
         ({"max_grad_norm": -1.0}, ValueError, r"max_grad_norm=-1.0 must be a finite number > 0"),
         ({"max_grad_norm": float("nan")}, ValueError, r"max_grad_norm=nan"),
         ({"lr_scheduler": 5}, TypeError, r"lr_scheduler must be a callable"),
