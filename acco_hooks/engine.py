@@ -337,6 +337,22 @@ class ACCOEngine:
         self._groups[gi].accumulator_views[pi].add_(grad)
         self._grad_arrived[gi][pi] = True
 
+    def hook_param_grads(self) -> list[Any]:
+        """Move each gradient into the accumulator as soon as backward produces it.
+
+        Registers a post-accumulate-grad hook on every parameter, which hands ``.grad`` to
+        :meth:`accumulate_grad` and drops it, so ``.grad`` is ``None`` after backward.
+
+        Returns:
+            The hook handles (``handle.remove()`` detaches them).
+        """
+
+        def move_grad_to_engine(param: Tensor) -> None:
+            self.accumulate_grad(param, param.grad)
+            param.grad = None
+
+        return [p.register_post_accumulate_grad_hook(move_grad_to_engine) for p in self.params]
+
     def microbatch_done(self, weight: float = 1.0) -> bool:
         """Count one micro-batch; end the round when it may. Returns whether a round ended.
 

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine
@@ -114,14 +113,7 @@ class ACCOOptimizer(EngineFrontEnd):
             timeout=timeout,
             **optimizer_kwargs,
         )
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._move_grad_to_engine)
-            for p in self.engine.params
-        ]
-
-    def _move_grad_to_engine(self, param: Tensor) -> None:
-        self.engine.accumulate_grad(param, param.grad)
-        param.grad = None
+        self._hook_handles = self.engine.hook_param_grads()
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.

@@ -17,7 +17,6 @@ import pathlib
 import resource
 
 import torch
-import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "results" / "memory.json"

@@ -12,7 +12,6 @@ The engine replaces two things of a torchtitan train spec:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -66,16 +65,9 @@ class ACCOOptimizersContainer(OptimizersContainer):
         ]
         self.engine = ACCOEngine(named, optimizer_cls, **engine_kwargs, **optimizer_kwargs)
         self.optimizers = [self.engine.optimizer]
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._move_grad_to_engine)
-            for p in self.engine.params
-        ]
+        self._hook_handles = self.engine.hook_param_grads()
         self._state_key = f"acco_engine_rank{dist.get_rank() if dist.is_initialized() else 0}"
         self._post_init([p for _, p in named], optimizer_kwargs)
-
-    def _move_grad_to_engine(self, param: torch.Tensor) -> None:
-        self.engine.accumulate_grad(param, param.grad)
-        param.grad = None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(

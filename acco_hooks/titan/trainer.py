@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
