@@ -13,11 +13,13 @@ from acco_hooks.ddp_comm_hooks import (
     delayed_allreduce_hook,
 )
 from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine
+from acco_hooks.fsdp import ACCOHSDPOptimizer
 from acco_hooks.optimizer import ACCOOptimizer
 
 __all__ = [
     "ACCOCommunicationError",
     "ACCOEngine",
+    "ACCOHSDPOptimizer",
     "ACCOOptimizer",
     "ACCOState",
     "DelayedAllReduceState",

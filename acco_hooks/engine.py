@@ -94,7 +94,7 @@ class _GroupBuffers:
 
     def __init__(
         self, params: list[Tensor], names: list[str], world_size: int, rank: int,
-        reduce_dtype: torch.dtype,
+        reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...],
     ) -> None:  # fmt: skip
         self.params, self.names = params, names
         self.locals = [_local(p) for p in params]
@@ -104,7 +104,9 @@ class _GroupBuffers:
         self.padded_numel = self.shard_numel * world_size
         dtypes = {t.dtype for t in self.locals}
         self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.norm_discounts = _norm_discounts(params, self.locals, rank, self.shard_numel)
+        self.norm_discounts = _norm_discounts(
+            params, self.locals, rank, self.shard_numel, data_parallel_ranks
+        )
 
         # Gradients accumulate in fp32 whatever the model dtype; the padding stays zero.
         self.accumulator = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
@@ -148,25 +150,32 @@ def _local(param: Tensor) -> Tensor:
     return local.detach()
 
 
-def _replication(param: Tensor) -> int:
-    """On how many ranks of its (non data-parallel) mesh a parameter's local values repeat."""
+def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
+    """On how many ranks outside the data-parallel group a parameter's local values repeat.
+
+    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
+    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
+    hold the same values by construction: it does not count.
+    """
     if not isinstance(param, DTensor):
         return 1
     mesh = param.device_mesh
     return math.prod(
         mesh.size(dim) for dim, placement in enumerate(param.placements)
         if isinstance(placement, Replicate)
+        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
     )  # fmt: skip
 
 
 def _norm_discounts(
-    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int
-) -> list[tuple[int, int, float]]:
+    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
+    data_parallel_ranks: tuple[int, ...],
+) -> list[tuple[int, int, float]]:  # fmt: skip
     """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
     discounts, offset = [], 0
     shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
     for param, local in zip(params, locals_):
-        replication = _replication(param)
+        replication = _replication(param, data_parallel_ranks)
         start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
         if replication > 1 and start < end:
             discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
@@ -205,7 +214,14 @@ class ACCOEngine:
             Default: the default process group's timeout.
         norm_process_group: the ranks whose shards make up the whole model, for the global
             gradient norm: the data-parallel group times the tensor/pipeline-parallel ranks
-            (with TP, replicated parameters count once). Default: the data-parallel group.
+            (with TP, replicated parameters count once). Default: the data-parallel group (times
+            ``fsdp_process_group``).
+        fsdp_process_group: HSDP: the ranks over which FSDP2 shards each model replica (a
+            ``ProcessGroup`` or 1-D ``DeviceMesh``, e.g. the intra-node ``fsdp`` dimension).
+            ``params`` are then FSDP's sharded parameters, whose gradients arrive
+            reduce-scattered and *summed* over this group (gradient divide factor 1); the
+            engine shards each local FSDP shard again over ``process_group``, and sums the
+            micro-batch weights and the skip decision over both groups. Default: no FSDP.
         **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
@@ -214,7 +230,8 @@ class ACCOEngine:
         "mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype", "max_grad_norm",
         "nonfinite", "timeout",
         # Process groups (used by the worker thread only) and coordinates
-        "_group", "_norm_group", "world_size", "rank", "device",
+        "_group", "_count_group", "_norm_group", "world_size", "rank", "fsdp_world_size",
+        "device",
         # Buffers and the shard optimizer
         "_groups", "_slot_of", "optimizer", "lr_scheduler",
         # In-flight work, and the failure that stopped the engine (if any)
@@ -239,6 +256,7 @@ class ACCOEngine:
         max_grad_norm: float | None = None,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         norm_process_group: Any = None,
+        fsdp_process_group: Any = None,
         nonfinite: str = "skip",
         timeout: float | None = None,
         **optimizer_kwargs: Any,
@@ -264,11 +282,31 @@ class ACCOEngine:
             )
         self.device = devices.pop()
 
-        self._group = _dedicated_group(process_group, timeout)
+        if fsdp_process_group is not None and accumulate_until_ready:
+            raise ValueError(
+                "acco_hooks: accumulate_until_ready=True cannot be combined with "
+                "fsdp_process_group: the FSDP ranks of a replica reduce-scatter together, so they "
+                "must run the same micro-batches; set accumulate_until_ready=False"
+            )
+        data_parallel_ranks = _ranks_of(process_group)
+        self._group = _dedicated_group(data_parallel_ranks, timeout)
+        # The ranks whose gradients make up one averaged gradient: the data-parallel group, or
+        # with FSDP every shard of every replica. Their weights and NaN flags are summed.
+        self._count_group, self.fsdp_world_size = self._group, 1
+        if fsdp_process_group is not None:
+            fsdp_ranks = _ranks_of(fsdp_process_group)
+            if fsdp_ranks is None:
+                raise ValueError(
+                    "acco_hooks: fsdp_process_group needs torch.distributed to be initialized"
+                )
+            self.fsdp_world_size = len(fsdp_ranks)
+            self._count_group = _dedicated_group(
+                _product_ranks(data_parallel_ranks, fsdp_ranks), timeout
+            )
         self._norm_group = (
-            self._group
+            self._count_group
             if norm_process_group is None
-            else _dedicated_group(norm_process_group, timeout)
+            else _dedicated_group(_ranks_of(norm_process_group), timeout)
         )
         self.world_size = 1 if self._group is None else dist.get_world_size(self._group)
         self.rank = 0 if self._group is None else dist.get_rank(self._group)
@@ -278,7 +316,8 @@ class ACCOEngine:
             )
 
         self._groups = [
-            _GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype)
+            _GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype,
+                          data_parallel_ranks or (0,))  # fmt: skip
             for g in groups
         ]
         self._slot_of = {
@@ -307,9 +346,11 @@ class ACCOEngine:
         self.last_global_count = 0.0
         self.last_grad_norm: float | None = None
         logger.info(
-            "acco_hooks: mode=%s world_size=%d accumulation_steps=%d accumulate_until_ready=%s "
-            "reduce_dtype=%s max_grad_norm=%s optimizer=%s (estimate: %s), %d params in %d groups",
-            mode, self.world_size, accumulation_steps, accumulate_until_ready, self.reduce_dtype,
+            "acco_hooks: mode=%s world_size=%d fsdp_world_size=%d accumulation_steps=%d "
+            "accumulate_until_ready=%s reduce_dtype=%s max_grad_norm=%s optimizer=%s (estimate: "
+            "%s), %d params in %d groups",
+            mode, self.world_size, self.fsdp_world_size, accumulation_steps,
+            accumulate_until_ready, self.reduce_dtype,
             max_grad_norm, optimizer_class.__name__,
             "functional" if has_functional_peek(self.optimizer) else "snapshot-and-restore",
             sum(len(g.params) for g in self._groups), len(self._groups),
@@ -321,6 +362,11 @@ class ACCOEngine:
     def params(self) -> list[Tensor]:
         """The model parameters the engine trains, in layout order."""
         return [p for g in self._groups for p in g.params]
+
+    @property
+    def microbatches_in_round(self) -> int:
+        """Micro-batches counted so far in the round being accumulated."""
+        return self._round_microbatches
 
     def accumulate_grad(self, param: Tensor, grad: Tensor) -> None:
         """Add one micro-batch gradient of ``param`` to the fp32 accumulator."""
@@ -576,8 +622,8 @@ class ACCOEngine:
         finite = all(bool(torch.isfinite(g.shard_sum).all()) for g in self._groups)
         counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
                               device=self.device)  # fmt: skip
-        if self._group is not None:
-            dist.all_reduce(counts, group=self._group)
+        if self._count_group is not None:
+            dist.all_reduce(counts, group=self._count_group)
         global_count, nonfinite = counts[0].item(), counts[1].item() > 0
         if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
             for g in self._groups:
@@ -654,6 +700,7 @@ class ACCOEngine:
             "version": _STATE_VERSION,
             "mode": self.mode,
             "world_size": self.world_size,
+            "fsdp_world_size": self.fsdp_world_size,
             "param_shapes": [[tuple(p.shape) for p in g.params] for g in self._groups],
             "round_index": self.round_index,
             "num_updates": self.num_updates,
@@ -682,6 +729,14 @@ class ACCOEngine:
                 f"size of {state['world_size']}, this run has {self.world_size}. Resharding the "
                 f"optimizer state is not supported yet: resume with {state['world_size']} "
                 "data-parallel ranks"
+            )
+        saved_fsdp = state.get("fsdp_world_size", 1)
+        if saved_fsdp != self.fsdp_world_size:
+            raise ValueError(
+                f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
+                f"{saved_fsdp} ways by FSDP inside each replica, this run shards it "
+                f"{self.fsdp_world_size} ways. Resharding the optimizer state is not supported "
+                f"yet: resume with an FSDP (data_parallel_shard) degree of {saved_fsdp}"
             )
         if state["mode"] != self.mode:
             raise ValueError(
@@ -829,26 +884,52 @@ def _normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     return normalized
 
 
-def _dedicated_group(process_group: Any, timeout: float | None = None) -> dist.ProcessGroup | None:
-    """A new process group with the same ranks, for the worker thread alone.
+def _ranks_of(process_group: Any) -> tuple[int, ...] | None:
+    """The sorted global ranks of a ``ProcessGroup`` or 1-D ``DeviceMesh``.
 
-    Two threads issuing collectives on one group deadlock, and ``init_device_mesh`` hands out
-    the WORLD group for a dimension spanning every rank, so the worker never shares a group with
-    the training loop. ``new_group`` must be called by every rank for every group in the same
-    order: the ranks of every data-parallel group are gathered first.
+    ``None`` (and no ``torch.distributed``): a single local worker, returned as ``None``.
     """
     if process_group is not None and hasattr(process_group, "get_group"):  # a DeviceMesh
         if process_group.ndim != 1:
             raise ValueError(
-                f"acco_hooks: process_group is a {process_group.ndim}-D DeviceMesh; pass the "
-                "data-parallel dimension, e.g. mesh['dp']"
+                f"acco_hooks: got a {process_group.ndim}-D DeviceMesh; pass one dimension of it, "
+                "e.g. mesh['dp_replicate']"
             )
         process_group = process_group.get_group()
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return None  # a single local worker
+            return None
         process_group = dist.group.WORLD
-    my_ranks = tuple(dist.get_process_group_ranks(process_group))
+    return tuple(sorted(dist.get_process_group_ranks(process_group)))
+
+
+def _product_ranks(
+    data_parallel_ranks: tuple[int, ...] | None, fsdp_ranks: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The ranks of the data-parallel × FSDP grid through this rank.
+
+    Every rank gathers every rank's two groups; the grid is the union of the FSDP groups of
+    this rank's data-parallel peers (the same set on every rank of the grid).
+    """
+    data_parallel_ranks = data_parallel_ranks or (dist.get_rank(),)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (dist.get_rank(), fsdp_ranks))
+    fsdp_of = dict(every)
+    return tuple(sorted({r for peer in data_parallel_ranks for r in fsdp_of[peer]}))
+
+
+def _dedicated_group(
+    my_ranks: tuple[int, ...] | None, timeout: float | None = None
+) -> dist.ProcessGroup | None:
+    """A new process group over ``my_ranks``, for the worker thread alone.
+
+    Two threads issuing collectives on one group deadlock, and ``init_device_mesh`` hands out
+    the WORLD group for a dimension spanning every rank, so the worker never shares a group with
+    the training loop. ``new_group`` must be called by every rank for every group in the same
+    order: the rank sets of every rank are gathered first.
+    """
+    if my_ranks is None:
+        return None  # a single local worker
     every_ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every_ranks, my_ranks)
     mine = None

@@ -1,0 +1,148 @@
+"""Rank functions for the HSDP tests: TinyNet under FSDP2 on a (replicate, shard) mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tests.scenario import OPTIMIZERS, Config, make_model, make_scheduler, microbatch_loss, param_groups
+
+
+def sharded_tiny_net(replicas: int, shards: int):
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = make_model()
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root holds `gain` (1 element: one shard is empty)
+    return model, mesh
+
+
+def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every: bool = False) -> dict[str, Any]:
+    """The scenario's training with ACCOHSDPOptimizer; every rank is one worker of ``cfg``."""
+    from acco_hooks import ACCOHSDPOptimizer
+
+    model, _ = sharded_tiny_net(replicas, world_size // replicas)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = ACCOHSDPOptimizer(
+        model, opt_class, params=param_groups(model, cfg.two_groups), mode=cfg.mode,
+        accumulation_steps=cfg.micro[rank], max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler=make_scheduler if cfg.scheduler else None,
+        sync_every_microbatch=sync_every, **kwargs,
+    )  # fmt: skip
+    weight = cfg.weights[rank] if cfg.weights else 1.0
+    for r in range(cfg.rounds):
+        for micro in range(cfg.micro[rank]):
+            (weight * microbatch_loss(model, rank, r, micro)).backward()
+            ended = opt.step(weight)
+            assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
+    opt.flush()
+    result = {
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "memory": opt.engine.memory_bytes(),
+        "num_updates": opt.num_updates,
+        "lr": [g["lr"] for g in opt.param_groups],
+    }
+    opt.close()
+    return result
+
+
+def hsdp_runs(rank: int, world_size: int, runs: list[tuple[Config, bool]], replicas: int) -> list[dict[str, Any]]:
+    """Several ``hsdp_run`` in one launch of the processes: ``(config, sync_every)`` each."""
+    return [hsdp_run(rank, world_size, cfg, replicas, sync_every) for cfg, sync_every in runs]
+
+
+def _build(cfg: Config, replicas: int, world_size: int, sync_every: bool = False):
+    from acco_hooks import ACCOHSDPOptimizer
+
+    model, _ = sharded_tiny_net(replicas, world_size // replicas)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = ACCOHSDPOptimizer(model, opt_class, params=param_groups(model, True), mode=cfg.mode,
+                            accumulation_steps=2, lr_scheduler=make_scheduler,
+                            sync_every_microbatch=sync_every, **kwargs)  # fmt: skip
+    return model, opt
+
+
+def _train(model, opt, rank: int, first: int, last: int) -> None:
+    for i in range(first, last):
+        microbatch_loss(model, rank, i // 2, i % 2).backward()
+        opt.step()
+
+
+def hsdp_resume(
+    rank: int, world_size: int, cfg: Config, replicas: int, save_at: int, sync_every: bool
+) -> dict[str, Any]:
+    """Train straight; then train to ``save_at``, rebuild everything, load, finish; compare."""
+    total = 2 * cfg.rounds
+    model, opt = _build(cfg, replicas, world_size, sync_every)
+    _train(model, opt, rank, 0, total)
+    opt.flush()
+    straight = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+
+    model, opt = _build(cfg, replicas, world_size, sync_every)
+    _train(model, opt, rank, 0, save_at)
+    mid_round = None
+    if not sync_every and save_at % 2:
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            mid_round = str(exc)
+        _train(model, opt, rank, save_at, save_at + 1)  # go on to the round end, save there
+        save_at += 1
+    saved_model = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    saved_opt = dict(opt.state_dict())
+    saved_opt = torch.utils._pytree.tree_map(  # the state holds references: copy them now
+        lambda v: v.clone() if isinstance(v, torch.Tensor) else v, saved_opt
+    )
+    opt.close()
+
+    model, opt = _build(cfg, replicas, world_size, sync_every)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(saved_model[n])
+    wrong = dict(saved_opt, fsdp_world_size=2 * opt.engine.fsdp_world_size)
+    try:
+        opt.load_state_dict(wrong)
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
+    opt.load_state_dict(saved_opt)
+    _train(model, opt, rank, save_at, total)
+    opt.flush()
+    resumed = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return {"straight": straight, "resumed": resumed, "refusal": refusal, "mid_round": mid_round}
+
+
+def hsdp_resumes(
+    rank: int, world_size: int, cases: list[tuple[Config, int, bool]], replicas: int
+) -> list[dict[str, Any]]:
+    """Several ``hsdp_resume`` in one launch: ``(config, save_at, sync_every)`` each."""
+    return [hsdp_resume(rank, world_size, cfg, replicas, at, every) for cfg, at, every in cases]
+
+
+def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
+    """What ACCOHSDPOptimizer and the engine refuse, as messages."""
+    from acco_hooks import ACCOEngine, ACCOHSDPOptimizer
+
+    errors = {}
+    mesh_1d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model = make_model()
+    fully_shard(model, mesh=mesh_1d)
+    try:
+        ACCOHSDPOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    except ValueError as exc:
+        errors["1d_mesh"] = str(exc)
+    try:
+        ACCOHSDPOptimizer(make_model(), torch.optim.AdamW, lr=1e-3)
+    except ValueError as exc:
+        errors["not_sharded"] = str(exc)
+    try:
+        ACCOEngine(make_model().parameters(), torch.optim.AdamW, fsdp_process_group=mesh_1d,
+                   accumulation_steps=2, accumulate_until_ready=True)  # fmt: skip
+    except ValueError as exc:
+        errors["until_ready"] = str(exc)
+    return errors

@@ -1,0 +1,96 @@
+"""HSDP: FSDP2 shards each replica, ACCO runs across replicas (``ACCOHSDPOptimizer``).
+
+Four gloo processes on a (replicate=2, shard=2) mesh. Each rank runs the micro-batches of one
+worker of the scenario, so the averaged gradient of a round is that of pure data parallelism
+over four workers: the HSDP run must equal the independent reference with ``world_size=4``.
+That fails if FSDP's cross-replica all-reduce still ran (gradients twice too large), if the
+weights were counted over the replicas only, or if clipping counted the replicate dimension.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.scenario import Config, reference_run
+
+WORLD, REPLICAS = 4, 2
+
+RUNS = [  # (config, FSDP reduce-scatter every micro-batch)
+    (Config(mode="acco", world_size=WORLD, rounds=6, micro=[2] * WORLD), False),
+    (Config(mode="dpu", world_size=WORLD, rounds=5, micro=[2] * WORLD), False),
+    (Config(mode="ddp", world_size=WORLD, rounds=4, micro=[3] * WORLD), False),
+    # clipping over every shard of the model, and the scheduler stepped once per real update
+    (Config(mode="acco", world_size=WORLD, rounds=6, micro=[2] * WORLD, max_grad_norm=0.05,
+            scheduler=True), False),  # fmt: skip
+    # token-weighted micro-batches that differ inside a replica
+    (Config(mode="ddp", world_size=WORLD, rounds=4, micro=[3] * WORLD,
+            weights=[1.0, 2.0, 3.0, 5.0]), False),  # fmt: skip
+    (Config(mode="acco", world_size=WORLD, rounds=6, micro=[3] * WORLD), True),
+]
+
+
+@pytest.fixture(scope="module")
+def hsdp_results():
+    return run_distributed("tests.hsdp_workers:hsdp_runs", WORLD, RUNS, REPLICAS)
+
+
+@pytest.mark.parametrize("index", range(len(RUNS)),
+                         ids=[f"{c.mode}-{i}{'-sync_every' if s else ''}" for i, (c, s) in enumerate(RUNS)])  # fmt: skip
+def test_hsdp_equals_the_reference(hsdp_results, index: int) -> None:
+    cfg, _ = RUNS[index]
+    ref = reference_run(cfg)
+    for rank, results in enumerate(hsdp_results):
+        out = results[index]
+        for name, expected in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")  # fmt: skip
+        assert out["lr"] == pytest.approx(ref["lr"])
+        assert out["num_updates"] == (cfg.rounds // 2 if cfg.mode == "acco" else cfg.rounds)
+
+
+def test_hsdp_master_and_optimizer_state_are_sharded_over_every_rank(hsdp_results) -> None:
+    """The 67 parameters end up in 1/(S·R) fp32 master shards: fewer per rank than the 67/R
+    of ACCO over the replicas alone, and together every parameter (plus padding)."""
+    elements = [results[0]["memory"]["master_shard"] // 4 for results in hsdp_results]
+    assert sum(elements) >= 67
+    for rank, (count, results) in enumerate(zip(elements, hsdp_results)):
+        assert count < 67 / REPLICAS / 1.5, f"rank {rank}: {count} master elements"
+        assert results[0]["memory"]["optimizer_state"] >= 2 * 4 * count  # AdamW's two moments
+
+
+RESUMES = [  # (config, save after this many micro-batches, sync_every_microbatch)
+    (Config(mode="acco", rounds=10), 7 * 2, False),  # an estimate in flight, its gradient carried
+    (Config(mode="ddp", rounds=10), 6 * 2, False),
+    (Config(mode="acco", rounds=10), 5 * 2 + 1, True),  # mid-round: the engine holds the shards
+    (Config(mode="acco", rounds=10), 5 * 2 + 1, False),  # mid-round: refused, saved at round end
+]
+
+
+@pytest.fixture(scope="module")
+def resume_results():
+    return run_distributed("tests.hsdp_workers:hsdp_resumes", WORLD, RESUMES, REPLICAS)
+
+
+@pytest.mark.parametrize("index", range(len(RESUMES)),
+                         ids=[f"{c.mode}-at{a}{'-sync_every' if s else ''}" for c, a, s in RESUMES])  # fmt: skip
+def test_hsdp_resume_is_exact(resume_results, index: int) -> None:
+    _, save_at, sync_every = RESUMES[index]
+    for rank, results in enumerate(resume_results):
+        out = results[index]
+        for name, value in out["straight"].items():
+            assert torch.equal(out["resumed"][name], value), f"rank {rank}: {name} differs"
+        assert "sharded 4 ways by FSDP" in out["refusal"]
+        assert "resume with an FSDP (data_parallel_shard) degree of 4" in out["refusal"]
+        if save_at % 2 and not sync_every:
+            assert "in the middle of a round" in out["mid_round"]
+            assert "sync_every_microbatch=True" in out["mid_round"]
+
+
+def test_hsdp_bad_inputs_are_refused() -> None:
+    errors = run_distributed("tests.hsdp_workers:hsdp_bad_inputs", 2)[0]
+    assert "2-D DeviceMesh (replicate, shard)" in errors["1d_mesh"]
+    assert "use ACCOOptimizer" in errors["1d_mesh"]
+    assert "no parameters managed by fully_shard" in errors["not_sharded"]
+    assert "accumulate_until_ready=True cannot be combined with fsdp_process_group" in errors["until_ready"]
