@@ -147,6 +147,51 @@ def test_a_checkpoint_interrupted_while_saving_is_skipped_on_resume(tmp_path) ->
     assert resumed == {s: straight[s] for s in (4, 5, 6)}
 
 
+HSDP = ("--training.global_batch_size", "16", *FAST, "--checkpoint.enable")  # 2 micro-batches
+
+
+def test_hsdp_ddp_mode_equals_torchtitan_hsdp(seed_checkpoint, tmp_path) -> None:
+    """2 replicas x 2 FSDP shards: the engine's synchronous mode against torchtitan's own HSDP
+    (FSDP2 on the 2-D mesh), from the same weights and data. FSDP's gradients reach the
+    engine summed over the replica; torchtitan all-reduces them across replicas instead."""
+    common = (*HSDP, "--training.steps", "4", "--checkpoint.load_only",
+              "--checkpoint.initial_load_path", str(seed_checkpoint))  # fmt: skip
+    our_norms, their_norms = {}, {}
+    ours = run_titan(4, "debug_cpu_hsdp_acco.toml", "--acco.mode", "ddp", *common,
+                     dump=tmp_path / "ours", grad_norms=our_norms)  # fmt: skip
+    theirs = run_titan(4, "debug_cpu_titan_fsdp.toml", *common,
+                       "--parallelism.data_parallel_replicate_degree", "2",
+                       dump=tmp_path / "theirs", grad_norms=their_norms)  # fmt: skip
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert float(ours[step]) == pytest.approx(float(theirs[step]), abs=2e-4), step
+        assert our_norms[step] == pytest.approx(their_norms[step], rel=1e-3), step
+    assert float(ours[4]) < float(ours[1]) - 0.1
+
+
+def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(seed_checkpoint, tmp_path) -> None:
+    """The spec's averaged gradient over 4 workers does not depend on how they are grouped:
+    ACCO over 2 FSDP-sharded replicas equals ACCO over 4 plain replicas, step for step (same
+    weights, same data per rank). A DCP checkpoint of the HSDP run resumes exactly."""
+    common = (*HSDP, "--training.steps", "6", "--checkpoint.interval", "3",
+              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
+              "--checkpoint.initial_load_path", str(seed_checkpoint))  # fmt: skip
+    norms_hsdp, norms_dp = {}, {}
+    hsdp = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, dump=tmp_path / "hsdp",
+                     grad_norms=norms_hsdp)  # fmt: skip
+    pure_dp = run_titan(4, "debug_cpu_acco.toml", *common,
+                        "--parallelism.data_parallel_replicate_degree", "4",
+                        dump=tmp_path / "dp4", grad_norms=norms_dp)  # fmt: skip
+    assert sorted(hsdp) == sorted(pure_dp) == list(range(1, 7))
+    for step in range(1, 7):
+        assert float(hsdp[step]) == pytest.approx(float(pure_dp[step]), abs=2e-4), step
+        assert norms_hsdp[step] == pytest.approx(norms_dp[step], rel=1e-3, abs=1e-6), step
+    # Resume from step 3 (an estimate in flight, its gradient carried).
+    resumed = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, "--checkpoint.load_step", "3",
+                        dump=tmp_path / "hsdp")  # fmt: skip
+    assert resumed == {s: hsdp[s] for s in (4, 5, 6)}
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -155,7 +200,9 @@ def test_a_checkpoint_interrupted_while_saving_is_skipped_on_resume(tmp_path) ->
         (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
         (("--parallelism.data_parallel_shard_degree", "2",
           "--parallelism.data_parallel_replicate_degree", "1"),
-         "data_parallel_shard_degree resolves to 2"),
+         "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas"),
+        (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
+         "set it to false with data_parallel_shard_degree > 1"),
     ],
 )
 def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path) -> None:

@@ -3,11 +3,13 @@
 The engine replaces two things of a torchtitan train spec:
 
 - the data-parallel wrapping: :func:`parallelize_without_data_parallel` runs the model's own
-  parallelize function (TP, activation checkpointing, torch.compile) with the data-parallel
-  dimension hidden, so no DDP is applied;
+  parallelize function (TP, activation checkpointing, torch.compile, FSDP) with the
+  ``dp_replicate`` dimension hidden, so no DDP is applied, and FSDP2 (if
+  ``data_parallel_shard_degree > 1``) shards over the ``fsdp`` mesh only: no cross-replica
+  all-reduce (HSDP without its slow half);
 - the optimizer: :class:`ACCOOptimizersContainer` holds one engine over every model part of
-  this rank, sharded over the ``dp_replicate`` mesh, and looks like torchtitan's
-  ``OptimizersContainer`` to the LR schedulers, metrics and checkpointing.
+  this rank, sharded over the ``dp_replicate`` mesh (on top of FSDP's sharding), and looks
+  like torchtitan's ``OptimizersContainer`` to the LR schedulers, metrics and checkpointing.
 """
 
 from __future__ import annotations
@@ -147,6 +149,10 @@ def build_acco_optimizers(
         "accumulate_until_ready": acco.accumulate_until_ready,
         "reduce_dtype": REDUCE_DTYPES[acco.reduce_dtype],
         "max_grad_norm": job_config.training.max_norm if job_config.training.max_norm > 0 else None,
+        # FSDP: each rank's parameters are its fsdp shard, gradients FSDP-summed over the node.
+        "fsdp_process_group": (
+            parallel_dims.get_mesh("fsdp") if parallel_dims.dp_shard_enabled else None
+        ),
         "norm_process_group": dist.group.WORLD if model_parallel else None,
     }
     return ACCOOptimizersContainer(
@@ -178,7 +184,11 @@ def build_acco_lr_schedulers(
 
 
 class _WithoutDataParallel:
-    """A ``ParallelDims`` view in which no data-parallel wrapping is enabled."""
+    """A ``ParallelDims`` view without the ``dp_replicate`` dimension.
+
+    Parallelize functions then apply no DDP, and FSDP over the ``fsdp`` mesh alone (instead of
+    HSDP over ``["dp_replicate", "fsdp"]``).
+    """
 
     def __init__(self, parallel_dims: ParallelDims) -> None:
         self._parallel_dims = parallel_dims
@@ -187,11 +197,11 @@ class _WithoutDataParallel:
         return getattr(self._parallel_dims, name)
 
     dp_replicate_enabled = False
-    fsdp_enabled = False
 
 
 def parallelize_without_data_parallel(parallelize_fn):
-    """Wrap a train spec's parallelize function so that it applies everything but DDP/FSDP."""
+    """Wrap a train spec's parallelize function so that it applies everything but the
+    cross-replica data parallelism (DDP, or HSDP's all-reduce)."""
 
     def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig):
         return parallelize_fn(model, _WithoutDataParallel(parallel_dims), job_config)

@@ -21,8 +21,10 @@ REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 @dataclass
 class ACCO:
     enable: bool = False
-    """Replace torchtitan's data-parallel wrapping (DDP) and optimizer with the ACCO engine over
-    the data_parallel_replicate dimension. Tensor and pipeline parallelism stay as configured."""
+    """Replace torchtitan's data-parallel wrapping and optimizer with the ACCO engine over the
+    data_parallel_replicate dimension. With data_parallel_shard_degree > 1 (HSDP), FSDP2 keeps
+    sharding each replica over the fsdp dimension and ACCO replaces only the cross-replica
+    all-reduce. Tensor and pipeline parallelism stay as configured."""
 
     mode: str = "acco"
     """'acco' (overlapped, with the estimate step), 'dpu' (overlapped, one-step-delayed update
@@ -40,6 +42,11 @@ class ACCO:
     reduce_dtype: str = "float32"
     """Dtype of the gradients on the wire: 'float32', 'bfloat16' or 'float16'. Accumulation and
     the optimizer's master weights stay float32."""
+
+    fsdp_sync_every_microbatch: bool = False
+    """With data_parallel_shard_degree > 1: let FSDP reduce-scatter the gradients of every
+    micro-batch (less memory) instead of only the round's last one (less intra-replica
+    traffic; the default). Pipeline parallel schedules reduce-scatter every micro-batch anyway."""
 
 
 @dataclass
@@ -87,17 +94,23 @@ def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -
     shard = par.data_parallel_shard_degree
     if shard == -1 and replicate > 0:
         shard = world_size // max(1, replicate * others)
-    if shard != 1:
-        raise ValueError(
-            f"[parallelism] data_parallel_shard_degree resolves to {shard}, but [acco] enable "
-            "does not compose with FSDP sharding yet (HSDP composition is a planned feature): "
-            "set data_parallel_shard_degree = 1 and data_parallel_replicate_degree to the "
-            "data-parallel size"
-        )
     if replicate < 2:
         raise ValueError(
-            f"[parallelism] data_parallel_replicate_degree = {replicate}: [acco] enable needs a "
-            "data-parallel dimension of at least 2 ranks; set data_parallel_replicate_degree"
+            f"[parallelism] data_parallel_replicate_degree = {replicate}: [acco] enable runs "
+            "across model replicas and needs at least 2 of them; set "
+            "data_parallel_replicate_degree (with data_parallel_shard_degree > 1, FSDP shards "
+            "each replica: HSDP)"
+        )
+    if not isinstance(acco.fsdp_sync_every_microbatch, bool):
+        raise ValueError(
+            f"[acco] fsdp_sync_every_microbatch = {acco.fsdp_sync_every_microbatch!r}: must be "
+            "true or false"
+        )
+    if acco.accumulate_until_ready and shard > 1:
+        raise ValueError(
+            f"[acco] accumulate_until_ready = true needs every rank of a model replica to run the "
+            f"same micro-batches, which the data_parallel_shard_degree = {shard} FSDP ranks of a "
+            "replica cannot agree on: set it to false with data_parallel_shard_degree > 1"
         )
     if par.context_parallel_degree != 1 or par.expert_parallel_degree != 1:
         raise ValueError(

@@ -29,6 +29,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
 from acco_hooks.titan.components import (
     ACCOOptimizersContainer,
     build_acco_lr_schedulers,
@@ -103,6 +104,8 @@ class ACCOTrainer(Trainer):
         finally:
             _TRAINER_BEING_BUILT.reset(token)
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        # HSDP: FSDP2 shards each replica; its gradient reduce-scatter is switched per micro-batch
+        self._fsdp_modules = fsdp_modules(self.model_parts)
         # A step's metrics are all-reduced without waiting and logged at the start of the next
         # step: a blocking all-reduce per step would make a fast rank wait for the slowest one
         # every round, which is what accumulate_until_ready exists to avoid.
@@ -130,7 +133,8 @@ class ACCOTrainer(Trainer):
             f"ACCO: mode={job_config.acco.mode} rounds={job_config.training.steps} "
             f"real updates={real_updates(job_config.acco.mode, job_config.training.steps)} "
             f"micro-batches per round={self.optimizers.engine.accumulation_steps} "
-            f"data-parallel degree={self.parallel_dims.dp_replicate}"
+            f"replicas (ACCO degree)={self.parallel_dims.dp_replicate} "
+            f"FSDP shards per replica={self.parallel_dims.dp_shard}"
         )
 
     def train_step(
@@ -144,6 +148,10 @@ class ACCOTrainer(Trainer):
         tokens = torch.zeros((), dtype=torch.int64)
         round_ended = False
         while not round_ended:
+            if self._fsdp_modules:
+                set_gradient_sync_for_next_microbatch(
+                    engine, self._fsdp_modules, self.job_config.acco.fsdp_sync_every_microbatch
+                )
             input_dict, labels = next(data_iterator)
             valid = (labels != IGNORE_INDEX).sum()
             for key, value in input_dict.items():
@@ -213,7 +221,7 @@ class ACCOTrainer(Trainer):
                 f"data_parallel={self.parallel_dims.dp_replicate} rounds={engine.round_index} "
                 f"updates={engine.num_updates} tokens_per_rank={self.ntokens_seen} "
                 f"first_loss={losses[0]:.4f} final_loss={sum(losses[-tail:]) / tail:.4f} "
-                f"time={time.perf_counter() - start:.1f}s"
+                f"time={time.perf_counter() - start:.1f}s fsdp_shards={self.parallel_dims.dp_shard}"
             )
 
     def close(self) -> None:
