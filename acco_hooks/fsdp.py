@@ -76,21 +76,23 @@ def _turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
             "ACCOHSDPOptimizer can adjust; use torch 2.13"
         ) from exc
     groups = None
-    for module in modules:
-        for param_group in module._get_fsdp_state()._fsdp_param_groups:
-            info = param_group.mesh_info
-            if not isinstance(info, HSDPMeshInfo):
-                raise ValueError(
-                    "acco_hooks: ACCOHSDPOptimizer needs a model wrapped with fully_shard on a "
-                    "2-D DeviceMesh (replicate, shard), e.g. init_device_mesh(device, (R, S), "
-                    "mesh_dim_names=('dp_replicate', 'dp_shard')); this module is sharded on a "
-                    f"{info.mesh.ndim}-D mesh {info.mesh.mesh_dim_names}. For pure data "
-                    "parallelism use ACCOOptimizer"
-                )
-            groups = groups or (info.replicate_process_group, info.shard_process_group)
-            param_group.mesh_info = FSDPMeshInfo(
-                mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim
+    param_groups = {  # fully_shard([a, b]) gives a and b one state: visit each group once
+        id(g): g for module in modules for g in module._get_fsdp_state()._fsdp_param_groups
+    }
+    for param_group in param_groups.values():
+        info = param_group.mesh_info
+        if not isinstance(info, HSDPMeshInfo):
+            raise ValueError(
+                "acco_hooks: ACCOHSDPOptimizer needs a model wrapped with fully_shard on a "
+                "2-D DeviceMesh (replicate, shard), e.g. init_device_mesh(device, (R, S), "
+                "mesh_dim_names=('dp_replicate', 'dp_shard')); this module is sharded on a "
+                f"{info.mesh.ndim}-D mesh {info.mesh.mesh_dim_names}. For pure data "
+                "parallelism use ACCOOptimizer"
             )
+        groups = groups or (info.replicate_process_group, info.shard_process_group)
+        param_group.mesh_info = FSDPMeshInfo(
+            mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim
+        )
     if groups is None:
         raise ValueError(
             "acco_hooks: ACCOHSDPOptimizer: the model has no parameters managed by fully_shard; "

@@ -1,12 +1,15 @@
 """Memory per rank of each mode against the spec's table (torchtitan's llama3 debug model).
 
-    python -m benchmarks.memory            # ~1 min, 2 gloo ranks over loopback
+    python -m benchmarks.memory            # ~2 min, 2 (HSDP: 4) gloo ranks over loopback
 
 For acco, dpu and ddp (the engine) and a plain unsharded AdamW: the bytes the optimizer side
 holds by category (``ACCOEngine.memory_bytes()``), the spec's prediction for the same
 categories (fp32 model, so 4 bytes per element everywhere), and the growth of the process's peak
 RSS over 6 rounds of real forward/backward (activations included; the same for every mode). The
 estimate step's cost is read off as acco's peak RSS minus dpu's (dpu never estimates).
+The HSDP row (``acco_hsdp``) runs ACCO across R=2 replicas, each sharded by FSDP2 over S=2
+ranks (``ACCOHSDPOptimizer``, 4 ranks): everything the engine holds is 1/S of the ``acco`` row
+(R=2 replicas without FSDP), the master shard and optimizer state included.
 Writes docs/results/memory.json.
 """
 
@@ -35,6 +38,8 @@ def run(rank: int, world_size: int, mode: str) -> dict:
     model = Transformer(llama3_args["debugmodel"])
     with torch.no_grad():
         model.init_weights()
+    if mode == "acco_hsdp":
+        model = _fully_shard_2x2(model, world_size)
     tokens = torch.randint(0, 2048, (2, 129), generator=torch.Generator().manual_seed(rank))
     loss_fn = torch.nn.functional.cross_entropy
 
@@ -58,7 +63,12 @@ def run(rank: int, world_size: int, mode: str) -> dict:
                                    for v in s.values() if torch.is_tensor(v)),  # fmt: skip
         }
     else:
-        opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, lr=1e-4)
+        if mode == "acco_hsdp":
+            from acco_hooks import ACCOHSDPOptimizer
+
+            opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, mode="acco", lr=1e-4)
+        else:
+            opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, lr=1e-4)
         for _ in range(6):
             microbatch()
             opt.step()
@@ -67,6 +77,19 @@ def run(rank: int, world_size: int, mode: str) -> dict:
         opt.close()
     return {"tracked_bytes": tracked, "rss_growth_bytes": _rss_peak_bytes() - baseline,
             "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+
+
+def _fully_shard_2x2(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2 on a (replicate=2, shard=world/2) mesh, one unit per block as torchtitan does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    fully_shard(model.tok_embeddings, mesh=mesh)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard([model.norm, model.output], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def spec_prediction(params: int, n: int) -> dict:
@@ -79,8 +102,8 @@ def main() -> None:
     from tests.dist_utils import run_distributed
 
     results = {}
-    for mode in ("adamw_unsharded", "ddp", "dpu", "acco"):
-        world = 1 if mode == "adamw_unsharded" else 2
+    for mode in ("adamw_unsharded", "ddp", "dpu", "acco", "acco_hsdp"):
+        world = {"adamw_unsharded": 1, "acco_hsdp": 4}.get(mode, 2)
         results[mode] = run_distributed("benchmarks.memory:run", world, mode)[0]
     params = results["acco"]["params"]
     results["spec_prediction_acco_n2"] = spec_prediction(params, 2)
@@ -101,7 +124,14 @@ def main() -> None:
     unsharded = results["adamw_unsharded"]["tracked_bytes"]
     print(f"unsharded AdamW: optimizer state {unsharded['optimizer_state'] / mib:.1f} MiB, "
           f"grads {unsharded['grads'] / mib:.1f} MiB")  # fmt: skip
-    for mode in ("adamw_unsharded", "ddp", "dpu", "acco"):
+    hsdp, acco = results["acco_hsdp"]["tracked_bytes"], results["acco"]["tracked_bytes"]
+    results["hsdp_reduction_vs_acco"] = {cat: acco[cat] / hsdp[cat] for cat in acco}
+    print("HSDP (2 replicas x 2 FSDP shards) vs acco over 2 plain replicas, per rank:")
+    for cat in acco:
+        print(f"  {cat:<18}{acco[cat] / mib:8.1f} MiB -> {hsdp[cat] / mib:6.1f} MiB "
+              f"(/{results['hsdp_reduction_vs_acco'][cat]:.2f})")
+    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    for mode in ("adamw_unsharded", "ddp", "dpu", "acco", "acco_hsdp"):
         print(f"peak RSS growth over training, {mode}: {results[mode]['rss_growth_bytes'] / mib:.1f} MiB")
     print(f"estimate step (acco - dpu peak RSS): {results['estimate_step_rss_cost_bytes'] / mib:+.1f} MiB")
     print(f"wrote {OUT}")
