@@ -1,0 +1,31 @@
+"""Every shipped torchtitan config parses with the [acco] section and passes validation at the
+world size its parallelism asks for (no training: this is what fails first on a cluster)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+
+from acco_hooks.titan.config import JobConfig, validate_acco_config
+
+ROOT = pathlib.Path(__file__).parents[1]
+CONFIGS = sorted((ROOT / "torchtitan_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_config_is_valid(path: pathlib.Path) -> None:
+    from torchtitan.config import ConfigManager
+
+    config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path)])
+    par = config.parallelism
+    assert par.data_parallel_shard_degree >= 1, "give the shard degree explicitly"
+    world = math.prod((par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
+                       par.tensor_parallel_degree, par.pipeline_parallel_degree))  # fmt: skip
+    validate_acco_config(config, world_size=world)
+    batch = config.training.local_batch_size * par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    assert config.training.global_batch_size % batch == 0, "global batch: a whole number of micro-batches"
+    if "hsdp" in path.name:
+        assert config.acco.enable and par.data_parallel_shard_degree > 1
+        assert par.data_parallel_replicate_degree > 1
