@@ -48,7 +48,7 @@ from acco_hooks._collectives import all_gather, reduce_scatter_sum
 from acco_hooks._peek import has_functional_peek, peek
 from acco_hooks._worker import CommWorker
 
-__all__ = ["ACCOCommunicationError", "ACCOEngine", "MODES"]
+__all__ = ["ACCOCommunicationError", "ACCOEngine", "MODES", "real_updates"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,12 @@ NONFINITE_POLICIES = ("skip", "raise")
 # Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _STATE_VERSION = 1
+
+
+def real_updates(mode: str, rounds: int) -> int:
+    """Real optimizer updates in ``rounds`` rounds: every other round in ``acco``, every round
+    in ``dpu`` and ``ddp``. Schedules counted in updates use it."""
+    return rounds // 2 if mode == "acco" else rounds
 
 
 class ACCOCommunicationError(RuntimeError):
@@ -235,7 +241,8 @@ class ACCOEngine:
         # Buffers and the shard optimizer
         "_groups", "_slot_of", "optimizer", "lr_scheduler",
         # In-flight work, and the failure that stopped the engine (if any)
-        "_worker", "_in_flight", "_in_flight_job", "_in_flight_round", "_failure",
+        "_worker", "_in_flight", "_in_flight_job", "_in_flight_round", "_in_flight_seen",
+        "_failure",
         # Round bookkeeping (saved in checkpoints)
         "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
         "_grad_arrived",
@@ -334,6 +341,7 @@ class ACCOEngine:
         self._in_flight: Future | None = None
         self._in_flight_job: _Job | None = None
         self._in_flight_round = -1
+        self._in_flight_seen = False  # its statistics were taken (state_dict() waits early)
         self._failure: ACCOCommunicationError | None = None
         self.round_index = 0
         self.num_updates = 0
@@ -452,7 +460,7 @@ class ACCOEngine:
             self._local_count = 0.0
         job = _Job.ESTIMATE if estimate else _Job.UPDATE
         self._in_flight = self._worker.submit(self._communicate, job, count)
-        self._in_flight_job = job
+        self._in_flight_job, self._in_flight_seen = job, False
         self._in_flight_round = self.round_index
 
         self.last_round_microbatches = self._round_microbatches
@@ -508,7 +516,8 @@ class ACCOEngine:
                 "ranks fail their round too; restart from the last complete checkpoint"
             )
             raise self._failure from exc
-        if stats is not None:  # None: a re-gather after loading a checkpoint
+        if stats is not None and not self._in_flight_seen:  # None: a re-gather after a load
+            self._in_flight_seen = True
             self.last_global_count, self.last_grad_norm, nonfinite = stats
             if nonfinite:
                 self._on_nonfinite()

@@ -124,3 +124,24 @@ def test_nonfinite_round_warns_with_its_number_on_every_rank() -> None:
 def test_nonfinite_raise_policy_raises_on_every_rank() -> None:
     for message in run_distributed("tests.test_failures:nonfinite_warning_run", 2, "raise"):
         assert message.startswith("FloatingPointError: acco_hooks: the averaged gradient of round 2")
+
+
+def test_saving_while_a_nonfinite_round_is_in_flight_counts_it_once() -> None:
+    """state_dict() waits for the in-flight round early; the round end must not count it again."""
+    from acco_hooks import ACCOOptimizer
+    from tests.scenario import make_model, microbatch_loss
+
+    model = make_model()
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="dpu", lr=1e-2)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for r in range(4):
+            scale = float("nan") if r == 1 else 1.0
+            (scale * microbatch_loss(model, 0, r, 0)).backward()
+            opt.step()
+            if r == 1:
+                opt.state_dict()  # round 1 (NaN) is in flight: its statistics are taken here
+        opt.flush()
+    opt.close()
+    assert opt.engine.skipped_rounds == 1
+    assert sum("non-finite" in str(w.message) for w in records) == 1

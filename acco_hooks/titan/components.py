@@ -24,7 +24,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import LRScheduler as LRSchedulerConfig
 from torchtitan.distributed import ParallelDims
 
-from acco_hooks.engine import ACCOEngine
+from acco_hooks.engine import ACCOEngine, real_updates
 from acco_hooks.titan.config import REDUCE_DTYPES, JobConfig
 
 __all__ = [
@@ -158,11 +158,6 @@ def build_acco_optimizers(
     return ACCOOptimizersContainer(
         model_parts, _OPTIMIZER_CLASSES[optimizer_config.name], optimizer_kwargs, engine_kwargs
     )
-
-
-def real_updates(mode: str, rounds: int) -> int:
-    """Real optimizer updates in ``rounds`` rounds: every other round in ``acco``."""
-    return rounds // 2 if mode == "acco" else rounds
 
 
 def build_acco_lr_schedulers(
