@@ -1,0 +1,680 @@
+"""``ACCOTrainer``: the Hugging Face ``Trainer`` with the ACCO engine for DDP and the optimizer.
+
+What changes from a plain ``Trainer`` (everything else is the Trainer's own: data loading and
+per-rank sharding, the loss and its normalisation, mixed precision, evaluation, logging,
+callbacks, checkpoint folders, ``resume_from_checkpoint``):
+
+* **No DDP wrapper.** The model is prepared by ``accelerate`` for autocast/compile only; the
+  engine broadcasts rank 0's weights when it is built and does the gradient reduction.
+* **The optimizer is the engine.** ``create_optimizer`` builds an :class:`ACCOEngine` over the
+  Trainer's two parameter groups (weight decay / none) with the optimizer class and keyword
+  arguments of ``TrainingArguments.optim`` (or ``optimizer_cls_and_kwargs``). A
+  post-accumulate-grad hook moves each gradient into the engine during backward, so ``.grad``
+  stays empty and the Trainer's own clipping has nothing to clip: ``max_grad_norm`` goes to the
+  engine, which clips the averaged gradient (global norm, on its shard).
+* **One Trainer step is one round** of ``gradient_accumulation_steps`` micro-batches per rank.
+  ``training_step`` counts each micro-batch with the engine; the round ends (and its
+  communication starts on the engine's thread) with the step's last micro-batch.
+* **Real updates and the LR schedule.** ``ddp`` and ``dpu`` update once per round; ``acco``
+  once every other round. The scheduler named by ``lr_scheduler_type`` is built on the
+  engine's shard optimizer for the number of *real updates* (``max_steps // 2`` in ``acco``),
+  warm-up scaled alike, and the engine steps it after each real update.
+
+Loss scaling. The engine averages ``Σ gradients / Σ weights`` over all ranks, so each
+micro-batch's weight is the share of a unit that the Trainer's loss already divides by:
+``items · f / num_items_in_batch`` when the loss is normalised by the number of label tokens
+(``f`` = the number of processes when ``average_tokens_across_devices`` scales the loss by it),
+``1 / gradient_accumulation_steps`` when the Trainer divides a per-micro-batch mean by it.
+``ddp`` mode then takes exactly the update of a plain ``Trainer`` with DDP (measured: float
+noise, see ``docs/hf.md``).
+
+Checkpoints. Each rank writes its engine shard to ``acco_engine_rank{r}.pt`` in the checkpoint
+folder (atomically, with :func:`acco_hooks.checkpoint.save`). The folder's model weights are the
+real parameters θ; when the live parameters differ from θ (``acco``: the estimate θ̃; ``dpu``:
+the parameters one update behind), rank 0 also writes them to ``acco_live_params.pt``, and
+``resume_from_checkpoint`` puts them back, so a resumed run continues exactly. Evaluation also
+runs at θ without changing the training trajectory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.optimization import get_scheduler
+
+from acco_hooks import checkpoint as acco_checkpoint
+from acco_hooks._frontend import EngineFrontEnd
+from acco_hooks.engine import ACCOEngine, real_updates
+from acco_hooks.hf.arguments import ACCOArguments
+
+__all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
+
+logger = logging.getLogger(__name__)
+
+ENGINE_FILE = "acco_engine_rank{rank}.pt"
+LIVE_PARAMS_FILE = "acco_live_params.pt"
+_CHECKPOINT_FORMAT = 1
+_NO_CLIPPING = 1e30
+# LR schedules that need the training loop's metrics (the engine steps schedules by itself).
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+# Trainer internals this class overrides: a transformers release that renames one would leave
+# the override silently unused, so the import fails instead.
+_OVERRIDDEN = (
+    "_prepare_for_training", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
+    "_get_learning_rate", "_save_checkpoint", "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler", "_finalize_training",
+)  # fmt: skip
+_missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
+if _missing:
+    import transformers
+
+    raise ImportError(
+        f"acco_hooks.hf: transformers {transformers.__version__} has no Trainer."
+        f"{', Trainer.'.join(_missing)}; ACCOTrainer is written for transformers 5.x"
+    )
+
+
+class _EngineOptimizer(EngineFrontEnd):
+    """What the Trainer holds as ``trainer.optimizer``: the engine, fed by ``training_step``.
+
+    ``step()`` and ``zero_grad()`` are no-ops: rounds end in ``training_step`` and gradients
+    never stay in ``.grad``. ``param_groups`` are the shard optimizer's (current ``lr`` there).
+    """
+
+    def __init__(self, engine: ACCOEngine) -> None:
+        self.engine = engine
+        self._hook_handles = engine.hook_param_grads()
+
+    def step(self, closure: Any = None) -> None:
+        """No-op: the Trainer step's last micro-batch already ended the engine's round."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: gradients live in the engine."""
+
+    def close(self) -> None:
+        """Drain the communication, stop its thread and remove the gradient hooks."""
+        try:
+            super().close()
+        finally:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+
+
+class _EngineSchedule:
+    """What the Trainer holds as ``trainer.lr_scheduler``; the real one is the engine's.
+
+    The engine steps its scheduler after each real update (every other round in ``acco``), so
+    the Trainer's per-step ``lr_scheduler.step()`` must not: it is a no-op here. The state is
+    saved with the engine's.
+    """
+
+    def __init__(self, optimizer: _EngineOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """No-op: the engine steps the real scheduler after each real update."""
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # in the engine's state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the engine's state holds the schedule."""
+
+
+@dataclass
+class _Snapshot:
+    """The engine state at a save or evaluation point, and the live parameters if not θ."""
+
+    engine_state: dict[str, Any]
+    live_params: dict[str, torch.Tensor] | None
+
+
+class ACCOTrainer(Trainer):
+    r"""``transformers.Trainer`` whose data parallelism and optimizer are the ACCO engine.
+
+    Launch it as any Trainer script (``torchrun --nproc_per_node N train.py``, CPU/gloo or
+    CUDA/nccl); each process runs a full model replica on its shard of the data. The
+    ``TrainingArguments`` keep their meaning: ``gradient_accumulation_steps`` micro-batches per
+    round and Trainer step, ``max_steps``/``num_train_epochs`` count rounds, the learning rate and
+    ``lr_scheduler_type`` advance once per real update (every other round in ``acco``),
+    ``max_grad_norm`` clips the averaged gradient, logging, evaluation and checkpoint
+    strategies, ``bf16``, seeds.
+
+    Tuning: see :class:`ACCOArguments`. A real update in ``acco`` uses two rounds of
+    gradients: at equal ``TrainingArguments``, ``acco`` makes half the updates of ``ddp``, each
+    on twice the tokens. Compare them per token (the same data), or give ``ddp`` twice the
+    ``gradient_accumulation_steps`` and half the ``max_steps`` for the same updates.
+
+    .. warning::
+        In ``acco`` mode the model holds the estimate θ̃ after every other step. Evaluation,
+        checkpoints' model files and the model after ``train()`` are the real θ (the trainer
+        swaps θ in and out); anything else that reads the model during training (a callback,
+        ``trainer.model`` in ``on_step_end``) may see θ̃. Call ``trainer.optimizer.flush()`` to
+        put θ in the model for good (the next round then computes at θ instead of θ̃).
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer``. ``optimizers=(optimizer, scheduler)``
+            is refused (the engine builds its own over a shard); pass
+            ``optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})`` to choose the optimizer.
+        acco_args: the ACCO settings; default ``ACCOArguments()`` (``mode="acco"``).
+
+    Raises:
+        ValueError: at construction, for a combination the engine cannot serve (DeepSpeed,
+            FSDP, fp16 loss scaling, DataParallel, ...), naming the setting and the fix.
+
+    Example::
+
+        >>> trainer = ACCOTrainer(model=model, args=TrainingArguments(output_dir="out",
+        ...                       gradient_accumulation_steps=4, max_steps=1000, bf16=True),
+        ...                       train_dataset=train, eval_dataset=val,
+        ...                       acco_args=ACCOArguments(mode="acco"))
+        >>> trainer.train()                 # torchrun --nproc_per_node 8 train.py
+        >>> trainer.save_model("final")     # the real parameters θ
+    """
+
+    def __init__(self, *args: Any, acco_args: ACCOArguments | None = None, **kwargs: Any) -> None:
+        acco_args = ACCOArguments() if acco_args is None else acco_args
+        if not isinstance(acco_args, ACCOArguments):
+            raise TypeError(
+                f"ACCOTrainer: acco_args must be an acco_hooks.hf.ACCOArguments, got "
+                f"{type(acco_args).__name__}"
+            )
+        bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
+        _refuse_before_init(bound.get("args"), acco_args, bound.get("optimizers"))
+        self.acco_args = acco_args
+        self._acco_max_steps: int | None = None
+        self._acco_lr: float | None = None  # LR the latest round's gradients are applied with
+        self._acco_snapshot: _Snapshot | None = None  # set while a checkpoint is written
+        self._acco_rounds_since_log = 0
+        self._acco_wait_since_log = 0.0
+        self._acco_storage: list[tuple[torch.Tensor, int]] = []
+        self._acco_step_start = True
+        super().__init__(*args, **kwargs)
+        self._refuse_after_init()
+
+    # --------------------------------------------------------------------------- the engine
+
+    @property
+    def engine(self) -> ACCOEngine | None:
+        """The ACCO engine of the current ``train()`` call (``None`` outside of training)."""
+        optimizer = getattr(self, "optimizer", None)
+        return optimizer.engine if isinstance(optimizer, _EngineOptimizer) else None
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> Any:
+        self._acco_max_steps = max_steps
+        if self.acco_args.mode == "acco" and max_steps % 2:
+            logger.warning(
+                "ACCOTrainer: max_steps=%d rounds is odd: in acco mode the last round computes "
+                "at an estimate whose update never comes, its gradients are unused. Use an even "
+                "number of steps.", max_steps,
+            )  # fmt: skip
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self._acco_max_steps = num_training_steps
+        super().create_optimizer_and_scheduler(num_training_steps)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> _EngineOptimizer:
+        """Build the ACCO engine over the Trainer's parameter groups (the Trainer's optimizer)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        optimizer_cls, optimizer_kwargs = self._optimizer_cls_and_kwargs(opt_model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [(n, p) for n, p in named if n in decay],
+             "weight_decay": self.args.weight_decay},
+            {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]  # fmt: skip
+        # Without clipping, a bound no norm reaches: the engine still measures the gradient
+        # norm, which the Trainer logs as ``grad_norm`` in any case (a scalar all-reduce).
+        max_grad_norm = self.args.max_grad_norm
+        if not (max_grad_norm and max_grad_norm > 0):
+            max_grad_norm = _NO_CLIPPING
+        engine_kwargs = self.acco_args.engine_kwargs()
+        if engine_kwargs["timeout"] is None and self.args.ddp_timeout:
+            engine_kwargs["timeout"] = float(self.args.ddp_timeout)  # as the default group's
+        engine = ACCOEngine(
+            [g for g in groups if g["params"]],
+            optimizer_cls,
+            accumulation_steps=self.args.gradient_accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            lr_scheduler=self._build_engine_lr_scheduler,
+            **engine_kwargs,
+            **optimizer_kwargs,
+        )
+        self.optimizer = _EngineOptimizer(engine)
+        # The engine holds views of the parameters' storage: a later ``model.to()`` or
+        # ``param.data = ...`` would leave it updating dead memory. Checked at each step.
+        self._acco_storage = [(p, p.data_ptr()) for p in engine.params]
+        updates = real_updates(self.acco_args.mode, self._max_rounds())
+        logger.info(
+            "ACCOTrainer: mode=%s, %d rounds of %d micro-batches per rank, %d real updates, "
+            "%d ranks, optimizer %s", self.acco_args.mode, self._max_rounds(),
+            self.args.gradient_accumulation_steps, updates, engine.world_size,
+            optimizer_cls.__name__,
+        )  # fmt: skip
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> _EngineSchedule:
+        """The Trainer's view of the engine's scheduler (built with the engine)."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = _EngineSchedule(self.optimizer)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _max_rounds(self) -> int:
+        if self._acco_max_steps is not None:
+            return self._acco_max_steps
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        raise RuntimeError(
+            "ACCOTrainer: the number of training steps is not known yet; build the optimizer "
+            "through train() or create_optimizer_and_scheduler(num_training_steps)"
+        )
+
+    def _build_engine_lr_scheduler(self, shard_optimizer: torch.optim.Optimizer) -> Any:
+        """The ``lr_scheduler_type`` schedule over the real updates, on the shard optimizer."""
+        rounds = self._max_rounds()
+        updates = max(1, real_updates(self.acco_args.mode, rounds))
+        if self.args.warmup_steps < 1:  # a ratio of the schedule
+            warmup = self.args.get_warmup_steps(updates)
+        else:  # counted in Trainer steps (rounds): as many rounds of warm-up, in updates
+            warmup = math.ceil(int(self.args.warmup_steps) * updates / max(1, rounds))
+        return get_scheduler(
+            self.args.lr_scheduler_type,
+            optimizer=shard_optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=updates,
+            scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+        )
+
+    def _optimizer_cls_and_kwargs(self, model: nn.Module) -> tuple[type, dict[str, Any]]:
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+            source = "optimizer_cls_and_kwargs"
+        else:
+            optim = str(getattr(self.args.optim, "value", self.args.optim))
+            if optim.startswith("schedule_free"):
+                raise ValueError(
+                    f"ACCOTrainer: TrainingArguments.optim={optim!r}: schedule-free optimizers "
+                    "evaluate at other weights than they train (optimizer.eval()/train()), which "
+                    "the ACCO engine's shard optimizer does not follow. Use optim='adamw_torch' "
+                    "with an LR schedule"
+                )
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            source = f"TrainingArguments.optim={optim!r}"
+        kwargs = dict(kwargs)
+        special = sorted({"params", "model", "optimizer_dict"} & kwargs.keys())
+        is_torch_optimizer = isinstance(optimizer_cls, type) and issubclass(
+            optimizer_cls, torch.optim.Optimizer
+        )
+        if not is_torch_optimizer or special:
+            raise ValueError(
+                f"ACCOTrainer: {source} gives {getattr(optimizer_cls, '__name__', optimizer_cls)}"
+                + (f" built over its own {', '.join(special)}" if special else "")
+                + ", which the ACCO engine cannot run on a flat shard of the parameters. Use a "
+                "torch.optim optimizer such as optim='adamw_torch_fused' (the default), "
+                "'adamw_torch', 'adafactor' or 'sgd', or "
+                "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
+            )
+        return optimizer_cls, kwargs
+
+    # ----------------------------------------------------------------- no DDP, no own clipping
+
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
+        if not training:
+            return super()._wrap_model(model, training=training, dataloader=dataloader)
+        if self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model:
+            return model  # already prepared by an earlier train() call
+        # Autocast and torch.compile as configured, without accelerate's DDP wrapper: the
+        # engine reduces the gradients. ``prepare_model`` marks the model prepared, so the
+        # Trainer's later ``accelerator.prepare(model, optimizer)`` leaves it as it is. No device
+        # placement: the Trainer placed the model before the engine took views of its
+        # parameters, and ``model.to()`` may re-allocate them (it does under torch.distributed).
+        return self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def _clip_grad_norm(self, model: nn.Module) -> float | None:
+        """The engine clips; this is the norm of the latest averaged gradient it saw."""
+        engine = self.engine
+        return None if engine is None else engine.last_grad_norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        # ``.grad`` is empty: the engine measured the norm (also without clipping)
+        return self._clip_grad_norm(model) if grad_norm is None else grad_norm
+
+    def _get_learning_rate(self) -> float:
+        if self._acco_lr is not None:
+            return self._acco_lr
+        return super()._get_learning_rate()
+
+    # ------------------------------------------------------------------------ micro-batches
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """The Trainer's forward and backward; then the micro-batch is counted by the engine.
+
+        The gradient went to the engine's accumulator during backward. The micro-batch's weight
+        makes the engine's ``Σ gradients / Σ weights`` the average the Trainer's loss scaling
+        means (see the module docstring). The step's last micro-batch ends the round: a short
+        step (the last of an epoch) is padded with empty micro-batches, which weigh nothing.
+        """
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("ACCOTrainer.training_step runs inside train() only")
+        if self._acco_step_start:
+            self._check_parameter_storage()
+        items = self._local_items(inputs)  # before compute_loss consumes the inputs
+        last = self.accelerator.sync_gradients
+        if last:  # the LR this round's gradients will be applied with, for the log
+            self._acco_lr = float(engine.optimizer.param_groups[0]["lr"])
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        weight = self._microbatch_weight(items, num_items_in_batch)
+        ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()
+        while last and not ended:
+            ended = engine.skip_microbatch()
+        if ended:
+            self._acco_rounds_since_log += 1
+            self._acco_wait_since_log += engine.last_wait_s
+        self._acco_step_start = last
+        return loss
+
+    def _check_parameter_storage(self) -> None:
+        moved = [p for p, ptr in self._acco_storage if p.data_ptr() != ptr]
+        if moved:
+            raise RuntimeError(
+                f"ACCOTrainer: {len(moved)} model parameters were re-allocated after the ACCO "
+                "engine was built (model.to(), param.data = ..., a wrapper that copies them); the "
+                "engine would keep updating the old memory. Move or wrap the model before "
+                "train(), not during it"
+            )
+
+    def _local_items(self, inputs: dict[str, Any]) -> int | None:
+        """The label tokens of one micro-batch, counted as the Trainer counts num_items_in_batch."""
+        if "shift_labels" in inputs:
+            labels = inputs["shift_labels"]
+        elif "labels" in inputs and isinstance(inputs["labels"], torch.Tensor):
+            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
+        else:
+            return None
+        return int(labels.ne(-100).sum())
+
+    def _microbatch_weight(self, items: int | None, num_items_in_batch: Any) -> float:
+        """How much of the engine's weighting unit the back-propagated loss sums over."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # the Trainer's own rule (Trainer.training_step)
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        if not scaled or num_items_in_batch is None or items is None:
+            # A per-micro-batch mean that the Trainer divided by the step's micro-batches (or a
+            # loss the user normalised over the step): every micro-batch is an equal share.
+            return 1.0 / self.current_gradient_accumulation_steps
+        factor = 1
+        if self.args.average_tokens_across_devices and (
+            self.model_accepts_loss_kwargs or self.compute_loss_func
+        ):  # compute_loss multiplied the loss by the number of processes
+            factor = self.accelerator.num_processes // self.get_tp_size()
+        return items * factor / float(num_items_in_batch)
+
+    # --------------------------------------------------------------- logs and evaluation at θ
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        engine = self.engine
+        if engine is not None and "loss" in logs:
+            logs["acco/round"] = engine.round_index
+            # Updates started (deterministic): the latest may still be communicating.
+            logs["acco/real_updates"] = real_updates(self.acco_args.mode, engine.round_index)
+            rounds = max(1, self._acco_rounds_since_log)
+            logs["acco/comm_wait_s"] = self._acco_wait_since_log / rounds
+            if engine.skipped_rounds:
+                logs["acco/skipped_rounds"] = engine.skipped_rounds
+            self._acco_rounds_since_log, self._acco_wait_since_log = 0, 0.0
+        super().log(logs, start_time)
+
+    @contextlib.contextmanager
+    def _real_parameters(self) -> Iterator[_Snapshot | None]:
+        """Within the block the model holds the real θ; after it, training goes on unchanged.
+
+        In ``acco`` (after every other round) and ``dpu`` the model holds other parameters than
+        θ while a real update is in flight. The update is applied for the block; afterwards the
+        live parameters come back and the engine state saved before is loaded again, which
+        re-arms the update (one all-gather of the shards). Yields the snapshot.
+        """
+        engine = self.engine
+        if engine is None:
+            yield None
+            return
+        state = engine.state_dict()  # waits for the in-flight round, keeps its result pending
+        if state["pending_job"] != "update":  # nothing in flight, or an estimate: the model is θ
+            yield _Snapshot(state, None)
+            return
+        live = {n: p.detach().clone() for n, p in self._trainable_named_parameters()}
+        engine.flush()
+        try:
+            yield _Snapshot(state, live)
+        finally:
+            with torch.no_grad():
+                for n, p in self._trainable_named_parameters():
+                    p.copy_(live[n])
+            engine.load_state_dict(state)
+
+    def _trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate`` at the real parameters θ (the training trajectory is unchanged)."""
+        with self._real_parameters():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.predict`` at the real parameters θ."""
+        with self._real_parameters():
+            return super().predict(*args, **kwargs)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        if self.engine is None:
+            return super()._save_checkpoint(model, trial)
+        with self._real_parameters() as snapshot:  # the folder's model files hold θ
+            self._acco_snapshot = snapshot
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._acco_snapshot = None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Each rank saves its engine shard; rank 0 the live parameters if they are not θ."""
+        engine = self.engine
+        if engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        snapshot = self._acco_snapshot or _Snapshot(engine.state_dict(), None)
+        acco_checkpoint.save(
+            {"format": _CHECKPOINT_FORMAT, "engine": snapshot.engine_state},
+            os.path.join(output_dir, ENGINE_FILE.format(rank=engine.rank)),
+        )
+        if snapshot.live_params is not None and self.args.should_save:
+            acco_checkpoint.save(snapshot.live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restore this rank's engine shard and, if saved, the live parameters."""
+        engine = self.engine
+        if engine is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ENGINE_FILE.format(rank=engine.rank))
+        if not os.path.isfile(path):
+            saved = sorted(f for f in os.listdir(checkpoint) if f.startswith("acco_engine_rank"))
+            raise ValueError(
+                f"ACCOTrainer: {checkpoint} has no {os.path.basename(path)} "
+                + (
+                    f"(it has {len(saved)} engine shards: resume with that many processes)"
+                    if saved
+                    else "(it was not written by ACCOTrainer, or with save_only_model=True)"
+                )
+                + ". Resume from a checkpoint of an ACCOTrainer run with the same number of "
+                "processes, or start a new run from its model weights"
+            )  # fmt: skip
+        state = acco_checkpoint.load(path, map_location=engine.device)
+        if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"ACCOTrainer: {path} is not an ACCOTrainer engine checkpoint of format "
+                f"{_CHECKPOINT_FORMAT} (this acco_hooks reads that format only)"
+            )
+        engine.load_state_dict(state["engine"])
+        live_path = os.path.join(checkpoint, LIVE_PARAMS_FILE)
+        if os.path.isfile(live_path):
+            live = acco_checkpoint.load(live_path, map_location=engine.device)
+            with torch.no_grad():
+                for n, p in self._trainable_named_parameters():
+                    p.copy_(live[n])
+
+    # ---------------------------------------------------------------------- end of training
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        self._close_engine(flush=True)  # the model holds θ before the best model may be loaded
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; the engine is built for this call and closed at its end.
+
+        A later ``train()`` builds a new engine from the model's weights: resume through
+        ``resume_from_checkpoint`` to keep the optimizer state.
+        """
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_engine(flush=False)  # after an exception: quietly
+            self.optimizer = None
+            self.lr_scheduler = None
+            self._acco_lr = None
+            self._acco_step_start = True
+
+    def _close_engine(self, flush: bool) -> None:
+        optimizer = self.optimizer
+        if not isinstance(optimizer, _EngineOptimizer):
+            return
+        if flush:
+            optimizer.flush()
+        optimizer.close()
+
+    # ------------------------------------------------------------------------- refusals
+
+    def _refuse_after_init(self) -> None:
+        """Settings only known once the Trainer (and its accelerator) exist."""
+        if self.is_deepspeed_enabled:
+            raise ValueError(
+                "ACCOTrainer: DeepSpeed is enabled (accelerate config or "
+                "ACCELERATE_USE_DEEPSPEED): ZeRO replaces the optimizer and gradient reduction "
+                "that the ACCO engine does (it already shards the optimizer state like ZeRO-1). "
+                "Launch without DeepSpeed"
+            )
+        if self.is_fsdp_enabled:
+            raise ValueError(
+                "ACCOTrainer: accelerate's FSDP plugin is enabled (accelerate config or "
+                "ACCELERATE_USE_FSDP): ACCOTrainer replicates the model and shards the optimizer "
+                "state like ZeRO-1. Launch without FSDP; for FSDP2 inside a node with ACCO across "
+                "nodes use the torchtitan trainer or acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
+            )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"ACCOTrainer: this process sees {self.args.n_gpu} GPUs and the Trainer would use "
+                "torch.nn.DataParallel. Launch one process per GPU: torchrun --nproc_per_node "
+                f"{self.args.n_gpu} your_script.py"
+            )
+        if self.is_model_parallel or getattr(self, "is_distributed_loading_by_transformers", False):
+            raise ValueError(
+                "ACCOTrainer: the model is spread over several devices (device_map or "
+                "from_pretrained(distributed_config=...)); ACCO needs one full replica per "
+                "process. Load the model on one device (device_map=None) per process"
+            )
+        if getattr(self.accelerator, "parallelism_config", None) is not None:
+            raise ValueError(
+                "ACCOTrainer: accelerate's parallelism_config (tensor, context or sequence "
+                "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
+            )
+        self._optimizer_cls_and_kwargs(self.model)  # a bad TrainingArguments.optim fails now
+
+
+def _refuse_before_init(args: Any, acco_args: ACCOArguments, optimizers: Any) -> None:
+    """Settings of the arguments alone: refused before the Trainer builds anything."""
+    if optimizers is not None and any(o is not None for o in optimizers):
+        raise ValueError(
+            "ACCOTrainer: optimizers=(optimizer, lr_scheduler) is not supported: the ACCO engine "
+            "builds the optimizer over its 1/N shard and steps the schedule once per real update. "
+            "Choose the optimizer with TrainingArguments.optim or "
+            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {'lr': ...}), the schedule with "
+            "TrainingArguments.lr_scheduler_type"
+        )
+    if acco_args.accumulate_until_ready:
+        raise ValueError(
+            "ACCOTrainer: ACCOArguments.accumulate_until_ready=True is not supported: the Trainer "
+            "runs gradient_accumulation_steps micro-batches per step and a fixed number of steps "
+            "per epoch on every rank, and logs, evaluates and saves at step boundaries "
+            "collectively. Set it to False, or use ACCOOptimizer in your own loop or the "
+            "torchtitan trainer for heterogeneous hardware"
+        )
+    if args is None:
+        return
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"ACCOTrainer: args must be TrainingArguments, got {type(args).__name__}")
+    if args.deepspeed:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.deepspeed is set: DeepSpeed's ZeRO replaces the "
+            "optimizer and gradient reduction that the ACCO engine does (ACCO already shards the "
+            "optimizer state like ZeRO-1). Remove deepspeed, or use the plain Trainer"
+        )
+    if args.fsdp:
+        raise ValueError(
+            f"ACCOTrainer: TrainingArguments.fsdp={args.fsdp!r}: ACCOTrainer replicates the "
+            "model and shards the optimizer state like ZeRO-1. Remove fsdp; for FSDP2 inside a "
+            "node with ACCO across nodes use the torchtitan trainer or "
+            "acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
+        )
+    if args.fp16:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.fp16=True scales the loss with a GradScaler whose "
+            "scale the ACCO engine would average into the update. Use bf16=True (no loss "
+            "scaling) or full precision"
+        )
+    if args.parallelism_config is not None:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.parallelism_config (tensor, context or sequence "
+            "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
+        )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.auto_find_batch_size=True restarts the training loop "
+            "after an out-of-memory error with a new batch size, which the ACCO engine's "
+            "in-flight rounds cannot follow. Set per_device_train_batch_size yourself"
+        )
+    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if schedule in _METRIC_SCHEDULES:
+        raise ValueError(
+            f"ACCOTrainer: TrainingArguments.lr_scheduler_type={schedule!r} steps on evaluation "
+            "metrics, but the ACCO engine steps the schedule after each real update on its "
+            "communication thread. Use a step-based schedule ('linear', 'cosine', "
+            "'constant_with_warmup', ...)"
+        )

@@ -1,0 +1,231 @@
+"""Worker functions of ``tests/test_hf_trainer.py``, run on gloo processes by ``run_distributed``.
+
+Each builds a tiny ``LlamaForCausalLM`` from a config (byte vocabulary) and trains it with the
+Hugging Face ``Trainer`` on the embedded corpus (the Python standard library's source bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+SEQ_LEN = 32
+
+
+def distributed_env(rank: int, world_size: int) -> None:
+    """The variables ``torchrun`` sets, for a process group that ``run_distributed`` opened.
+
+    ``TrainingArguments`` (through accelerate) reads them and finds the process group already
+    initialised, so the Trainer runs distributed exactly as under ``torchrun``.
+    """
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 256) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def byte_dataset(n: int, offset: int = 0, ragged: bool = False) -> Any:
+    """``n`` windows of ``SEQ_LEN`` bytes of the stdlib corpus, each its own labels.
+
+    ``ragged``: a random number of trailing labels per sequence is ignored (-100), so the
+    label tokens differ between micro-batches and ranks (exercises the token weighting).
+    """
+    from datasets import Dataset
+
+    from acco_hooks.data import stdlib_corpus
+
+    tokens = stdlib_corpus(max_bytes=offset + n * SEQ_LEN)[offset:].long().view(n, SEQ_LEN)
+    labels = tokens.clone()
+    if ragged:
+        lengths = torch.randint(4, SEQ_LEN + 1, (n,), generator=torch.Generator().manual_seed(1))
+        labels[torch.arange(SEQ_LEN) >= lengths[:, None]] = -100
+    return Dataset.from_dict({"input_ids": tokens.tolist(), "labels": labels.tolist()})
+
+
+def training_args(output_dir: str, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    kwargs = dict(
+        output_dir=output_dir, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3, warmup_steps=2,
+        lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def step_logs(trainer: Any, key: str = "loss") -> dict[int, float]:
+    return {e["step"]: e[key] for e in trainer.state.log_history if key in e}
+
+
+def params(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------ workers
+
+
+def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) -> list[dict]:
+    """Per variant: the plain Trainer (DDP) and ACCOTrainer(mode="ddp") on the same run."""
+    from transformers import Trainer
+
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in variants:
+            variant = dict(variant)
+            ragged = variant.pop("ragged", False)
+            mean_loss = variant.pop("mean_loss", False)
+            data = byte_dataset(32, ragged=ragged)
+            out = {}
+            for name in ("hf", "acco"):
+                args = training_args(os.path.join(tmp, name), **variant)
+                model = tiny_llama()
+                if name == "hf":
+                    trainer = Trainer(model=model, args=args, train_dataset=data)
+                else:
+                    trainer = ACCOTrainer(model=model, args=args, train_dataset=data,
+                                          acco_args=ACCOArguments(mode="ddp"))  # fmt: skip
+                if mean_loss:  # the Trainer then divides each micro-batch's mean loss by GA
+                    trainer.model_accepts_loss_kwargs = False
+                trainer.train()
+                out[name] = {
+                    "loss": step_logs(trainer), "lr": step_logs(trainer, "learning_rate"),
+                    "grad_norm": step_logs(trainer, "grad_norm"), "params": params(model),
+                    "log_history": trainer.state.log_history,
+                }  # fmt: skip
+            results.append(out)
+    return results
+
+
+def acco_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """acco and dpu runs with evaluation and checkpoints, without them, and resumed ones."""
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+    train, evaluation = byte_dataset(64), byte_dataset(8, offset=64 * SEQ_LEN)
+    common = dict(max_steps=8, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
+    checkpoints = dict(save_strategy="steps", save_steps=3, eval_strategy="steps", eval_steps=2)
+
+    def run(name: str, mode: str, resume: Any = None, out: str | None = None, **extra: Any) -> dict:
+        args = training_args(os.path.join(output_dir, out or name), **common, **extra)
+        model = tiny_llama(seed=1 if resume else 0)  # a resumed run must take the saved weights
+        trainer = ACCOTrainer(model=model, args=args, train_dataset=train,
+                              eval_dataset=evaluation,
+                              acco_args=ACCOArguments(mode=mode))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return {
+            "loss": step_logs(trainer), "eval_loss": step_logs(trainer, "eval_loss"),
+            "grad_norm": step_logs(trainer, "grad_norm"),
+            "final_eval": trainer.evaluate()["eval_loss"],
+            "params": params(model), "log_history": trainer.state.log_history,
+        }  # fmt: skip
+
+    results = {"acco": run("acco", "acco", **checkpoints)}
+    results["acco_files"] = {
+        step: sorted(os.listdir(os.path.join(output_dir, "acco", f"checkpoint-{step}")))
+        for step in (3, 6)
+    }
+    results["acco_plain"] = run("acco_plain", "acco")
+    # resume_from_checkpoint=True takes the latest checkpoint of output_dir: checkpoint-6, where
+    # the model holds the estimate θ̃ and an update is in flight.
+    results["acco_resumed_6"] = run("acco_resumed_6", "acco", resume=True, out="acco",
+                                    **checkpoints)  # fmt: skip
+    # checkpoint-3: the model holds θ and an estimate is in flight.
+    results["acco_resumed_3"] = run(
+        "acco_resumed_3", "acco", resume=os.path.join(output_dir, "acco", "checkpoint-3"),
+        **checkpoints,
+    )  # fmt: skip
+    results["dpu"] = run("dpu", "dpu", **checkpoints)
+    results["dpu_resumed_3"] = run(
+        "dpu_resumed_3", "dpu", resume=os.path.join(output_dir, "dpu", "checkpoint-3"),
+        **checkpoints,
+    )  # fmt: skip
+    return results
+
+
+def all_runs(rank: int, world_size: int, variants: list[dict[str, Any]], output_dir: str) -> dict:
+    """``ddp_vs_hf_ddp`` and ``acco_runs`` in one pair of processes (one import of transformers)."""
+    return {
+        "ddp_vs_hf_ddp": ddp_vs_hf_ddp(rank, world_size, variants),
+        "acco_runs": acco_runs(rank, world_size, output_dir),
+    }
+
+
+def stdlib_texts(n: int, chars: int = 2000) -> list[str]:
+    """``n`` raw texts of ``chars`` characters of the stdlib corpus."""
+    from acco_hooks.data import stdlib_corpus
+
+    text = bytes(stdlib_corpus(max_bytes=n * chars).tolist()).decode("utf-8", "replace")
+    return [text[i : i + chars] for i in range(0, n * chars, chars)]
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer trained in a second on stdlib text, with an end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(stdlib_texts(50), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end_of_text|>")
+
+
+# The measured comparison of docs/hf.md:  python3 -m tests.hf_workers [steps]
+COMPARISON = {
+    "SGD, token-normalised loss, ragged labels":
+        dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True),
+    "SGD, average_tokens_across_devices=False":
+        dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True,
+             average_tokens_across_devices=False),
+    "SGD, mean loss / GA, GA=3 with short steps":
+        dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True, mean_loss=True,
+             per_device_train_batch_size=1, gradient_accumulation_steps=3),
+    "AdamW (fused), wd 0.1, clip 0.5, warm-up":
+        dict(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, ragged=True),
+    "AdamW as above, bf16 autocast":
+        dict(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, ragged=True, bf16=True),
+}  # fmt: skip
+
+
+def _compare(steps: int) -> None:
+    from tests.dist_utils import run_distributed
+
+    variants = [dict(v, max_steps=steps) for v in COMPARISON.values()]
+    results = run_distributed("tests.hf_workers:ddp_vs_hf_ddp", 2, variants, deadline_s=1800)
+    print(f"| run ({steps} steps, 2 ranks) | max abs loss diff | max abs param diff "
+          "| max abs grad-norm diff | LR equal |")
+    print("|---|---|---|---|---|")
+    for name, run in zip(COMPARISON, results[0]):
+        hf, acco = run["hf"], run["acco"]
+        loss = max(abs(hf["loss"][s] - acco["loss"][s]) for s in hf["loss"])
+        param = max((hf["params"][n] - acco["params"][n]).abs().max().item() for n in hf["params"])
+        norm = max(abs(hf["grad_norm"][s] - acco["grad_norm"][s]) for s in hf["grad_norm"])
+        print(f"| {name} | {loss:.1e} | {param:.1e} | {norm:.1e} | {hf['lr'] == acco['lr']} |")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _compare(int(sys.argv[1]) if len(sys.argv) > 1 else 30)

@@ -1,0 +1,310 @@
+"""``ACCOTrainer`` / ``DecoupledTrainer``: the Hugging Face Trainer front-end of the engine.
+
+Distributed runs use 2 gloo processes (``run_distributed``) with a tiny ``LlamaForCausalLM`` on
+the embedded stdlib corpus; one test launches ``examples/hf_finetune.py`` with torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Float noise of a reduction in another order; a factor-2 gradient scale or a skipped update
+# moves SGD's losses and parameters by more than 1e-2 within these few steps.
+LOSS_TOLERANCE = 1e-5
+PARAM_TOLERANCE = 1e-5
+
+
+def _max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+# ------------------------------------------------------------------------- ACCOArguments
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("mode", "zero1"), ("accumulate_until_ready", "yes"), ("reduce_dtype", "int8"),
+     ("nonfinite", "ignore"), ("timeout", -5.0), ("timeout", float("nan"))],
+)  # fmt: skip
+def test_acco_arguments_refuse_bad_values(field: str, value: object) -> None:
+    from acco_hooks.hf import ACCOArguments
+
+    with pytest.raises(ValueError, match=rf"ACCOArguments\.{field}="):
+        ACCOArguments(**{field: value})
+
+
+def test_acco_arguments_are_command_line_flags_with_help() -> None:
+    from transformers import HfArgumentParser
+
+    from acco_hooks.hf import ACCOArguments
+
+    parser = HfArgumentParser(ACCOArguments)
+    (acco,) = parser.parse_args_into_dataclasses(
+        ["--mode", "dpu", "--reduce_dtype", "bfloat16", "--timeout", "30"]
+    )
+    assert acco == ACCOArguments(mode="dpu", reduce_dtype="bfloat16", timeout=30.0)
+    assert acco.engine_kwargs()["reduce_dtype"] is torch.bfloat16
+    assert "estimate step" in parser.format_help()  # the field docstrings are the --help
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+REFUSALS = {  # setting: (how to spoil the run, what the message must name)
+    "deepspeed": ({"after": {"deepspeed": {"zero_optimization": {"stage": 1}}}},
+                  "TrainingArguments.deepspeed"),
+    "fsdp": ({"after": {"fsdp": ["full_shard"]}}, "TrainingArguments.fsdp"),
+    "fp16": ({"after": {"fp16": True}}, "TrainingArguments.fp16"),
+    "parallelism_config": ({"after": {"parallelism_config": object()}}, "parallelism_config"),
+    "auto_find_batch_size": ({"args": {"auto_find_batch_size": True}}, "auto_find_batch_size"),
+    "reduce_lr_on_plateau": ({"args": {"lr_scheduler_type": "reduce_lr_on_plateau",
+                                       "eval_strategy": "steps"}}, "lr_scheduler_type"),
+    "schedule_free": ({"args": {"optim": "schedule_free_adamw"}}, "TrainingArguments.optim"),
+    "not_an_optimizer": ({"trainer": {"optimizer_cls_and_kwargs": (dict, {})}},
+                         "optimizer_cls_and_kwargs"),
+    "optimizers": ({"trainer": {"optimizers": "an SGD instance"}}, "optimizers="),
+    "accumulate_until_ready": ({"acco": {"accumulate_until_ready": True}},
+                               "accumulate_until_ready"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", REFUSALS)
+def test_unsupported_settings_are_refused_at_construction(setting: str, tmp_path) -> None:
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+    from tests.hf_workers import byte_dataset, tiny_llama, training_args
+
+    how, named = REFUSALS[setting]
+    args = training_args(str(tmp_path), **how.get("args", {}))
+    for name, value in how.get("after", {}).items():  # values the constructor would reject
+        setattr(args, name, value)
+    model = tiny_llama()
+    trainer_kwargs = dict(how.get("trainer", {}))
+    if "optimizers" in trainer_kwargs:
+        trainer_kwargs["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)
+    with pytest.raises(ValueError, match=re.escape(named)) as error:
+        ACCOTrainer(model=model, args=args, train_dataset=byte_dataset(8),
+                    acco_args=ACCOArguments(**how.get("acco", {})), **trainer_kwargs)  # fmt: skip
+    assert "ACCOTrainer" in str(error.value)
+
+
+# ---------------------------------------------------- ddp mode equals the plain Trainer + DDP
+
+DDP_VARIANTS = [
+    # SGD without clipping: any gradient scale error changes the update. Ragged labels: the
+    # label tokens differ between micro-batches and ranks (token-count normalisation).
+    dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True),
+    dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True,
+         average_tokens_across_devices=False),
+    # A per-micro-batch mean loss divided by gradient_accumulation_steps; 16 micro-batches per
+    # rank and epoch in steps of 3: the 6th step is a short one (1 micro-batch).
+    dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True, mean_loss=True,
+         per_device_train_batch_size=1, gradient_accumulation_steps=3),
+    # The default AdamW (fused), weight decay, global-norm clipping active, linear warm-up.
+    dict(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, ragged=True),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory) -> list[dict]:
+    """Every 2-rank Trainer run of this file, in one pair of gloo processes (importing
+    transformers dominates the cost): ``tests.hf_workers.ddp_vs_hf_ddp`` over ``DDP_VARIANTS``
+    and ``tests.hf_workers.acco_runs``."""
+    output_dir = str(tmp_path_factory.mktemp("acco"))
+    return run_distributed("tests.hf_workers:all_runs", 2, DDP_VARIANTS, output_dir)
+
+
+def test_ddp_mode_equals_plain_trainer_with_ddp(distributed_results) -> None:
+    results = [result["ddp_vs_hf_ddp"] for result in distributed_results]
+    for rank, per_variant in enumerate(results):
+        for variant, run in zip(DDP_VARIANTS, per_variant):
+            hf, acco = run["hf"], run["acco"]
+            where = f"rank {rank}, {variant}"
+            assert acco["loss"].keys() == hf["loss"].keys() == set(range(1, 7)), where
+            torch.testing.assert_close(acco["loss"], hf["loss"], rtol=0, atol=LOSS_TOLERANCE,
+                                       msg=where)  # fmt: skip
+            torch.testing.assert_close(acco["grad_norm"], hf["grad_norm"], rtol=1e-5, atol=1e-6,
+                                       msg=where)  # fmt: skip
+            assert acco["lr"] == hf["lr"], where
+            assert _max_param_diff(acco["params"], hf["params"]) <= PARAM_TOLERANCE, where
+            assert hf["loss"][6] < hf["loss"][1] - 0.05, where  # it trained: the check has teeth
+    for variant_0, variant_1 in zip(*results):  # the replicas agree
+        assert _max_param_diff(variant_0["acco"]["params"], variant_1["acco"]["params"]) == 0
+
+
+# ------------------------------------------------------- acco / dpu: training and checkpoints
+
+
+@pytest.fixture(scope="module")
+def acco_results(distributed_results) -> list[dict]:
+    """Runs of 8 steps on 2 ranks: with evaluation and checkpoints (every 2 and 3 steps),
+    without them, and resumed from their checkpoints. See ``tests.hf_workers.acco_runs``."""
+    return [result["acco_runs"] for result in distributed_results]
+
+
+def test_acco_loss_goes_down(acco_results) -> None:
+    for result in acco_results:
+        loss, eval_loss = result["acco"]["loss"], result["acco"]["eval_loss"]
+        assert loss[7] + loss[8] < loss[1] + loss[2] - 0.5
+        assert eval_loss[8] < eval_loss[2] - 0.3
+
+
+def test_acco_logs_show_rounds_real_updates_and_communication_wait(acco_results) -> None:
+    logs = [e for e in acco_results[0]["acco"]["log_history"] if "loss" in e]
+    assert [e["step"] for e in logs] == list(range(1, 9))
+    for entry in logs:
+        assert entry["acco/round"] == entry["step"]
+        assert entry["acco/real_updates"] == entry["step"] // 2  # every other round in acco
+        assert 0 <= entry["acco/comm_wait_s"] < 60
+    assert {"grad_norm", "learning_rate"} <= logs[-1].keys()
+
+
+def test_evaluation_runs_at_real_parameters_without_changing_training(acco_results) -> None:
+    for result in acco_results:
+        with_eval, without = result["acco"], result["acco_plain"]
+        assert with_eval["loss"] == without["loss"]
+        assert _max_param_diff(with_eval["params"], without["params"]) == 0
+        # Step 8 ends with an update in flight (the model holds θ̃): the evaluation at step 8
+        # saw the final θ, which the trainer also holds after train().
+        assert with_eval["eval_loss"][8] == with_eval["final_eval"]
+
+
+@pytest.mark.parametrize(
+    "resumed, uninterrupted, step",
+    [("acco_resumed_6", "acco", 6),  # the model held θ̃, an update was in flight
+     ("acco_resumed_3", "acco", 3),  # the model held θ, an estimate was in flight
+     ("dpu_resumed_3", "dpu", 3)],  # the model held θ one update behind
+)  # fmt: skip
+def test_resume_from_checkpoint_equals_uninterrupted_run(
+    acco_results, resumed: str, uninterrupted: str, step: int
+) -> None:
+    for result in acco_results:
+        after = {s: v for s, v in result[resumed]["loss"].items() if s > step}
+        expected = {s: v for s, v in result[uninterrupted]["loss"].items() if s > step}
+        assert after and after == expected
+        assert result[resumed]["eval_loss"] == result[uninterrupted]["eval_loss"]
+        assert _max_param_diff(result[resumed]["params"], result[uninterrupted]["params"]) == 0
+
+
+def test_checkpoint_folder_holds_engine_shards_and_live_parameters(acco_results) -> None:
+    files = acco_results[0]["acco_files"]
+    for step in (3, 6):
+        assert {"acco_engine_rank0.pt", "acco_engine_rank1.pt", "model.safetensors",
+                "trainer_state.json"} <= set(files[step])  # fmt: skip
+    assert "acco_live_params.pt" not in files[3]  # θ in the model: nothing else to keep
+    assert "acco_live_params.pt" in files[6]  # θ̃ in the model, θ in model.safetensors
+
+
+def test_acco_replicas_agree(acco_results) -> None:
+    for name in ("acco", "acco_resumed_6", "dpu"):
+        rank0, rank1 = (result[name]["params"] for result in acco_results)
+        assert _max_param_diff(rank0, rank1) == 0
+
+
+# ------------------------------------------------------------------------ DecoupledTrainer
+
+
+def test_decoupled_trainer_tokenises_a_raw_text_column_and_trains(tmp_path) -> None:
+    from datasets import Dataset
+
+    from acco_hooks.hf import DecoupledTrainer
+    from tests.hf_workers import stdlib_texts, tiny_llama, tiny_tokenizer, training_args
+
+    tokenizer = tiny_tokenizer()
+    texts = stdlib_texts(40)
+    raw = Dataset.from_dict({"text": texts[:36], "source": ["stdlib"] * 36})
+    raw_eval = Dataset.from_dict({"text": texts[36:], "source": ["stdlib"] * 4})
+    model = tiny_llama(vocab_size=len(tokenizer))
+    args = training_args(str(tmp_path), max_steps=6, learning_rate=1e-2, warmup_steps=0,
+                         eval_strategy="steps", eval_steps=6)  # fmt: skip
+    trainer = DecoupledTrainer(model=model, tokenizer=tokenizer, train_dataset=raw,
+                               eval_dataset=raw_eval, text_column_name="text", args=args,
+                               block_size=32)  # fmt: skip
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    assert {len(ids) for ids in trainer.train_dataset["input_ids"]} == {32}
+    assert trainer.train_dataset[0]["input_ids"] == trainer.train_dataset[0]["labels"]
+    eos = tokenizer.eos_token_id
+    assert sum(ids.count(eos) for ids in trainer.train_dataset["input_ids"]) >= 30  # one per text
+    trainer.train()
+    loss = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    assert trainer.state.global_step == 6 and loss[6] < loss[1]
+    assert trainer.state.log_history[-2]["eval_loss"] < 6.0
+
+
+def test_decoupled_trainer_accepts_the_paper_config(tmp_path, monkeypatch) -> None:
+    from datasets import Dataset
+
+    from acco_hooks.hf import DecoupledTrainer, training_arguments_from_paper_config
+    from tests.hf_workers import stdlib_texts, tiny_llama, tiny_tokenizer
+
+    config = {  # the paper code's ``train`` section (the keys its trainer reads)
+        "method_name": "acco", "run_baseline_ddp": False, "batch_size": 2, "n_grad_accumulation": 2,
+        "nb_steps_tot": 24, "learning_rate": 6e-4, "weight_decay": 0.1, "adam_beta1": 0.9,
+        "adam_beta2": 0.95, "scheduler_name": "cosine", "warmup": 1, "max_length": 32,
+        "const_len_batch": True, "label_smoothing_factor": 0.0, "n_warmup_steps": 0,
+        "dataloader_num_workers": 0, "use_mixed_precision": False, "eval": False, "finetune": False,
+    }  # fmt: skip
+    args, acco_args, data_kwargs = training_arguments_from_paper_config(
+        config, str(tmp_path), world_size=2
+    )
+    assert args.max_steps == 6  # 24 gradients / (2 ranks x 2 micro-batches per round)
+    assert (args.gradient_accumulation_steps, args.per_device_train_batch_size) == (2, 2)
+    assert (args.adam_beta2, args.weight_decay) == (0.95, 0.1)
+    assert str(args.lr_scheduler_type.value) == "cosine"
+    assert args.warmup_steps == 2  # 1 update of warm-up = 2 rounds in acco
+    assert acco_args.mode == "acco" and data_kwargs == {"block_size": 32, "group_texts": True}
+    with pytest.raises(ValueError, match="n_warmup_steps"):
+        training_arguments_from_paper_config({**config, "n_warmup_steps": 5})
+
+    monkeypatch.chdir(tmp_path)  # a paper config writes under ./outputs/<run_name>
+    tokenizer = tiny_tokenizer()
+    trainer = DecoupledTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)), tokenizer=tokenizer,
+        train_dataset=Dataset.from_dict({"text": stdlib_texts(20)}), eval_dataset=None,
+        text_column_name="text", args={**config, "nb_steps_tot": 8, "run_baseline_ddp": True},
+        log=None, preprocess_dataset_fn=None, run_name="paper",
+    )  # fmt: skip
+    assert trainer.acco_args.mode == "ddp"  # run_baseline_ddp
+    assert trainer.args.output_dir == os.path.join("outputs", "paper")
+    trainer.train()
+    assert trainer.state.global_step == 4  # 8 micro-batch gradients / (1 rank x 2 per round)
+
+
+# --------------------------------------------------------------------- the torchrun launch
+
+
+def test_example_script_trains_with_torchrun(tmp_path) -> None:
+    from tests.hf_workers import stdlib_texts, tiny_tokenizer
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_texts(40)))
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "examples" / "hf_finetune.py"), "--mode", "acco", "--train_file", str(data),
+        "--validation_file", str(data), "--max_eval_samples", "8", "--tokenizer_name",
+        str(tmp_path / "tokenizer"), "--block_size", "32", "--per_device_train_batch_size", "4",
+        "--max_steps", "8", "--learning_rate", "1e-2", "--warmup_steps", "0", "--logging_steps",
+        "1", "--eval_steps", "8", "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = re.search(r"summary: mode=acco steps=8 real_updates=4 first_loss=(\S+) "
+                        r"last_loss=(\S+) eval_loss=(\S+)", done.stdout)  # fmt: skip
+    assert summary, done.stdout[-3000:]
+    first, last, _ = map(float, summary.groups())
+    assert last < first
+    assert (tmp_path / "out" / "model.safetensors").is_file()
