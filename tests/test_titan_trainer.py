@@ -169,27 +169,57 @@ def test_hsdp_ddp_mode_equals_torchtitan_hsdp(seed_checkpoint, tmp_path) -> None
     assert float(ours[4]) < float(ours[1]) - 0.1
 
 
-def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(seed_checkpoint, tmp_path) -> None:
-    """The spec's averaged gradient over 4 workers does not depend on how they are grouped:
-    ACCO over 2 FSDP-sharded replicas equals ACCO over 4 plain replicas, step for step (same
-    weights, same data per rank). A DCP checkpoint of the HSDP run resumes exactly."""
+@pytest.fixture(scope="module")
+def hsdp_acco(seed_checkpoint, tmp_path_factory) -> tuple[tuple[str, ...], pathlib.Path, dict, dict]:
+    """ACCO on 2 replicas x 2 FSDP shards, 6 steps, checkpoints every 3: (args, dump, losses, norms)."""
     common = (*HSDP, "--training.steps", "6", "--checkpoint.interval", "3",
               "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
               "--checkpoint.initial_load_path", str(seed_checkpoint))  # fmt: skip
-    norms_hsdp, norms_dp = {}, {}
-    hsdp = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, dump=tmp_path / "hsdp",
-                     grad_norms=norms_hsdp)  # fmt: skip
+    dump, norms = tmp_path_factory.mktemp("hsdp"), {}
+    losses = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, dump=dump, grad_norms=norms)
+    assert sorted(losses) == list(range(1, 7))
+    return common, dump, losses, norms
+
+
+def assert_same_run(losses: dict, norms: dict, expected_losses: dict, expected_norms: dict) -> None:
+    """Same losses at every step; same gradient norms but at the last step of ``losses``, whose
+    norm is that of the round the final flush() waited for (a run's end changes it)."""
+    for step in losses:
+        assert float(losses[step]) == pytest.approx(float(expected_losses[step]), abs=2e-4), step
+        if step < max(losses):
+            assert norms[step] == pytest.approx(expected_norms[step], rel=1e-3, abs=1e-6), step
+
+
+def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(hsdp_acco, tmp_path) -> None:
+    """The spec's averaged gradient over 4 workers does not depend on how they are grouped:
+    ACCO over 2 FSDP-sharded replicas equals ACCO over 4 plain replicas, step for step (same
+    weights, same data per rank). A DCP checkpoint of the HSDP run resumes exactly."""
+    common, dump, hsdp, norms_hsdp = hsdp_acco
+    norms_dp = {}
     pure_dp = run_titan(4, "debug_cpu_acco.toml", *common,
                         "--parallelism.data_parallel_replicate_degree", "4",
                         dump=tmp_path / "dp4", grad_norms=norms_dp)  # fmt: skip
-    assert sorted(hsdp) == sorted(pure_dp) == list(range(1, 7))
-    for step in range(1, 7):
-        assert float(hsdp[step]) == pytest.approx(float(pure_dp[step]), abs=2e-4), step
-        assert norms_hsdp[step] == pytest.approx(norms_dp[step], rel=1e-3, abs=1e-6), step
+    assert sorted(pure_dp) == list(range(1, 7))
+    assert_same_run(hsdp, norms_hsdp, pure_dp, norms_dp)
     # Resume from step 3 (an estimate in flight, its gradient carried).
     resumed = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, "--checkpoint.load_step", "3",
-                        dump=tmp_path / "hsdp")  # fmt: skip
+                        dump=dump)  # fmt: skip
     assert resumed == {s: hsdp[s] for s in (4, 5, 6)}
+
+
+@pytest.mark.parametrize("layout", [("--parallelism.tensor_parallel_degree", "2"),
+                                    ("--parallelism.pipeline_parallel_degree", "2",
+                                     "--parallelism.pipeline_parallel_microbatch_size", "1")],
+                         ids=["dp_replicate2xfsdp2xtp2", "pp2xdp_replicate2xfsdp2"])  # fmt: skip
+def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, tmp_path) -> None:
+    """8 processes: adding TP or PP to the 2 x 2 HSDP run changes nothing in the first steps."""
+    _, _, hsdp, norms_hsdp = hsdp_acco
+    norms = {}
+    losses = run_titan(8, "debug_cpu_hsdp_acco.toml", *HSDP, "--training.steps", "4",
+                       "--checkpoint.load_only", "--checkpoint.initial_load_path",
+                       str(seed_checkpoint), *layout, dump=tmp_path, grad_norms=norms)  # fmt: skip
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert_same_run(losses, norms, hsdp, norms_hsdp)
 
 
 @pytest.mark.parametrize(
