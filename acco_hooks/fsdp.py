@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine
+from acco_hooks.optimizer import ACCOOptimizer
 
 __all__ = ["ACCOHSDPOptimizer", "fsdp_modules", "set_gradient_sync_for_next_microbatch"]
 
@@ -101,7 +101,7 @@ def _turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
     return groups
 
 
-class ACCOHSDPOptimizer(EngineFrontEnd):
+class ACCOHSDPOptimizer(ACCOOptimizer):
     r"""ACCO over the replicate dimension of a model sharded with FSDP2 on a 2-D (HSDP) mesh.
 
     Takes a model already wrapped with ``fully_shard(..., mesh=mesh_2d)`` where ``mesh_2d`` is
@@ -167,7 +167,9 @@ class ACCOHSDPOptimizer(EngineFrontEnd):
             if gloo:
                 module.set_force_sum_reduction_for_comms(True)
         self.sync_every_microbatch = sync_every_microbatch
-        self.engine = ACCOEngine(
+        # FSDP2 runs post-accumulate-grad hooks on the sharded parameters once it wrote their
+        # reduce-scattered gradient: the hooks ACCOOptimizer attaches take each shard from there.
+        super().__init__(
             model.named_parameters() if params is None else params,
             optimizer_class,
             mode=mode,
@@ -181,9 +183,9 @@ class ACCOHSDPOptimizer(EngineFrontEnd):
             timeout=timeout,
             **optimizer_kwargs,
         )
-        # FSDP2 runs post-accumulate-grad hooks on the sharded parameters once it wrote their
-        # reduce-scattered gradient: the engine takes each shard gradient from there.
-        self._hook_handles = self.engine.hook_param_grads()
+        self._set_gradient_sync()
+
+    def _set_gradient_sync(self) -> None:
         set_gradient_sync_for_next_microbatch(
             self.engine, self.fsdp_modules, self.sync_every_microbatch
         )
@@ -198,10 +200,8 @@ class ACCOHSDPOptimizer(EngineFrontEnd):
         Returns:
             ``True`` if this call ended a round.
         """
-        ended = self.engine.microbatch_done(weight)
-        set_gradient_sync_for_next_microbatch(
-            self.engine, self.fsdp_modules, self.sync_every_microbatch
-        )
+        ended = super().step(weight)
+        self._set_gradient_sync()
         return ended
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,15 +223,4 @@ class ACCOHSDPOptimizer(EngineFrontEnd):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved by the same rank of a same-shaped run."""
         super().load_state_dict(state_dict)
-        set_gradient_sync_for_next_microbatch(
-            self.engine, self.fsdp_modules, self.sync_every_microbatch
-        )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op: gradients live in the engine."""
-
-    def close(self) -> None:
-        """Drain the communication and stop its thread; remove the gradient hooks."""
-        super().close()
-        for handle in self._hook_handles:
-            handle.remove()
+        self._set_gradient_sync()

@@ -70,6 +70,7 @@ class ACCOOptimizer(EngineFrontEnd):
             on every rank, counted in ``engine.skipped_rounds`` and warned about) or ``"raise"``.
         timeout: seconds after which a collective of the engine fails when a peer hangs
             (default: the process group's timeout). A dead peer fails it at once.
+        fsdp_process_group: HSDP only, see ``ACCOHSDPOptimizer``, which sets it up.
         **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...).
 
     Example::
@@ -97,6 +98,7 @@ class ACCOOptimizer(EngineFrontEnd):
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         nonfinite: str = "skip",
         timeout: float | None = None,
+        fsdp_process_group: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self.engine = ACCOEngine(
@@ -111,6 +113,7 @@ class ACCOOptimizer(EngineFrontEnd):
             lr_scheduler=lr_scheduler,
             nonfinite=nonfinite,
             timeout=timeout,
+            fsdp_process_group=fsdp_process_group,
             **optimizer_kwargs,
         )
         self._hook_handles = self.engine.hook_param_grads()
