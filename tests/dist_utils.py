@@ -24,7 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
+    orderly_teardown: bool = True,
+) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -37,6 +40,10 @@ def _entry(rank: int, world_size: int, port: int, fn_path: str, args: tuple, out
         module, name = fn_path.rsplit(":", 1)
         result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        if orderly_teardown:
+            # Nobody destroys the group while a peer's last collectives may still be draining
+            # (a gloo teardown under traffic can abort the process).
+            dist.barrier()
     finally:
         with contextlib.suppress(Exception):  # after a peer died, teardown may fail too
             dist.destroy_process_group()
@@ -80,7 +87,7 @@ def _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die):
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.get_context("spawn")
         port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn_path, args, outdir))
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn_path, args, outdir, False))
                  for r in range(world_size)]  # fmt: skip
         for p in procs:
             p.start()
