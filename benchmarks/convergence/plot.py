@@ -190,6 +190,10 @@ def plot_convergence(grouped: dict, out: pathlib.Path, smooth_tokens: int) -> No
     updates = "/".join(map(str, sorted({r["updates"] for rs in grouped.values() for r in rs})))
     fig.suptitle(f"ACCO / DPU / DDP, llama3 debug model, 2 CPU ranks, {updates} updates — "
                  f"{_smooth_label(smooth_tokens)}")  # fmt: skip
+    _save(fig, out)
+
+
+def _save(fig, out: pathlib.Path) -> None:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -231,10 +235,7 @@ def plot_heterogeneous(grouped: dict, out: pathlib.Path, smooth_tokens: int) -> 
     slow = "/".join(f"{s:g}" for s in sorted({r["slow_s"] for r in rows}))
     fig.suptitle(f"rank 1 sleeps {slow} s per micro-batch, same real updates — "
                  f"{_smooth_label(smooth_tokens)}")  # fmt: skip
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
