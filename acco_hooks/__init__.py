@@ -6,15 +6,24 @@ micro-batches; an estimate of the next weights removes the damage of the one-ste
 (Nabli et al., arXiv 2406.02613).
 """
 
-from acco_hooks.ddp_comm_hooks import (
+from acco_hooks._versions import (
+    SUPPORTED_VERSIONS,
+    UnsupportedVersionError,
+    check_python_and_torch,
+    check_supported_versions,
+)
+
+check_python_and_torch()  # before anything could form a process group
+
+from acco_hooks.ddp_comm_hooks import (  # noqa: E402
     ACCOState,
     DelayedAllReduceState,
     acco_hook,
     delayed_allreduce_hook,
 )
-from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine
-from acco_hooks.fsdp import ACCOHSDPOptimizer
-from acco_hooks.optimizer import ACCOOptimizer
+from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine  # noqa: E402
+from acco_hooks.fsdp import ACCOHSDPOptimizer  # noqa: E402
+from acco_hooks.optimizer import ACCOOptimizer  # noqa: E402
 
 __all__ = [
     "ACCOCommunicationError",
@@ -24,7 +33,10 @@ __all__ = [
     "ACCOState",
     "DelayedAllReduceState",
     "MODES",
+    "SUPPORTED_VERSIONS",
+    "UnsupportedVersionError",
     "acco_hook",
+    "check_supported_versions",
     "delayed_allreduce_hook",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Callable
 
 import torch
@@ -95,7 +96,7 @@ class CommWorker:
             try:
                 result = future.result(timeout=_LIVENESS_POLL_S)
                 break
-            except TimeoutError:
+            except FutureTimeoutError:  # the builtin TimeoutError only from Python 3.11
                 waited += _LIVENESS_POLL_S
                 if not self._thread.is_alive():
                     raise RuntimeError(

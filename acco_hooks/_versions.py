@@ -1,0 +1,84 @@
+"""The Python, torch and torchtitan versions acco_hooks is tested with, checked at import.
+
+The ranges are the ones CI runs (``pyproject.toml`` declares the same; a test keeps the two in
+step). A version outside them fails at ``import acco_hooks`` (Python, torch) or ``import
+acco_hooks.titan`` (torchtitan): before any process group forms, with one error that names the
+installed version, the supported range and the command that fixes it, instead of a confusing
+failure deep inside a collective or a config parser.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+
+__all__ = ["SUPPORTED_VERSIONS", "UnsupportedVersionError", "check_supported_versions"]
+
+# name -> (lowest supported, highest supported or None, the fix to print)
+SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
+    "python": ("3.11", None, "create the virtual environment with python3.11 or newer"),
+    "torch": ("2.13", None, "pip install 'torch==2.13.0' (scripts/setup.sh does it)"),
+    # torchtitan changes its config and trainer APIs between releases (0.3.0 replaced the TOML
+    # job configs): only the release the integration is tested against is accepted.
+    "torchtitan": ("0.2.2", "0.2.2", "pip install 'torchtitan==0.2.2' (scripts/setup.sh does it)"),
+}
+
+
+class UnsupportedVersionError(RuntimeError):
+    """A Python, torch or torchtitan outside the range acco_hooks supports."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; local and pre-release tags are ignored."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def _within(version: str, low: str, high: str | None) -> bool:
+    release = _release(version)
+    if release < _release(low):
+        return False
+    # A high bound of "0.2.2" admits 0.2.2.post1 but not 0.2.3: compare the bound's length only.
+    return high is None or release[: len(_release(high))] <= _release(high)
+
+
+def check_supported_versions(**installed: str | None) -> None:
+    """Raise :class:`UnsupportedVersionError` if any given version is outside its range.
+
+    Args:
+        **installed: ``python=``, ``torch=``, ``torchtitan=``: the installed version strings.
+            ``None`` skips a check (e.g. torchtitan when it is not used).
+
+    Raises:
+        UnsupportedVersionError: naming every version out of range, its supported range and
+            the fix, in one message.
+
+    Example::
+
+        >>> check_supported_versions(torch="2.6.0")
+        Traceback (most recent call last):
+        ...
+        UnsupportedVersionError: acco_hooks does not support the installed torch 2.6.0 ...
+    """
+    problems = []
+    for name, version in installed.items():
+        if version is None:
+            continue
+        low, high, fix = SUPPORTED_VERSIONS[name]
+        if not _within(version, low, high):
+            wanted = f"=={low}" if high == low else f">={low}" + (f",<={high}" if high else "")
+            problems.append(f"{name} {version} (supported: {name}{wanted}); fix: {fix}")
+    if problems:
+        raise UnsupportedVersionError(
+            "acco_hooks does not support the installed " + "; and ".join(problems)
+        )
+
+
+def check_python_and_torch() -> None:
+    """Check the running Python, then the installed torch (imported only after the first)."""
+    check_supported_versions(python=platform.python_version())
+    import torch
+
+    check_supported_versions(torch=torch.__version__)

@@ -1,0 +1,100 @@
+"""Supported versions are the tested ones, declared once and refused clearly at start."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+import acco_hooks
+from acco_hooks import SUPPORTED_VERSIONS, UnsupportedVersionError, check_supported_versions
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_pyproject_declares_the_ranges_the_program_checks() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+
+    def expected(name: str) -> SpecifierSet:
+        low, high, _ = SUPPORTED_VERSIONS[name]
+        return SpecifierSet(f"=={low}" if low == high else f">={low}")
+
+    assert SpecifierSet(project["requires-python"]) == expected("python")
+    assert requirements["torch"].specifier == expected("torch")
+    assert requirements["torchtitan"].specifier == expected("torchtitan")
+
+
+@pytest.mark.parametrize(
+    ("name", "version"),
+    [("python", "3.11.7"), ("python", "3.13.0"), ("torch", "2.13.0+cpu"), ("torch", "2.13.0"),
+     ("torch", "2.14.0.dev20261101+cu128"), ("torchtitan", "0.2.2")],
+)  # fmt: skip
+def test_supported_versions_pass(name: str, version: str) -> None:
+    check_supported_versions(**{name: version})
+
+
+@pytest.mark.parametrize(
+    ("name", "version", "fix"),
+    [("python", "3.10.13", "python3.11"), ("torch", "2.6.0", "pip install 'torch==2.13.0'"),
+     ("torch", "2.12.1+cu126", "pip install 'torch==2.13.0'"),
+     ("torchtitan", "0.3.0", "pip install 'torchtitan==0.2.2'"),
+     ("torchtitan", "0.2.1", "pip install 'torchtitan==0.2.2'")],
+)  # fmt: skip
+def test_unsupported_version_is_refused_naming_version_range_and_fix(
+    name: str, version: str, fix: str
+) -> None:
+    with pytest.raises(UnsupportedVersionError) as error:
+        check_supported_versions(**{name: version})
+    message = str(error.value)
+    assert f"{name} {version}" in message
+    assert f"supported: {name}" in message
+    assert fix in message
+
+
+def test_every_unsupported_version_is_named_in_one_error() -> None:
+    with pytest.raises(UnsupportedVersionError, match=r"torch 2\.6\.0.*; and torchtitan 0\.3\.0"):
+        check_supported_versions(python="3.11.7", torch="2.6.0", torchtitan="0.3.0")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+
+
+def test_import_refuses_an_unsupported_torch() -> None:
+    proc = _run("import torch; torch.__version__ = '2.6.0'; import acco_hooks")
+    assert proc.returncode != 0
+    assert "UnsupportedVersionError: acco_hooks does not support the installed torch 2.6.0" in (
+        proc.stderr
+    )
+
+
+def test_train_titan_refuses_an_unsupported_torchtitan_before_any_process_group() -> None:
+    code = (
+        "import sys, runpy, torchtitan, torch.distributed as dist\n"
+        "torchtitan.__version__ = '0.3.0'\n"
+        "sys.argv = ['train_titan.py', '--job.config_file', "
+        "'torchtitan_configs/debug_cpu_acco.toml']\n"
+        "try:\n"
+        "    runpy.run_path('train_titan.py', run_name='__main__')\n"
+        "finally:\n"
+        "    print('process group formed:', dist.is_initialized())\n"
+    )
+    proc = _run(code)
+    assert proc.returncode != 0
+    assert "installed torchtitan 0.3.0 (supported: torchtitan==0.2.2)" in proc.stderr
+    assert "process group formed: False" in proc.stdout
+
+
+def test_the_installed_versions_are_supported() -> None:
+    import torch
+    import torchtitan
+
+    check_supported_versions(torch=torch.__version__, torchtitan=torchtitan.__version__)
+    assert acco_hooks.__version__
