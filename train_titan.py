@@ -7,14 +7,21 @@ Reads a torchtitan TOML job config extended with an ``[acco]`` section (no
 ``[acco] enable = true`` the run uses ``ACCOTrainer``; without it, torchtitan's own
 ``Trainer`` (the native DDP/FSDP baselines). With no CUDA device the run goes to the CPU with
 gloo (``acco_hooks.titan.cpu_shim``). With ``--training.dataset stdlib`` the embedded corpus and
-its tokenizer are built on first use.
+its tokenizer are built on first use, under ``./outputs/stdlib/``.
+
+Rank 0 logs; the other ranks log errors only.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 import torch
+
+# First: a Python, torch or torchtitan outside the tested versions fails here, with the fix.
+import acco_hooks.titan  # noqa: F401, I001
 
 
 def main() -> None:
@@ -29,28 +36,49 @@ def main() -> None:
     from acco_hooks.titan.config import JobConfig, validate_acco_config
     from acco_hooks.titan.trainer import ACCOTrainer
 
-    init_logger()
-    config = ConfigManager(JobConfig).parse_args()
-    validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
-    if config.training.dataset in (stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME):
-        dataset_dir = config.training.dataset_path or stdlib_data.DEFAULT_DATASET_DIR
-        stdlib_data.ensure_stdlib_assets(dataset_dir, config.model.hf_assets_path)
-        stdlib_data.register_stdlib_datasets(dataset_dir)
+    class _ConfigManager(ConfigManager):
+        def _validate_config(self) -> None:
+            # torchtitan warns about a missing hf_assets_path here: build the embedded corpus's
+            # tokenizer first, so that a first run has it like any later one.
+            config = self.config
+            if config.training.dataset in (
+                stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME
+            ):  # fmt: skip
+                dataset_dir = config.training.dataset_path or stdlib_data.DEFAULT_DATASET_DIR
+                stdlib_data.ensure_stdlib_assets(dataset_dir, config.model.hf_assets_path)
+                stdlib_data.register_stdlib_datasets(dataset_dir)
+            super()._validate_config()
 
-    trainer_class = ACCOTrainer if config.acco.enable else Trainer
+    init_logger()
+    if int(os.environ.get("RANK", "0")) != 0:
+        # One copy of each line, rank 0's: the other ranks print the same info and warnings.
+        logger.setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+    config = _ConfigManager(JobConfig).parse_args()
+    validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
+
     trainer = None
     try:
-        trainer = trainer_class(config)
+        trainer = (ACCOTrainer if config.acco.enable else Trainer)(config)
         if config.checkpoint.create_seed_checkpoint:  # as torchtitan's own main does
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
-    finally:
-        if trainer is not None:
+    except BaseException:
+        # This rank failed, maybe alone: release what it holds without waiting for its peers
+        # (they fail their next collective instead), and leave the default group to the exit,
+        # as torchtitan's own main does: destroying it could wait on a peer mid-collective.
+        if isinstance(trainer, ACCOTrainer):
+            trainer.close(barrier=False)
+        elif trainer is not None:
             trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    logger.info(f"train_titan: done ({os.environ.get('RANK', '0')})")
+        raise
+    trainer.close()
+    # Every group is destroyed while the interpreter is alive: a gloo group destructed during
+    # interpreter shutdown can abort the process after a successful run.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("train_titan: done")
 
 
 if __name__ == "__main__":

@@ -12,17 +12,42 @@ __all__ = ["EngineFrontEnd"]
 
 
 class EngineFrontEnd:
-    """Delegates to ``self.engine``; subclasses feed it gradients and count micro-batches."""
+    """Delegates to ``self.engine``; subclasses feed it gradients and count micro-batches.
+
+    Subclasses keep the handles of the gradient hooks they register in ``_hook_handles``:
+    :meth:`close` removes them.
+    """
 
     engine: ACCOEngine
+    _hook_handles: list[Any]
 
     def flush(self) -> None:
         """Wait for in-flight communication; the model then holds the real parameters θ."""
         self.engine.flush()
 
-    def close(self) -> None:
-        """Drain the communication and stop its thread."""
-        self.engine.close()
+    def close(self, *, barrier: bool = True) -> None:
+        """Drain the communication, join its thread and destroy its process groups.
+
+        Every rank calls it at the end of training (see :meth:`ACCOEngine.close` for
+        ``barrier``). A ``with`` block closes on exit, without the barrier after an exception.
+        """
+        try:
+            self.engine.close(barrier=barrier)
+        finally:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self.engine.closed
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(barrier=exc_type is None)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's engine state; save it with ``model.state_dict()`` to resume exactly."""

@@ -35,6 +35,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -238,6 +239,8 @@ class ACCOEngine:
         # Process groups (used by the worker thread only) and coordinates
         "_group", "_count_group", "_norm_group", "world_size", "rank", "fsdp_world_size",
         "device",
+        # What close() (or, for an engine its owner forgot, the finalizer) releases
+        "process_groups", "_release", "__weakref__",
         # Buffers and the shard optimizer
         "_groups", "_slot_of", "optimizer", "lr_scheduler",
         # In-flight work, and the failure that stopped the engine (if any)
@@ -338,6 +341,17 @@ class ACCOEngine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
 
         self._worker = CommWorker(self.device)
+        # Every group built above is this engine's alone; close() destroys them. An engine its
+        # owner never closes is released when it is garbage-collected or at interpreter exit:
+        # a gloo group destructed during interpreter finalization can abort the process.
+        self.process_groups: tuple[dist.ProcessGroup, ...] = tuple(
+            dict.fromkeys(
+                g for g in (self._group, self._count_group, self._norm_group) if g is not None
+            )
+        )
+        self._release = weakref.finalize(
+            self, _release_communication, self._worker, self.process_groups
+        )
         self._in_flight: Future | None = None
         self._in_flight_job: _Job | None = None
         self._in_flight_round = -1
@@ -401,9 +415,15 @@ class ACCOEngine:
             The hook handles (``handle.remove()`` detaches them).
         """
 
+        # A weak reference: the parameters must not keep an engine its owner dropped alive (it
+        # is then released, see close()); their gradients then stay in ``.grad`` as usual.
+        engine_ref = weakref.ref(self)
+
         def move_grad_to_engine(param: Tensor) -> None:
-            self.accumulate_grad(param, param.grad)
-            param.grad = None
+            engine = engine_ref()
+            if engine is not None:
+                engine.accumulate_grad(param, param.grad)
+                param.grad = None
 
         return [p.register_post_accumulate_grad_hook(move_grad_to_engine) for p in self.params]
 
@@ -494,6 +514,11 @@ class ACCOEngine:
 
     def _raise_if_failed(self) -> None:
         """Raise at once if a round's communication failed, even before the round end."""
+        if self.closed:
+            raise RuntimeError(
+                "acco_hooks: the engine is closed (close() ran, or its with-block ended); "
+                "build a new optimizer to train on"
+            )
         if self._failure is not None:
             raise self._failure
         if self._in_flight is not None and self._in_flight.done() and self._in_flight.exception():
@@ -603,15 +628,49 @@ class ACCOEngine:
             return
         self._finish_in_flight(apply=self._in_flight_job is _Job.UPDATE)
 
-    def close(self) -> None:
-        """Drain and stop the communication thread (quietly, if a failure was already raised)."""
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the thread is joined and the process groups destroyed."""
+        return not self._release.alive
+
+    def close(self, *, barrier: bool = True) -> None:
+        """Drain the communication, stop its thread and destroy the engine's process groups.
+
+        Args:
+            barrier: meet the other ranks at a barrier on each of the engine's groups first,
+                so that no rank tears a group down while a peer still finishes its last
+                collective on it. Every rank must then call ``close()`` (as each one does when
+                it ends training). Pass ``False`` when closing after an error on this rank
+                alone: the peers then fail their next collective with a clear error instead
+                of waiting. Skipped anyway after a communication failure.
+
+        Idempotent; the engine runs no round afterwards. :attr:`closed` tells whether it ran.
+        """
+        if self.closed:
+            return
         try:
             if self._in_flight is not None and self._failure is None:
                 self._finish_in_flight(apply=False)
         except (ACCOCommunicationError, FloatingPointError):
             pass  # already reported to the training loop by the call that failed
         finally:
-            self._worker.close()
+            if barrier and self._failure is None and self.process_groups:
+                try:
+                    barrier = self._worker.submit(_barrier_each, self.process_groups)
+                    self._worker.wait(barrier, timeout_s=None if self.timeout is None else self.timeout + 60)  # fmt: skip
+                except Exception:  # noqa: BLE001 - a peer died meanwhile: tear down anyway
+                    logger.warning("acco_hooks: close(): a peer never reached the barrier",
+                                   exc_info=True)  # fmt: skip
+            self._release()
+            # Drop the last references too: the groups' C++ objects go now, not at exit.
+            self._group = self._count_group = self._norm_group = None
+            self.process_groups = ()
+
+    def __enter__(self) -> ACCOEngine:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(barrier=exc_type is None)
 
     # ------------------------------------------------------- communication side (worker thread)
 
@@ -949,6 +1008,23 @@ def _dedicated_group(
         if ranks == my_ranks:
             mine = group
     return mine
+
+
+def _barrier_each(groups: tuple[dist.ProcessGroup, ...]) -> None:
+    for group in groups:  # the same order on every rank: the order they were created in
+        dist.barrier(group=group)
+
+
+def _release_communication(worker: CommWorker, groups: tuple[dist.ProcessGroup, ...]) -> None:
+    """Join the worker thread, then destroy the groups it was the only user of."""
+    worker.close()
+    if not dist.is_available() or not dist.is_initialized():
+        return  # the user already destroyed every group, ours included
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            pass  # destroyed already
 
 
 @torch.no_grad()

@@ -137,8 +137,3 @@ class ACCOOptimizer(EngineFrontEnd):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: gradients live in the engine (kept so standard loops run unchanged)."""
 
-    def close(self) -> None:
-        """Drain the communication and stop its thread; remove the gradient hooks."""
-        super().close()
-        for handle in self._hook_handles:
-            handle.remove()

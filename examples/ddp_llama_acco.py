@@ -72,8 +72,8 @@ def main() -> None:
     k = max(1, len(losses) // 10)
     if rank == 0:
         print(f"summary: mode={args.mode} world_size={world} rounds={state.round_index} "
-              f"updates={state.num_updates} first_loss={sum(losses[:k]) / k:.4f} "
-              f"final_loss={sum(losses[-k:]) / k:.4f} time={elapsed:.1f}s", flush=True)  # fmt: skip
+              f"updates={state.num_updates} mean_loss_first_{k}_microbatches={sum(losses[:k]) / k:.4f} "
+              f"mean_loss_last_{k}_microbatches={sum(losses[-k:]) / k:.4f} time={elapsed:.1f}s", flush=True)  # fmt: skip
     state.close()
     dist.destroy_process_group()
 

@@ -50,10 +50,10 @@ class ScriptArguments:
         "(2 layers, hidden 64) built from a config and trained from scratch.")})
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": (
         "Tokenizer id or folder. Default: the model's; for the tiny Llama the stdlib BPE "
-        "tokenizer (assets/stdlib/tokenizer, built on first use).")})
+        "tokenizer (outputs/stdlib/tokenizer, built on first use).")})
     train_file: Optional[str] = field(default=None, metadata={"help": (
         "A .jsonl/.json/.csv/.txt file with a text column. Default: the Python standard "
-        "library's source files (assets/stdlib/dataset/train.jsonl, built on first use).")})
+        "library's source files (outputs/stdlib/dataset/train.jsonl, built on first use).")})
     validation_file: Optional[str] = field(default=None, metadata={"help": (
         "Like train_file, for evaluation. Default: the stdlib validation split.")})
     text_column_name: str = field(default="text", metadata={"help": "The raw text column."})
@@ -147,6 +147,9 @@ def main() -> None:
             f"eval_loss={metrics.get('eval_loss', float('nan')):.4f}",
             flush=True,
         )
+    # Destroy the process group while the interpreter is alive: a gloo group left to be
+    # destructed during interpreter shutdown can abort a process whose training succeeded.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

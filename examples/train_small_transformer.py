@@ -135,8 +135,9 @@ def main() -> None:
     first, final, all_tokens = figures[0] / world, figures[1] / world, int(figures[2])
     if rank == 0:
         print(f"summary: mode={args.mode} world_size={world} rounds={opt.round_index} "
-              f"updates={opt.num_updates} tokens={all_tokens} first_loss={first:.4f} "
-              f"final_loss={final:.4f} time={elapsed:.1f}s tokens/s={all_tokens / elapsed:.0f}",
+              f"updates={opt.num_updates} tokens={all_tokens} "
+              f"mean_loss_first_{tail}_rounds={first:.4f} mean_loss_last_{tail}_rounds={final:.4f} "
+              f"time={elapsed:.1f}s tokens/s={all_tokens / elapsed:.0f}",
               flush=True)
     opt.close()
     dist.destroy_process_group()

@@ -170,6 +170,47 @@ def all_runs(rank: int, world_size: int, variants: list[dict[str, Any]], output_
     }
 
 
+def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """One ACCOTrainer, ``train()`` three times: what each call's engine held is released."""
+    import threading
+
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+    groups_per_call: list[list[Any]] = []
+
+    class RecordEngineGroups(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                        **kwargs: Any) -> None:  # fmt: skip
+            groups_per_call[-1] = list(optimizer.engine.process_groups)
+
+    def destroyed(group: Any) -> bool:
+        try:
+            dist.get_process_group_ranks(group)
+        except (KeyError, ValueError):
+            return True
+        return False
+
+    trainer = ACCOTrainer(model=tiny_llama(), args=training_args(output_dir, max_steps=2),
+                          train_dataset=byte_dataset(16), acco_args=ACCOArguments(mode="acco"),
+                          callbacks=[RecordEngineGroups()])  # fmt: skip
+    after = []
+    for _ in range(3):
+        groups_per_call.append([])
+        trainer.train()
+        after.append({
+            "engine": trainer.engine,
+            "groups": len(groups_per_call[-1]),
+            "destroyed": [destroyed(g) for g in groups_per_call[-1]],
+            "threads": [t.name for t in threading.enumerate() if t.name.startswith("acco-comm")],
+            "steps": trainer.state.global_step,
+        })  # fmt: skip
+    return {"after": after, "distinct_groups": len({id(g) for c in groups_per_call for g in c})}
+
+
 def stdlib_texts(n: int, chars: int = 2000) -> list[str]:
     """``n`` raw texts of ``chars`` characters of the stdlib corpus."""
     from acco_hooks.data import stdlib_corpus

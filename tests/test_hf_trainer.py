@@ -281,6 +281,16 @@ def test_decoupled_trainer_accepts_the_paper_config(tmp_path, monkeypatch) -> No
     assert trainer.state.global_step == 4  # 8 micro-batch gradients / (1 rank x 2 per round)
 
 
+def test_train_three_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
+    for rank in run_distributed("tests.hf_workers:train_three_times", 2, str(tmp_path)):
+        assert rank["distinct_groups"] >= 3  # a new engine, with new groups, per train()
+        for call in rank["after"]:
+            assert call["engine"] is None
+            assert call["steps"] == 2
+            assert call["groups"] >= 1 and all(call["destroyed"])
+            assert call["threads"] == []
+
+
 # --------------------------------------------------------------------- the torchrun launch
 
 
@@ -302,6 +312,7 @@ def test_example_script_trains_with_torchrun(tmp_path) -> None:
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "terminate called" not in done.stderr
     summary = re.search(r"summary: mode=acco steps=8 real_updates=4 first_loss=(\S+) "
                         r"last_loss=(\S+) eval_loss=(\S+)", done.stdout)  # fmt: skip
     assert summary, done.stdout[-3000:]

@@ -21,8 +21,8 @@ def test_main_job_trains_and_prints_rounds_and_summary(mode: str) -> None:
     rounds = re.findall(r"^round +(\d+) \| updates +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)
     assert [int(r) for r, _, _ in rounds] == list(range(1, 25))
     summary = re.search(
-        r"^summary: mode=(\w+) world_size=2 rounds=24 updates=(\d+) .*first_loss=([\d.]+) "
-        r"final_loss=([\d.]+)", proc.stdout, re.M,
+        r"^summary: mode=(\w+) world_size=2 rounds=24 updates=(\d+) .*"
+        r"mean_loss_first_\d+_rounds=([\d.]+) mean_loss_last_\d+_rounds=([\d.]+)", proc.stdout, re.M,
     )  # fmt: skip
     assert summary, proc.stdout
     assert summary.group(1) == mode
@@ -37,24 +37,40 @@ def test_ddp_llama_example_trains_with_the_acco_hook() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = re.search(r"^summary: mode=acco world_size=2 rounds=30 updates=15 "
-                        r"first_loss=([\d.]+) final_loss=([\d.]+)", proc.stdout, re.M)  # fmt: skip
+                        r"mean_loss_first_\d+_microbatches=([\d.]+) "
+                        r"mean_loss_last_\d+_microbatches=([\d.]+)", proc.stdout, re.M)  # fmt: skip
     assert summary, proc.stdout
     assert float(summary.group(2)) < float(summary.group(1)) - 0.5
 
 
-def test_readme_main_job_trains_with_acco_and_prints_a_summary() -> None:
-    """The README's first command (after its setup part), shortened to 8 rounds."""
+def test_readme_main_job_trains_with_acco_and_prints_a_summary(tmp_path: pathlib.Path) -> None:
+    """The README's first command (after its setup part), shortened to 8 rounds.
+
+    Its generated files go to a fresh folder, as on a first run: the embedded corpus and its
+    tokenizer are built before torchtitan looks for them.
+    """
     readme = (SCRIPT.parents[1] / "README.md").read_text()
     first_command = readme.split("```bash\n", 1)[1].splitlines()[0]
     setup, main_job = first_command.split(" && ", 1)
     assert setup == "bash scripts/setup.sh"
     assert "train_titan.py" in main_job and "debug_cpu_acco.toml" in main_job
-    proc = subprocess.run(main_job + " --training.steps 8 --metrics.disable_color_printing",
-                          shell=True, capture_output=True, text=True, timeout=600,
-                          cwd=SCRIPT.parents[1])  # fmt: skip
+    overrides = (f" --training.steps 8 --metrics.disable_color_printing "
+                 f"--model.hf_assets_path {tmp_path}/stdlib/tokenizer "
+                 f"--training.dataset_path {tmp_path}/stdlib/dataset --job.dump_folder {tmp_path}/job")  # fmt: skip
+    proc = subprocess.run(main_job + overrides, shell=True, capture_output=True, text=True,
+                          timeout=600, cwd=SCRIPT.parents[1])  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
-    assert len(re.findall(r"step:\s+\d+\s+loss:", output)) >= 8
+    assert "terminate called" not in output
+    assert "does not exist" not in output  # torchtitan found the tokenizer on the first run
+    assert (tmp_path / "stdlib" / "tokenizer" / "tokenizer.json").is_file()
+    steps = re.findall(r"step:\s+(\d+)\s+loss:\s+([\d.]+)", output)
+    assert [int(s) for s, _ in steps] == list(range(1, 9))  # one copy of each line: rank 0's
+    assert output.count("Training starts at step 1") == 1
     summary = re.search(r"summary: mode=acco data_parallel=2 rounds=8 updates=4 .*"
-                        r"first_loss=([\d.]+) final_loss=([\d.]+)", output)  # fmt: skip
+                        r"first_loss=([\d.]+) last_loss=([\d.]+) "
+                        r"mean_loss_last_1_steps=([\d.]+)", output)  # fmt: skip
     assert summary, output[-3000:]
+    first, last, mean_last = map(float, summary.groups())
+    assert first == pytest.approx(float(steps[0][1]), abs=1e-4)
+    assert last == pytest.approx(float(steps[-1][1]), abs=1e-4) == mean_last

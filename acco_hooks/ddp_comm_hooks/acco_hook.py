@@ -70,7 +70,7 @@ class ACCOState(EngineFrontEnd, Joinable):
         "engine",
         # What reached the engine since the last step(): bucket gradients from the hook, and
         # parameters whose .grad autograd accumulated (these stay in .grad under no_sync())
-        "_delivered", "_accumulated", "_grad_hook_handles",
+        "_delivered", "_accumulated", "_hook_handles",
     )  # fmt: skip
 
     def __init__(
@@ -98,7 +98,7 @@ class ACCOState(EngineFrontEnd, Joinable):
             raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
         self._delivered: set[Tensor] = set()
         self._accumulated: set[Tensor] = set()
-        self._grad_hook_handles = [
+        self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._accumulated.add) for p in self.engine.params
         ]
 
@@ -128,12 +128,6 @@ class ACCOState(EngineFrontEnd, Joinable):
         self._accumulated.clear()
         self._delivered.clear()
         return self.engine.microbatch_done(weight)
-
-    def close(self) -> None:
-        """Drain the communication, stop its thread and remove the gradient hooks."""
-        super().close()
-        for handle in self._grad_hook_handles:
-            handle.remove()
 
     # Joinable: a rank out of data counts empty micro-batches while the others train.
     def join_hook(self, **kwargs: Any) -> JoinHook:

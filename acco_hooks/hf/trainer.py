@@ -101,15 +101,6 @@ class _EngineOptimizer(EngineFrontEnd):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: gradients live in the engine."""
 
-    def close(self) -> None:
-        """Drain the communication, stop its thread and remove the gradient hooks."""
-        try:
-            super().close()
-        finally:
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles = []
-
 
 class _EngineSchedule:
     """What the Trainer holds as ``trainer.lr_scheduler``; the real one is the engine's.
@@ -566,7 +557,9 @@ class ACCOTrainer(Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._close_engine(flush=False)  # after an exception: quietly
+            # After an exception (on this rank alone, maybe): quietly, and without waiting for
+            # peers at a barrier; after success, _finalize_training closed it already.
+            self._close_engine(flush=False)
             self.optimizer = None
             self.lr_scheduler = None
             self._acco_lr = None
@@ -578,7 +571,7 @@ class ACCOTrainer(Trainer):
             return
         if flush:
             optimizer.flush()
-        optimizer.close()
+        optimizer.close(barrier=flush)
 
     # ------------------------------------------------------------------------- refusals
 

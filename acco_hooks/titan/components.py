@@ -94,8 +94,9 @@ class ACCOOptimizersContainer(OptimizersContainer):
             )
         self.engine.load_state_dict(state_dict[self._state_key])
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, *, barrier: bool = True) -> None:
+        """Drain the communication, destroy its groups and remove the gradient hooks."""
+        self.engine.close(barrier=barrier)
         for handle in self._hook_handles:
             handle.remove()
 

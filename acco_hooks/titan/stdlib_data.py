@@ -5,9 +5,9 @@ Every machine that runs Python has its standard library: real text that nobody h
 with no download. From it the project builds, once, deterministically for a Python version:
 
 * a LOCAL dataset, one line ``{"text": <file content>}`` per stdlib ``.py`` file, in ``train.jsonl``
-  and ``validation.jsonl`` (every 20th file), cached in ``assets/stdlib/dataset``;
+  and ``validation.jsonl`` (every 20th file), cached in ``outputs/stdlib/dataset``;
 * a byte-level BPE tokenizer of exactly 2048 tokens (llama3 ``debugmodel``'s ``vocab_size``)
-  trained on ``train.jsonl``, cached in ``assets/stdlib/tokenizer`` (pass it as
+  trained on ``train.jsonl``, cached in ``outputs/stdlib/tokenizer`` (pass it as
   ``--model.hf_assets_path``).
 
 ``ensure_stdlib_assets()`` builds what is missing (under a file lock: all torchrun ranks may call
@@ -37,8 +37,8 @@ __all__ = [
 
 DATASET_NAME = "stdlib"
 VALIDATION_DATASET_NAME = "stdlib_validation"
-DEFAULT_DATASET_DIR = "assets/stdlib/dataset"
-DEFAULT_TOKENIZER_DIR = "assets/stdlib/tokenizer"
+DEFAULT_DATASET_DIR = "outputs/stdlib/dataset"
+DEFAULT_TOKENIZER_DIR = "outputs/stdlib/tokenizer"
 VOCAB_SIZE = 2048
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

@@ -220,11 +220,13 @@ class ACCOTrainer(Trainer):
                 f"summary: mode={self.job_config.acco.mode} "
                 f"data_parallel={self.parallel_dims.dp_replicate} rounds={engine.round_index} "
                 f"updates={engine.num_updates} tokens_per_rank={self.ntokens_seen} "
-                f"first_loss={losses[0]:.4f} final_loss={sum(losses[-tail:]) / tail:.4f} "
+                f"first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
+                f"mean_loss_last_{tail}_steps={sum(losses[-tail:]) / tail:.4f} "
                 f"time={time.perf_counter() - start:.1f}s fsdp_shards={self.parallel_dims.dp_shard}"
             )
 
-    def close(self) -> None:
+    def close(self, *, barrier: bool = True) -> None:
+        """torchtitan's ``close()``, after closing the engine (see ``ACCOEngine.close``)."""
         if hasattr(self, "optimizers") and isinstance(self.optimizers, ACCOOptimizersContainer):
-            self.optimizers.close()
+            self.optimizers.close(barrier=barrier)
         super().close()
