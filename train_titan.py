@@ -9,7 +9,9 @@ Reads a torchtitan TOML job config extended with an ``[acco]`` section (no
 gloo (``acco_hooks.titan.cpu_shim``). With ``--training.dataset stdlib`` the embedded corpus and
 its tokenizer are built on first use, under ``./outputs/stdlib/``.
 
-Rank 0 logs; the other ranks log errors only.
+One rank logs (rank 0, or with pipeline parallelism the first rank of the last stage, whose
+step lines carry the loss); the others log errors only. ``LOG_RANK=0,3`` or ``LOG_RANK=all``
+picks others, as in torchtitan's ``run_train.sh``.
 """
 
 from __future__ import annotations
@@ -50,11 +52,10 @@ def main() -> None:
             super()._validate_config()
 
     init_logger()
-    if int(os.environ.get("RANK", "0")) != 0:
-        # One copy of each line, rank 0's: the other ranks print the same info and warnings.
-        logger.setLevel(logging.ERROR)
-        warnings.simplefilter("ignore")
+    rank = int(os.environ.get("RANK", "0"))
+    _log_on(rank == 0)  # until the config says which rank logs
     config = _ConfigManager(JobConfig).parse_args()
+    _log_on(rank in _logging_ranks(config))
     validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
 
     trainer = None
@@ -79,6 +80,28 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("train_titan: done")
+
+
+def _logging_ranks(config) -> set[int] | range:
+    """``LOG_RANK`` (global ranks, comma-separated, or ``all``); by default the one rank whose
+    step lines carry the loss: rank 0, or with pipeline parallelism the first rank of the last
+    stage (torchtitan's mesh puts ``pp`` outermost)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    chosen = os.environ.get("LOG_RANK", "")
+    if chosen == "all":
+        return range(world_size)
+    if chosen:
+        return {int(r) for r in chosen.split(",")}
+    return {world_size - world_size // max(config.parallelism.pipeline_parallel_degree, 1)}
+
+
+def _log_on(enabled: bool) -> None:
+    """One copy of each line: the other ranks print the same info and warnings, and are
+    left their errors only."""
+    from torchtitan.tools.logging import logger
+
+    logger.setLevel(logging.INFO if enabled else logging.ERROR)
+    warnings.simplefilter("default" if enabled else "ignore")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,9 @@ events (see ``CommWorker.submit``).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
-import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Callable
@@ -34,17 +32,6 @@ logger = logging.getLogger(__name__)
 # How often a waiting training loop re-checks that the worker thread is still alive.
 _LIVENESS_POLL_S = 1.0
 
-# Workers not closed by their owner are closed at interpreter exit (before daemon threads are
-# torn down): a process exiting with the thread alive can abort in gloo's destructors.
-_LIVE_WORKERS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_workers() -> None:
-    for worker in list(_LIVE_WORKERS):
-        worker.close(timeout_s=5.0)
-
-
 class CommWorker:
     """A FIFO of jobs executed in order on one daemon thread.
 
@@ -57,7 +44,7 @@ class CommWorker:
         name: the thread's name (shows up in ``py-spy`` dumps and tracebacks).
     """
 
-    __slots__ = ("_jobs", "_thread", "_stream", "_closed", "__weakref__")
+    __slots__ = ("_jobs", "_thread", "_stream", "_closed")
 
     def __init__(self, device: torch.device, name: str = "acco-comm") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,7 +52,6 @@ class CommWorker:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        _LIVE_WORKERS.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)``; return the future of its result.

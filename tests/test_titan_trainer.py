@@ -28,7 +28,7 @@ def run_titan(
            "--job.config_file", str(ROOT / "torchtitan_configs" / config),
            "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
            *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOG_RANK": "all"}  # every rank's losses
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]

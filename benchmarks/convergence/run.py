@@ -397,7 +397,7 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
 
 def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str, str]:
     """The variables this script sets for a run (on top of the current environment)."""
-    env = {"OMP_NUM_THREADS": str(omp_threads)}
+    env = {"OMP_NUM_THREADS": str(omp_threads), "LOG_RANK": "all"}  # each rank's tps
     if spec.experiment == "heterogeneous":
         env[SLOW_S_ENV] = str(spec.slow_seconds)
         env[STATS_DIR_ENV] = str(run_dir / "stats")
