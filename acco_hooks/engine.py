@@ -655,9 +655,10 @@ class ACCOEngine:
             pass  # already reported to the training loop by the call that failed
         finally:
             if barrier and self._failure is None and self.process_groups:
+                backstop = None if self.timeout is None else self.timeout + 60.0
                 try:
-                    barrier = self._worker.submit(_barrier_each, self.process_groups)
-                    self._worker.wait(barrier, timeout_s=None if self.timeout is None else self.timeout + 60)  # fmt: skip
+                    peers_met = self._worker.submit(_barrier_each, self.process_groups)
+                    self._worker.wait(peers_met, timeout_s=backstop)
                 except Exception:  # noqa: BLE001 - a peer died meanwhile: tear down anyway
                     logger.warning("acco_hooks: close(): a peer never reached the barrier",
                                    exc_info=True)  # fmt: skip
