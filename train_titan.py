@@ -53,9 +53,14 @@ def main() -> None:
 
     init_logger()
     rank = int(os.environ.get("RANK", "0"))
-    _log_on(rank == 0)  # until the config says which rank logs
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)  # until the config is read
     config = _ConfigManager(JobConfig).parse_args()
-    _log_on(rank in _logging_ranks(config))
+    if rank in _logging_ranks(config):
+        logger.setLevel(logging.INFO)
+    else:
+        # One copy of each line: the other ranks print the same info and warnings.
+        logger.setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
     validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
 
     trainer = None
@@ -93,15 +98,6 @@ def _logging_ranks(config) -> set[int] | range:
     if chosen:
         return {int(r) for r in chosen.split(",")}
     return {world_size - world_size // max(config.parallelism.pipeline_parallel_degree, 1)}
-
-
-def _log_on(enabled: bool) -> None:
-    """One copy of each line: the other ranks print the same info and warnings, and are
-    left their errors only."""
-    from torchtitan.tools.logging import logger
-
-    logger.setLevel(logging.INFO if enabled else logging.ERROR)
-    warnings.simplefilter("default" if enabled else "ignore")
 
 
 if __name__ == "__main__":

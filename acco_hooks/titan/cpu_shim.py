@@ -50,6 +50,14 @@ Importing this module calls :func:`install`, which, only when no accelerator is 
    covers every model, including those with their own ``apply_fsdp`` and the pipeline path (the
    Trainer hands ``train_spec.parallelize_fn`` to ``pipelining_fn``).
 
+3. quiets what only a CPU run makes torchtitan and torch warn about, so that a first run shows
+   no warning that is not the user's to act on: ``get_peak_flops`` returns torchtitan's own
+   fallback (the A100's, so the ``mfu`` column means nothing on CPU) without running ``lspci``
+   and warning twice per rank; DTensor's "may not have complete support on cpu device mesh"
+   and CPU autocast's "target dtype is not supported" (float32 runs need no autocast) are
+   ignored; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (set by torchrun, and torchtitan warns that it
+   overrides it) is unset: there is no NCCL here.
+
 Calling :func:`install` again (or importing this module twice) changes nothing. When an
 accelerator is available it only logs a line and patches nothing.
 
@@ -87,6 +95,7 @@ import platform
 import resource
 import sys
 import types
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -228,6 +237,10 @@ def _wrap_get_train_spec(get_train_spec: Callable) -> Callable:
 _installed = False
 
 
+def _a100_peak_flops(device_name: str) -> float:
+    return 312e12  # torchtitan's fallback for a device it does not know
+
+
 def is_installed() -> bool:
     """True once :func:`install` patched torchtitan in this process."""
     import torchtitan.tools.utils as tt_utils
@@ -296,6 +309,13 @@ def install() -> None:
 
     llama3_par.apply_fsdp = _with_force_sum(llama3_par.apply_fsdp, model_arg=True)
     train_spec_mod.get_train_spec = _wrap_get_train_spec(train_spec_mod.get_train_spec)
+
+    # 3. CPU-only noise (see the module docstring)
+    tt_utils.get_peak_flops = _a100_peak_flops
+    for message in (r"DTensor .* may not have complete support on cpu device mesh",
+                    r"In CPU autocast, but the target dtype is not supported"):  # fmt: skip
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
 
     if not _installed:
         _log(
