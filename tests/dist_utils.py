@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib
 import os
 import socket
@@ -28,6 +29,8 @@ def _entry(
     rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
     orderly_teardown: bool = True,
 ) -> None:  # fmt: skip
+    # A rank that aborts (SIGABRT from C++) shows every thread's Python stack in the test log.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

@@ -7,6 +7,7 @@ Hugging Face ``Trainer`` on the embedded corpus (the Python standard library's s
 from __future__ import annotations
 
 import os
+import pathlib
 import tempfile
 from typing import Any
 
@@ -171,7 +172,11 @@ def all_runs(rank: int, world_size: int, variants: list[dict[str, Any]], output_
 
 
 def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
-    """One ACCOTrainer, ``train()`` three times: what each call's engine held is released."""
+    """One ACCOTrainer, ``train()`` three times: what each call's engine held is released.
+
+    The engine's groups are checked through the public ``torch.distributed`` API and then
+    dropped here, so that the threads gloo runs for them must end when the engine lets go.
+    """
     import threading
 
     import torch.distributed as dist
@@ -180,12 +185,12 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
     from acco_hooks.hf import ACCOArguments, ACCOTrainer
 
     distributed_env(rank, world_size)
-    groups_per_call: list[list[Any]] = []
+    engine_groups: list[Any] = []
 
     class RecordEngineGroups(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
                         **kwargs: Any) -> None:  # fmt: skip
-            groups_per_call[-1] = list(optimizer.engine.process_groups)
+            engine_groups[:] = optimizer.engine.process_groups
 
     def destroyed(group: Any) -> bool:
         try:
@@ -197,18 +202,28 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
     trainer = ACCOTrainer(model=tiny_llama(), args=training_args(output_dir, max_steps=2),
                           train_dataset=byte_dataset(16), acco_args=ACCOArguments(mode="acco"),
                           callbacks=[RecordEngineGroups()])  # fmt: skip
-    after = []
+    gloo_threads_before = gloo_worker_threads()
+    after, group_names = [], set()
     for _ in range(3):
-        groups_per_call.append([])
         trainer.train()
         after.append({
             "engine": trainer.engine,
-            "groups": len(groups_per_call[-1]),
-            "destroyed": [destroyed(g) for g in groups_per_call[-1]],
+            "groups": len(engine_groups),
+            "destroyed": [destroyed(g) for g in engine_groups],
             "threads": [t.name for t in threading.enumerate() if t.name.startswith("acco-comm")],
             "steps": trainer.state.global_step,
         })  # fmt: skip
-    return {"after": after, "distinct_groups": len({id(g) for c in groups_per_call for g in c})}
+        group_names.update(g.group_name for g in engine_groups)
+        engine_groups.clear()  # the last reference outside the engine
+        after[-1]["gloo_threads_left"] = gloo_worker_threads() - gloo_threads_before
+    return {"after": after, "distinct_groups": len(group_names)}
+
+
+def gloo_worker_threads() -> int:
+    """How many of this process's native threads are gloo process-group workers (Linux)."""
+    names = (pathlib.Path(task, "comm").read_text().strip()
+             for task in pathlib.Path("/proc/self/task").iterdir())  # fmt: skip
+    return sum(name.startswith("pt_gloo") for name in names)
 
 
 def stdlib_texts(n: int, chars: int = 2000) -> list[str]:

@@ -289,6 +289,7 @@ def test_train_three_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
             assert call["steps"] == 2
             assert call["groups"] >= 1 and all(call["destroyed"])
             assert call["threads"] == []
+            assert call["gloo_threads_left"] == 0  # the groups' C++ objects are gone too
 
 
 # --------------------------------------------------------------------- the torchrun launch
