@@ -1,7 +1,9 @@
-"""What every front-end of the engine exposes: draining, checkpoints and the figures to log."""
+"""What every front-end of the engine exposes: real weights, closing, checkpoints, figures to log."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,29 +16,31 @@ __all__ = ["EngineFrontEnd"]
 class EngineFrontEnd:
     """Delegates to ``self.engine``; subclasses feed it gradients and count micro-batches.
 
-    Subclasses keep the handles of the gradient hooks they register in ``_hook_handles``:
-    :meth:`close` removes them.
+    The engine owns the gradient hooks (``engine.hook_param_grads``) and removes them when it
+    closes.
     """
 
     engine: ACCOEngine
-    _hook_handles: list[Any]
 
     def flush(self) -> None:
         """Wait for in-flight communication; the model then holds the real parameters θ."""
         self.engine.flush()
 
-    def close(self, *, barrier: bool = True) -> None:
-        """Drain the communication, join its thread and destroy its process groups.
+    def real_weights(self) -> AbstractContextManager[dict[str, Any] | None]:
+        """A block in which the model holds the real parameters θ, for evaluation or export.
 
-        Every rank calls it at the end of training (see :meth:`ACCOEngine.close` for
-        ``barrier``). A ``with`` block closes on exit, without the barrier after an exception.
+        The training trajectory is unchanged: see :meth:`ACCOEngine.real_weights`.
         """
-        try:
-            self.engine.close(barrier=barrier)
-        finally:
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles = []
+        return self.engine.real_weights()
+
+    def close(self, *, flush: bool = True, barrier: bool = True) -> None:
+        """Apply (``flush=True``) or drop the update in flight, join the communication thread,
+        destroy the engine's process groups and remove its gradient hooks.
+
+        Every rank calls it at the end of training (see :meth:`ACCOEngine.close`). A ``with``
+        block closes on exit; after an exception without the flush and the barrier.
+        """
+        self.engine.close(flush=flush, barrier=barrier)
 
     @property
     def closed(self) -> bool:
@@ -47,7 +51,7 @@ class EngineFrontEnd:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        self.close(barrier=exc_type is None)
+        self.close(flush=exc_type is None, barrier=exc_type is None)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's engine state; save it with ``model.state_dict()`` to resume exactly."""

@@ -116,7 +116,7 @@ class ACCOOptimizer(EngineFrontEnd):
             fsdp_process_group=fsdp_process_group,
             **optimizer_kwargs,
         )
-        self._hook_handles = self.engine.hook_param_grads()
+        self.engine.hook_param_grads()
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.

@@ -70,7 +70,7 @@ class ACCOState(EngineFrontEnd, Joinable):
         "engine",
         # What reached the engine since the last step(): bucket gradients from the hook, and
         # parameters whose .grad autograd accumulated (these stay in .grad under no_sync())
-        "_delivered", "_accumulated", "_hook_handles",
+        "_delivered", "_accumulated",
     )  # fmt: skip
 
     def __init__(
@@ -98,9 +98,7 @@ class ACCOState(EngineFrontEnd, Joinable):
             raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
         self._delivered: set[Tensor] = set()
         self._accumulated: set[Tensor] = set()
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(self._accumulated.add) for p in self.engine.params
-        ]
+        self.engine.hook_param_grads(self._accumulated.add)
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.

@@ -93,7 +93,7 @@ class _EngineOptimizer(EngineFrontEnd):
 
     def __init__(self, engine: ACCOEngine) -> None:
         self.engine = engine
-        self._hook_handles = engine.hook_param_grads()
+        engine.hook_param_grads()
 
     def step(self, closure: Any = None) -> None:
         """No-op: the Trainer step's last micro-batch already ended the engine's round."""
@@ -192,8 +192,6 @@ class ACCOTrainer(Trainer):
         self._acco_snapshot: _Snapshot | None = None  # set while a checkpoint is written
         self._acco_rounds_since_log = 0
         self._acco_wait_since_log = 0.0
-        self._acco_storage: list[tuple[torch.Tensor, int]] = []
-        self._acco_step_start = True
         super().__init__(*args, **kwargs)
         self._refuse_after_init()
 
@@ -252,9 +250,6 @@ class ACCOTrainer(Trainer):
             **optimizer_kwargs,
         )
         self.optimizer = _EngineOptimizer(engine)
-        # The engine holds views of the parameters' storage: a later ``model.to()`` or
-        # ``param.data = ...`` would leave it updating dead memory. Checked at each step.
-        self._acco_storage = [(p, p.data_ptr()) for p in engine.params]
         updates = real_updates(self.acco_args.mode, self._max_rounds())
         logger.info(
             "ACCOTrainer: mode=%s, %d rounds of %d micro-batches per rank, %d real updates, "
@@ -373,8 +368,6 @@ class ACCOTrainer(Trainer):
         engine = self.engine
         if engine is None:
             raise RuntimeError("ACCOTrainer.training_step runs inside train() only")
-        if self._acco_step_start:
-            self._check_parameter_storage()
         items = self._local_items(inputs)  # before compute_loss consumes the inputs
         last = self.accelerator.sync_gradients
         if last:  # the LR this round's gradients will be applied with, for the log
@@ -387,18 +380,7 @@ class ACCOTrainer(Trainer):
         if ended:
             self._acco_rounds_since_log += 1
             self._acco_wait_since_log += engine.last_wait_s
-        self._acco_step_start = last
         return loss
-
-    def _check_parameter_storage(self) -> None:
-        moved = [p for p, ptr in self._acco_storage if p.data_ptr() != ptr]
-        if moved:
-            raise RuntimeError(
-                f"ACCOTrainer: {len(moved)} model parameters were re-allocated after the ACCO "
-                "engine was built (model.to(), param.data = ..., a wrapper that copies them); the "
-                "engine would keep updating the old memory. Move or wrap the model before "
-                "train(), not during it"
-            )
 
     def _local_items(self, inputs: dict[str, Any]) -> int | None:
         """The label tokens of one micro-batch, counted as the Trainer counts num_items_in_batch."""
@@ -447,28 +429,15 @@ class ACCOTrainer(Trainer):
     def _real_parameters(self) -> Iterator[_Snapshot | None]:
         """Within the block the model holds the real θ; after it, training goes on unchanged.
 
-        In ``acco`` (after every other round) and ``dpu`` the model holds other parameters than
-        θ while a real update is in flight. The update is applied for the block; afterwards the
-        live parameters come back and the engine state saved before is loaded again, which
-        re-arms the update (one all-gather of the shards). Yields the snapshot.
+        Yields the engine state and the live parameters the block replaced (``None`` when the
+        model held θ already), for a checkpoint to save.
         """
         engine = self.engine
         if engine is None:
             yield None
             return
-        state = engine.state_dict()  # waits for the in-flight round, keeps its result pending
-        if state["pending_job"] != "update":  # nothing in flight, or an estimate: the model is θ
-            yield _Snapshot(state, None)
-            return
-        live = {n: p.detach().clone() for n, p in self._trainable_named_parameters()}
-        engine.flush()
-        try:
-            yield _Snapshot(state, live)
-        finally:
-            with torch.no_grad():
-                for n, p in self._trainable_named_parameters():
-                    p.copy_(live[n])
-            engine.load_state_dict(state)
+        with engine.real_weights() as live:
+            yield _Snapshot(engine.state_dict(), live)
 
     def _trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -563,15 +532,12 @@ class ACCOTrainer(Trainer):
             self.optimizer = None
             self.lr_scheduler = None
             self._acco_lr = None
-            self._acco_step_start = True
 
     def _close_engine(self, flush: bool) -> None:
         optimizer = self.optimizer
         if not isinstance(optimizer, _EngineOptimizer):
             return
-        if flush:
-            optimizer.flush()
-        optimizer.close(barrier=flush)
+        optimizer.close(flush=flush, barrier=flush)
 
     # ------------------------------------------------------------------------- refusals
 

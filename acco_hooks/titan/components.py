@@ -67,7 +67,7 @@ class ACCOOptimizersContainer(OptimizersContainer):
         ]
         self.engine = ACCOEngine(named, optimizer_cls, **engine_kwargs, **optimizer_kwargs)
         self.optimizers = [self.engine.optimizer]
-        self._hook_handles = self.engine.hook_param_grads()
+        self.engine.hook_param_grads()
         self._state_key = f"acco_engine_rank{dist.get_rank() if dist.is_initialized() else 0}"
         self._post_init([p for _, p in named], optimizer_kwargs)
 
@@ -94,11 +94,10 @@ class ACCOOptimizersContainer(OptimizersContainer):
             )
         self.engine.load_state_dict(state_dict[self._state_key])
 
-    def close(self, *, barrier: bool = True) -> None:
-        """Drain the communication, destroy its groups and remove the gradient hooks."""
-        self.engine.close(barrier=barrier)
-        for handle in self._hook_handles:
-            handle.remove()
+    def close(self, *, flush: bool = True, barrier: bool = True) -> None:
+        """Apply or drop the update in flight, join the engine's thread, destroy its groups
+        and remove its gradient hooks (see ``ACCOEngine.close``)."""
+        self.engine.close(flush=flush, barrier=barrier)
 
 
 def _materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:

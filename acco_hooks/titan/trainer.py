@@ -125,8 +125,9 @@ class ACCOTrainer(Trainer):
             validate = self.validator.validate
 
             def validate_real_parameters(*args: Any, **kwargs: Any) -> Any:
-                self.optimizers.engine.flush()  # evaluate θ, not the estimate θ̃
-                return validate(*args, **kwargs)
+                # θ, not the estimate θ̃, without applying the update in flight early
+                with self.optimizers.engine.real_weights():
+                    return validate(*args, **kwargs)
 
             self.validator.validate = validate_real_parameters
         logger.info(
@@ -228,5 +229,5 @@ class ACCOTrainer(Trainer):
     def close(self, *, barrier: bool = True) -> None:
         """torchtitan's ``close()``, after closing the engine (see ``ACCOEngine.close``)."""
         if hasattr(self, "optimizers") and isinstance(self.optimizers, ACCOOptimizersContainer):
-            self.optimizers.close(barrier=barrier)
+            self.optimizers.close(flush=barrier, barrier=barrier)
         super().close()

@@ -1,0 +1,232 @@
+"""The flat buffer layout: how one parameter group is laid out, sharded and buffered.
+
+A group's parameters are laid end to end in one flat vector padded with zeros to a multiple of
+the data-parallel world size N; rank r owns elements ``[r*shard, (r+1)*shard)``. Each group has:
+
+====================  ===========  ========================================================
+buffer                size, dtype  role
+====================  ===========  ========================================================
+``accumulator``       Φ, fp32      the round's summed micro-batch gradients (compute side)
+``comm_input``        Φ, reduce    the payload handed to the communication side ...
+``gathered``          Φ, model     ... sharing its bytes with the all-gathered result
+``shard_sum``         Φ/N, reduce  the reduce-scattered gradient of this rank's shard
+``master``            Φ/N, fp32    this rank's master weights, stepped by the shard optimizer
+``gather_input``      Φ/N, model   the new shard (θ or θ̃) to all-gather
+====================  ===========  ========================================================
+
+A parameter replicated over a mesh dimension other than the data-parallel one (tensor
+parallelism) counts once in the global gradient norm: ``norm_discounts`` says where.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["GroupBuffers", "local_tensor", "memory_bytes"]
+
+
+class GroupBuffers:
+    """The flat, padded buffers of one parameter group, and their per-parameter views.
+
+    The group's parameters are laid end to end in one flat vector padded with zeros to a
+    multiple of the world size; rank r owns elements ``[r*shard, (r+1)*shard)`` of it.
+    """
+
+    __slots__ = (
+        # Layout (``locals``: the tensors holding this rank's data; a DTensor's local shard)
+        "params", "locals", "names", "padded_numel", "shard_numel", "gather_dtype",
+        # Slices of this rank's shard whose squared norm counts less than once in the global
+        # gradient norm: parameters replicated over a mesh dimension outside the data-parallel one
+        "norm_discounts",
+        # Full-size buffers (the compute side's accumulator; the payload / result buffer)
+        "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
+        # Shard-size buffers (the communication side)
+        "shard_sum", "master", "gather_input",
+    )  # fmt: skip
+
+    def __init__(
+        self, params: list[Tensor], names: list[str], world_size: int, rank: int,
+        reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        self.params, self.names = params, names
+        self.locals = [local_tensor(p) for p in params]
+        device = self.locals[0].device
+        numel = sum(t.numel() for t in self.locals)
+        self.shard_numel = max(1, math.ceil(numel / world_size))
+        self.padded_numel = self.shard_numel * world_size
+        dtypes = {t.dtype for t in self.locals}
+        self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self.norm_discounts = _norm_discounts(
+            params, self.locals, rank, self.shard_numel, data_parallel_ranks
+        )
+
+        # Gradients accumulate in fp32 whatever the model dtype; the padding stays zero.
+        self.accumulator = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        self.accumulator_views = _split(self.accumulator, self.locals)
+        # The reduce-scatter reads the payload once, before the all-gather writes the new
+        # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
+        itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
+        raw = torch.empty(self.padded_numel * itemsize, dtype=torch.uint8, device=device)
+        self.comm_input = raw[: self.padded_numel * reduce_dtype.itemsize].view(reduce_dtype)
+        self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
+            self.gather_dtype
+        )
+        self.gathered_views = _split(self.gathered, self.locals)
+
+        self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
+        self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
+        self.master = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
+        self.reset_master(rank)
+
+    def copy_gathered_into_params(self) -> None:
+        if all(t.dtype == self.gather_dtype for t in self.locals):
+            torch._foreach_copy_(self.locals, self.gathered_views)
+        else:
+            for t, view in zip(self.locals, self.gathered_views):
+                t.copy_(view)
+
+    @torch.no_grad()
+    def reset_master(self, rank: int) -> None:
+        """Take this rank's fp32 master shard from the parameters' current values."""
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.accumulator.device)
+        torch._foreach_copy_(_split(flat, self.locals), self.locals)
+        self.master.copy_(flat[rank * self.shard_numel : (rank + 1) * self.shard_numel])
+
+    def moved_params(self) -> list[str]:
+        """Names of parameters whose storage is no longer the one the buffers were laid over.
+
+        ``model.to(...)``, a dtype cast or ``param.data = ...`` re-allocates a parameter: the
+        engine would go on writing updates into the old memory.
+        """
+        return [
+            name for name, param, held in zip(self.names, self.params, self.locals)
+            if (now := local_tensor(param)).data_ptr() != held.data_ptr()
+            or now.dtype != held.dtype or now.device != held.device
+        ]  # fmt: skip
+
+
+def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def local_tensor(param: Tensor) -> Tensor:
+    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
+    local = param.tolocal_tensor() if isinstance(param, DTensor) else param
+    return local.detach()
+
+
+def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
+    """On how many ranks outside the data-parallel group a parameter's local values repeat.
+
+    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
+    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
+    hold the same values by construction: it does not count.
+    """
+    if not isinstance(param, DTensor):
+        return 1
+    mesh = param.device_mesh
+    return math.prod(
+        mesh.size(dim) for dim, placement in enumerate(param.placements)
+        if isinstance(placement, Replicate)
+        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
+    )  # fmt: skip
+
+
+def _norm_discounts(
+    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
+    data_parallel_ranks: tuple[int, ...],
+) -> list[tuple[int, int, float]]:  # fmt: skip
+    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
+    discounts, offset = [], 0
+    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
+    for param, local in zip(params, locals_):
+        replication = _replication(param, data_parallel_ranks)
+        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
+        if replication > 1 and start < end:
+            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
+        offset += local.numel()
+    return discounts
+
+
+def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def local_tensor(param: Tensor) -> Tensor:
+    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.detach()
+
+
+def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
+    """On how many ranks outside the data-parallel group a parameter's local values repeat.
+
+    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
+    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
+    hold the same values by construction: it does not count.
+    """
+    if not isinstance(param, DTensor):
+        return 1
+    mesh = param.device_mesh
+    return math.prod(
+        mesh.size(dim) for dim, placement in enumerate(param.placements)
+        if isinstance(placement, Replicate)
+        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
+    )  # fmt: skip
+
+
+def _norm_discounts(
+    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
+    data_parallel_ranks: tuple[int, ...],
+) -> list[tuple[int, int, float]]:  # fmt: skip
+    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
+    discounts, offset = [], 0
+    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
+    for param, local in zip(params, locals_):
+        replication = _replication(param, data_parallel_ranks)
+        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
+        if replication > 1 and start < end:
+            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
+        offset += local.numel()
+    return discounts
+
+
+
+
+def memory_bytes(
+    buffers: list[GroupBuffers], optimizer: torch.optim.Optimizer, reduce_dtype: torch.dtype
+) -> dict[str, int]:
+    """Bytes this rank holds, by the categories of the spec's memory table."""
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return {
+        "model": nbytes(t for g in buffers for t in g.locals),
+        "grad_accumulator": nbytes(g.accumulator for g in buffers),
+        # comm_input and gathered share one byte buffer
+        "comm_buffer": sum(
+            g.padded_numel * max(reduce_dtype.itemsize, g.gather_dtype.itemsize) for g in buffers
+        ),
+        "master_shard": nbytes(g.master for g in buffers),
+        "optimizer_state": nbytes(state),
+        "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the
+            id(t): t                 # reduce-scatter output is the master's gradient
+            for g in buffers for t in (g.shard_sum, g.gather_input, g.master.grad)
+            if t is not None
+        }.values()),
+    }
