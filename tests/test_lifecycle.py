@@ -1,4 +1,5 @@
-"""What an engine owns is released: its process groups and its communication thread.
+"""The engine's lifecycle: what close() releases and does with the update in flight, the real
+weights seen without changing training, interrupts, and a model moved under the engine.
 
 Through public ways to ask only: ``engine.process_groups`` / ``engine.closed``,
 ``torch.distributed.get_process_group_ranks`` (which no longer knows a destroyed group) and
@@ -8,7 +9,9 @@ Through public ways to ask only: ``engine.process_groups`` / ``engine.closed``,
 from __future__ import annotations
 
 import gc
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -141,3 +144,145 @@ def test_a_local_engine_closes_without_torch_distributed() -> None:
         assert len(_comm_threads()) == 1
     assert opt.closed
     assert _comm_threads() == []
+
+
+# ------------------------------------------------ the update in flight: applied, dropped, seen
+
+
+class _SlowAdamW(torch.optim.AdamW):
+    """AdamW whose real step takes a while (on the communication thread): rounds stay in flight."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        time.sleep(0.3)
+        return super().step(closure)
+
+
+def _opt(model: torch.nn.Module, mode: str, optimizer_class=torch.optim.AdamW) -> ACCOOptimizer:
+    return ACCOOptimizer(model.parameters(), optimizer_class, mode=mode, lr=1e-2)
+
+
+def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 8, generator=generator) for _ in range(n)]
+
+
+def _run(opt: ACCOOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+    for x in batches:
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_close_applies_the_update_in_flight_as_flush_does(mode: str) -> None:
+    flushed_model, closed_model = _model(), _model()
+    flushed, closed = _opt(flushed_model, mode), _opt(closed_model, mode)
+    _run(flushed, flushed_model, _batches(4))  # acco: an update in flight after round 3
+    _run(closed, closed_model, _batches(4))
+    live = _params(closed_model)
+    flushed.flush()
+    closed.close()
+    assert closed.closed
+    assert not all(torch.equal(a, b) for a, b in zip(live, _params(closed_model)))
+    for a, b in zip(_params(flushed_model), _params(closed_model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    flushed.close()
+
+
+def test_close_with_flush_false_drops_the_update_in_flight() -> None:
+    model = _model()
+    opt = _opt(model, "acco")
+    _run(opt, model, _batches(4))
+    live = _params(model)
+    opt.close(flush=False)
+    for a, b in zip(live, _params(model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # still the estimate θ̃
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_real_weights_shows_theta_without_changing_the_trajectory(mode: str) -> None:
+    batches = _batches(8)
+    looked, plain = _model(), _model()
+    looked_opt, plain_opt = _opt(looked, mode), _opt(plain, mode)
+    seen = []
+    for i, x in enumerate(batches):
+        _run(looked_opt, looked, [x])
+        before = _params(looked)
+        with looked_opt.real_weights():
+            seen.append(_params(looked))
+        for a, b in zip(before, _params(looked)):  # the live parameters are back
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        _run(plain_opt, plain, [x])
+    for a, b in zip(_params(looked), _params(plain)):  # the same training trajectory
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # What the block showed after the last round is what flush() gives.
+    plain_opt.flush()
+    for a, b in zip(seen[-1], _params(plain)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    looked_opt.close()
+    plain_opt.close()
+
+
+# --------------------------------------------------------- interrupts never poison the engine
+
+
+def _interrupt_main_after(seconds: float) -> threading.Timer:
+    main = threading.main_thread().ident
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("mode", ["dpu", "ddp"])
+def test_ctrl_c_inside_step_leaves_the_engine_usable(mode: str) -> None:
+    batches = _batches(6)
+    reference_model, model = _model(), _model()
+    reference = _opt(reference_model, mode, _SlowAdamW)
+    _run(reference, reference_model, batches)
+    reference.flush()
+
+    opt = _opt(model, mode, _SlowAdamW)
+    _run(opt, model, batches[:2])  # dpu: round 1's update is on the worker, ddp: none yet
+    model(batches[2]).square().mean().backward()
+    timer = _interrupt_main_after(0.1)  # while step() waits for an update (0.3 s)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    timer.join()
+    assert opt.step()  # the interrupted call, repeated, ends the round
+    _run(opt, model, batches[3:])
+    opt.flush()
+    for a, b in zip(_params(reference_model), _params(model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    reference.close()
+    opt.close()
+
+
+def test_an_exception_between_micro_batches_closes_the_with_block_cleanly() -> None:
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        with _opt(model, "acco") as opt:
+            _run(opt, model, _batches(3))
+            raise KeyboardInterrupt
+    assert opt.closed and _comm_threads() == []
+
+
+# ------------------------------------------------------------------ a model moved after build
+
+
+@pytest.mark.parametrize("move", ["double", "param_data"])
+def test_a_model_moved_after_the_optimizer_was_built_is_refused(move: str) -> None:
+    model = _model()
+    opt = _opt(model, "acco")
+    _run(opt, model, _batches(2))
+    if move == "double":
+        model.double()
+    else:
+        model[0].weight.data = model[0].weight.data.clone()
+    x = _batches(1)[0].to(model[0].weight.dtype)
+    model(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"moved or changed dtype after the optimizer was built"):
+        opt.step()
+    opt.close(flush=False)

@@ -244,3 +244,18 @@ def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "step:" not in proc.stdout + proc.stderr
+
+
+def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
+    """The validator evaluates the real θ (engine.real_weights) without applying the update in
+    flight early: a run that validates every 2 steps trains exactly as one that never does."""
+    common = (*FAST, "--training.steps", "6", "--acco.mode", "acco")
+    plain = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path / "plain")
+    validating = run_titan(
+        2, "debug_cpu_acco.toml", *common, "--validation.enable", "--validation.freq", "2",
+        "--validation.steps", "2", "--validation.dataset", "stdlib_validation",
+        "--validation.local_batch_size", "2", "--validation.seq_len", "64",
+        dump=tmp_path / "validating",
+    )  # fmt: skip
+    assert sorted(plain) == list(range(1, 7))
+    assert validating == plain
