@@ -12,27 +12,37 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["stdlib_corpus", "random_windows"]
+__all__ = ["random_windows", "stdlib_corpus", "stdlib_sources"]
+
+
+def stdlib_sources() -> list[pathlib.Path]:
+    """The standard library's ``.py`` files that make the embedded data, in sorted path order.
+
+    The one rule for every front-end's embedded data: ``site-packages`` (differs between
+    machines) and test directories (odd encodings, huge) are skipped, judged by the parts of
+    the path below the stdlib root (so that a root like ``/home/test/...`` still works).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test"}
+    files = [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
+    if not files:
+        raise FileNotFoundError(f"no Python standard library sources (*.py) found under {root}")
+    return files
 
 
 def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
-    """The first ``max_bytes`` bytes of the stdlib's ``.py`` files, in sorted path order.
+    """The first ``max_bytes`` bytes of :func:`stdlib_sources`, end to end.
 
     Returns:
         A 1-D ``uint8`` tensor of byte tokens. The content depends only on the Python version.
     """
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     chunks, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue  # installed packages differ between machines; tests hold odd encodings
+    for path in stdlib_sources():
         data = path.read_bytes()
         chunks.append(data)
         size += len(data)
         if size >= max_bytes:
             break
-    if not chunks:
-        raise FileNotFoundError(f"no Python source files found under {root}")
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
 
 

@@ -188,13 +188,13 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
 def _ensure_in_child(root: str, barrier, results) -> None:
     """Runs ensure_stdlib_assets (full corpus) and reports how many dataset builds it ran."""
     builds = []
-    sources = stdlib_data._stdlib_sources
+    sources = stdlib_data.stdlib_sources
 
     def counting_sources():
         builds.append(1)  # only called when this process actually writes a dataset
         return sources()
 
-    stdlib_data._stdlib_sources = counting_sources
+    stdlib_data.stdlib_sources = counting_sources
     barrier.wait(timeout=60)  # both start together, so that they do contend for the lock
     ensure_stdlib_assets(f"{root}/dataset", f"{root}/tokenizer")
     results.put(len(builds))

@@ -24,10 +24,11 @@ import json
 import os
 import pathlib
 import shutil
-import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from acco_hooks.data import stdlib_sources
 
 __all__ = [
     "DATASET_NAME", "VALIDATION_DATASET_NAME", "DEFAULT_DATASET_DIR", "DEFAULT_TOKENIZER_DIR",
@@ -46,18 +47,6 @@ EOS_TOKEN = "<|end_of_text|>"
 _TRAIN, _VALIDATION = "train.jsonl", "validation.jsonl"
 _MARKER = ".complete"  # written last: its presence means the directory is a finished build
 _VALIDATION_EVERY = 20
-
-
-def _stdlib_sources() -> list[pathlib.Path]:
-    # The rule of acco_hooks.data.stdlib_corpus: sorted stdlib *.py files, skipping site-packages
-    # (differs between machines) and test directories (odd encodings, huge); unlike there, only
-    # parts below the stdlib root count, so that a root like /home/test/... still works.
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test"}
-    files = [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
-    if not files:
-        raise FileNotFoundError(f"no Python standard library sources (*.py) found under {root}")
-    return files
 
 
 def _build_atomically(out_dir: str | os.PathLike, params: dict, write: Callable) -> pathlib.Path:
@@ -107,7 +96,7 @@ def build_stdlib_dataset(out_dir: str | os.PathLike, max_files: int | None = Non
     """
 
     def write(tmp: pathlib.Path) -> None:
-        files = _stdlib_sources()[:max_files]
+        files = stdlib_sources()[:max_files]
         with open(tmp / _TRAIN, "wb") as train, open(tmp / _VALIDATION, "wb") as validation:
             for index, path in enumerate(files):
                 # stdlib sources are UTF-8 (PEP 3120); "replace" only guards against a stray byte.
