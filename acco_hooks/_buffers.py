@@ -120,53 +120,6 @@ def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
 
 def local_tensor(param: Tensor) -> Tensor:
     """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
-    local = param.tolocal_tensor() if isinstance(param, DTensor) else param
-    return local.detach()
-
-
-def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
-    """On how many ranks outside the data-parallel group a parameter's local values repeat.
-
-    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
-    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
-    hold the same values by construction: it does not count.
-    """
-    if not isinstance(param, DTensor):
-        return 1
-    mesh = param.device_mesh
-    return math.prod(
-        mesh.size(dim) for dim, placement in enumerate(param.placements)
-        if isinstance(placement, Replicate)
-        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
-    )  # fmt: skip
-
-
-def _norm_discounts(
-    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
-    data_parallel_ranks: tuple[int, ...],
-) -> list[tuple[int, int, float]]:  # fmt: skip
-    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
-    discounts, offset = [], 0
-    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
-    for param, local in zip(params, locals_):
-        replication = _replication(param, data_parallel_ranks)
-        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
-        if replication > 1 and start < end:
-            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
-        offset += local.numel()
-    return discounts
-
-
-def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
-
-
-def local_tensor(param: Tensor) -> Tensor:
-    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
     local = param.to_local() if isinstance(param, DTensor) else param
     return local.detach()
 
