@@ -83,7 +83,7 @@ SEED = int(os.environ.get("ACCO_SOAK_SEED", "20240604"))
 
 def soak_worker(rank: int, world_size: int, mode: str, rounds: int, seed: int) -> dict[str, Any]:
     """Train ``rounds`` rounds with random communication delays; return counts and θ."""
-    import acco_hooks.engine as engine_module
+    import acco_hooks._comm_job as engine_module  # the comm job calls reduce_scatter_sum
     from acco_hooks import ACCOOptimizer
 
     rng = random.Random(seed * 1000 + rank)  # used by the communication thread only
