@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from acco_hooks._buffers import GroupBuffers
-from acco_hooks._collectives import all_gather, reduce_scatter_sum
+from acco_hooks.collectives import all_gather, reduce_scatter_sum
 from acco_hooks._groups import EngineGroups
-from acco_hooks._peek import peek
+from acco_hooks.peek import peek
 
 __all__ = ["Job", "RoundResult", "all_gather_shards", "communicate"]
 

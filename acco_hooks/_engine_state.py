@@ -1,14 +1,20 @@
-"""The engine's checkpoint format: what a saved state must match before it is loaded.
+"""The engine's checkpoints: what a state holds, and what it must match before it is loaded.
 
 A state is this rank's alone (its master shard, optimizer state and accumulator), so it can
 only resume the same rank of a run with the same shape; anything else is refused by name.
+Saving waits for the round in flight but keeps its result unapplied, so it never changes the
+trajectory; loading gathers the saved pending shards again, rebuilding that result bit for bit.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STATE_VERSION", "check_compatible"]
+import torch
+
+from acco_hooks._comm_job import Job, all_gather_shards
+
+__all__ = ["STATE_VERSION", "EngineStateMixin", "check_compatible"]
 
 STATE_VERSION = 1
 
@@ -57,3 +63,80 @@ def check_compatible(
             + ("has one" if has_lr_scheduler else "has none")
             + "; pass the same lr_scheduler argument as the saved run"
         )
+
+
+class EngineStateMixin:
+    """``state_dict`` / ``load_state_dict`` of :class:`acco_hooks.ACCOEngine`."""
+
+    __slots__ = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly, for this rank.
+
+        In-flight communication is waited for first (its result is kept, not applied, so
+        saving never changes the training trajectory). Save the model's ``state_dict()`` too:
+        it holds the live parameters (in ``acco``, possibly the estimate θ̃).
+
+        Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
+        the next ``step()``.
+        """
+        self._finish_in_flight(apply=False)
+        return {
+            "version": STATE_VERSION, "mode": self.mode, "world_size": self.world_size,
+            "fsdp_world_size": self.fsdp_world_size, "param_shapes": self._param_shapes(),
+            "round_index": self.round_index, "num_updates": self.num_updates,
+            "skipped_rounds": self.skipped_rounds,
+            "round_microbatches": self._round_microbatches, "local_count": self._local_count,
+            "grad_arrived": [list(a) for a in self._grad_arrived],
+            "accumulator": [g.accumulator for g in self._buffers],
+            "master": [g.master for g in self._buffers],
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "pending_job": None if self._in_flight_job is None else self._in_flight_job.value,
+            "pending_shard": [g.gather_input for g in self._buffers],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved by the same rank of a same-sized run."""
+        check_compatible(
+            state, mode=self.mode, world_size=self.world_size,
+            fsdp_world_size=self.fsdp_world_size, param_shapes=self._param_shapes(),
+            has_lr_scheduler=self.lr_scheduler is not None,
+        )  # fmt: skip
+        self._finish_in_flight(apply=False)
+        with torch.no_grad():
+            for g, acc, master, shard in zip(
+                self._buffers, state["accumulator"], state["master"], state["pending_shard"]
+            ):
+                g.accumulator.copy_(acc)
+                g.master.copy_(master)
+                g.gather_input.copy_(shard)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.round_index, self.num_updates = state["round_index"], state["num_updates"]
+        self.skipped_rounds = state.get("skipped_rounds", 0)
+        self._round_microbatches = state["round_microbatches"]
+        self._local_count = state["local_count"]
+        self._grad_arrived = [list(a) for a in state["grad_arrived"]]
+        self._in_flight = self._in_flight_job = None
+        if state["pending_job"] is not None:
+            # The saved run had a finished, not yet applied result: every rank kept its shard of
+            # it; gathering the shards again rebuilds the full result bit for bit.
+            self._in_flight = self._worker.submit(all_gather_shards, self._buffers, self._groups)
+            self._in_flight_job = Job(state["pending_job"])
+
+    def reset_master_from_params(self) -> None:
+        """Take the fp32 master shard from the model's current parameters.
+
+        The master shard is copied from the model when the engine is built. Call this after
+        loading model weights that come without engine state (a pretrained or seed checkpoint),
+        before the first round.
+        """
+        if self.round_index != 0 or self._in_flight is not None:
+            raise RuntimeError(
+                "acco_hooks: reset_master_from_params() after training started would drop the "
+                "optimizer's progress; call it right after loading weights, before the first step"
+            )
+        for g in self._buffers:
+            g.reset_master(self.rank)

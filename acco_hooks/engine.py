@@ -56,7 +56,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from acco_hooks._buffers import GroupBuffers, local_tensor, memory_bytes
-from acco_hooks._comm_job import Job, RoundResult, all_gather_shards, communicate
+from acco_hooks._comm_job import Job, RoundResult, communicate
 from acco_hooks._config import (
     MODES,
     NONFINITE_POLICIES,
@@ -64,14 +64,14 @@ from acco_hooks._config import (
     normalize_param_groups,
     validate_config,
 )
-from acco_hooks._engine_state import STATE_VERSION, check_compatible
+from acco_hooks._engine_state import EngineStateMixin
 from acco_hooks._groups import (
     barrier_each,
     broadcast_from_first_rank,
     build_engine_groups,
     release_communication,
 )
-from acco_hooks._peek import has_functional_peek
+from acco_hooks.peek import has_functional_peek
 from acco_hooks._worker import CommWorker
 
 __all__ = ["ACCOCommunicationError", "ACCOEngine", "MODES", "NONFINITE_POLICIES",
@@ -93,7 +93,7 @@ class ACCOCommunicationError(RuntimeError):
     """
 
 
-class ACCOEngine:
+class ACCOEngine(EngineStateMixin):
     r"""Sharded optimizer with ACCO, DPU or synchronous ZeRO-1 rounds over one process group.
 
     A front-end feeds it each micro-batch's parameter gradients (:meth:`accumulate_grad`, or
@@ -103,37 +103,18 @@ class ACCOEngine:
     documentation of every argument.
 
     Args:
-        params: parameters or parameter-group dicts, as for any ``torch.optim.Optimizer``;
-            ``(name, parameter)`` pairs are accepted and the names used in error messages.
-            Parameters with ``requires_grad=False`` are left alone.
-        optimizer_class: the ``torch.optim.Optimizer`` subclass stepped on the local shard.
-        mode: ``"acco"``, ``"dpu"`` or ``"ddp"``.
-        process_group: the data-parallel group (a ``ProcessGroup`` or a 1-D ``DeviceMesh``).
-            ``None``: the default group, or a single local worker without ``torch.distributed``.
-        accumulation_steps: micro-batches per round (the minimum, with
-            ``accumulate_until_ready``).
-        accumulate_until_ready: keep accumulating past ``accumulation_steps`` while the previous
-            round's communication runs, instead of waiting for it.
-        reduce_dtype: dtype of the gradient on the wire. Default: ``torch.float32``.
-        max_grad_norm: clip the averaged gradient to this global L2 norm. Default: no clipping.
-        lr_scheduler: ``callable(optimizer) -> LRScheduler``, built on the shard optimizer and
-            stepped after every real update.
-        nonfinite: what a round with a NaN/Inf in the averaged gradient does: ``"skip"`` (every
-            rank skips that update, or that estimate and the update it belongs to, counts it in
-            ``skipped_rounds`` and warns) or ``"raise"`` (``FloatingPointError``).
-        timeout: seconds after which a collective of the engine's group fails (a hung peer).
-            Default: the default process group's timeout.
+        params, optimizer_class, mode, process_group, accumulation_steps,
+        accumulate_until_ready, reduce_dtype, max_grad_norm, lr_scheduler, nonfinite, timeout,
+        \*\*optimizer_kwargs: as for :class:`acco_hooks.ACCOOptimizer`, which documents them.
         norm_process_group: the ranks whose shards make up the whole model, for the global
             gradient norm: the data-parallel group times the tensor/pipeline-parallel ranks
             (with TP, replicated parameters count once). Default: the data-parallel group (times
             ``fsdp_process_group``).
         fsdp_process_group: HSDP: the ranks over which FSDP2 shards each model replica (a
-            ``ProcessGroup`` or 1-D ``DeviceMesh``, e.g. the intra-node ``fsdp`` dimension).
-            ``params`` are then FSDP's sharded parameters, whose gradients arrive
-            reduce-scattered and *summed* over this group (gradient divide factor 1); the
-            engine shards each local FSDP shard again over ``process_group``, and sums the
+            ``ProcessGroup`` or 1-D ``DeviceMesh``). ``params`` are then FSDP's sharded
+            parameters, whose gradients arrive reduce-scattered and *summed* over this group;
+            the engine shards each local FSDP shard again over ``process_group`` and sums the
             micro-batch weights and the skip decision over both groups. Default: no FSDP.
-        **optimizer_kwargs: passed to ``optimizer_class``.
     """
 
     __slots__ = (
@@ -568,78 +549,7 @@ class ACCOEngine:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close(flush=exc_type is None, barrier=exc_type is None)
 
-    # ------------------------------------------------------------ checkpoints and inspection
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly, for this rank.
-
-        In-flight communication is waited for first (its result is kept, not applied, so
-        saving never changes the training trajectory). Save the model's ``state_dict()`` too:
-        it holds the live parameters (in ``acco``, possibly the estimate θ̃).
-
-        Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
-        the next ``step()``.
-        """
-        self._finish_in_flight(apply=False)
-        return {
-            "version": STATE_VERSION, "mode": self.mode, "world_size": self.world_size,
-            "fsdp_world_size": self.fsdp_world_size, "param_shapes": self._param_shapes(),
-            "round_index": self.round_index, "num_updates": self.num_updates,
-            "skipped_rounds": self.skipped_rounds,
-            "round_microbatches": self._round_microbatches, "local_count": self._local_count,
-            "grad_arrived": [list(a) for a in self._grad_arrived],
-            "accumulator": [g.accumulator for g in self._buffers],
-            "master": [g.master for g in self._buffers],
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "pending_job": None if self._in_flight_job is None else self._in_flight_job.value,
-            "pending_shard": [g.gather_input for g in self._buffers],
-        }  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output saved by the same rank of a same-sized run."""
-        check_compatible(
-            state, mode=self.mode, world_size=self.world_size,
-            fsdp_world_size=self.fsdp_world_size, param_shapes=self._param_shapes(),
-            has_lr_scheduler=self.lr_scheduler is not None,
-        )  # fmt: skip
-        self._finish_in_flight(apply=False)
-        with torch.no_grad():
-            for g, acc, master, shard in zip(
-                self._buffers, state["accumulator"], state["master"], state["pending_shard"]
-            ):
-                g.accumulator.copy_(acc)
-                g.master.copy_(master)
-                g.gather_input.copy_(shard)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.round_index, self.num_updates = state["round_index"], state["num_updates"]
-        self.skipped_rounds = state.get("skipped_rounds", 0)
-        self._round_microbatches = state["round_microbatches"]
-        self._local_count = state["local_count"]
-        self._grad_arrived = [list(a) for a in state["grad_arrived"]]
-        self._in_flight = self._in_flight_job = None
-        if state["pending_job"] is not None:
-            # The saved run had a finished, not yet applied result: every rank kept its shard of
-            # it; gathering the shards again rebuilds the full result bit for bit.
-            self._in_flight = self._worker.submit(all_gather_shards, self._buffers, self._groups)
-            self._in_flight_job = Job(state["pending_job"])
-
-    def reset_master_from_params(self) -> None:
-        """Take the fp32 master shard from the model's current parameters.
-
-        The master shard is copied from the model when the engine is built. Call this after
-        loading model weights that come without engine state (a pretrained or seed checkpoint),
-        before the first round.
-        """
-        if self.round_index != 0 or self._in_flight is not None:
-            raise RuntimeError(
-                "acco_hooks: reset_master_from_params() after training started would drop the "
-                "optimizer's progress; call it right after loading weights, before the first step"
-            )
-        for g in self._buffers:
-            g.reset_master(self.rank)
+    # ------------------------------------------------------------ inspection
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by the categories of the spec's memory table."""

@@ -12,7 +12,7 @@ from tests.dist_utils import run_distributed
 def ring_vs_native(rank: int, world_size: int, dtype: torch.dtype) -> dict:
     import os
 
-    from acco_hooks import _collectives
+    from acco_hooks import collectives
 
     group = dist.new_group(list(range(world_size)))
     shard = 13
@@ -22,9 +22,9 @@ def ring_vs_native(rank: int, world_size: int, dtype: torch.dtype) -> dict:
     for ring in ("1", "0"):
         os.environ["ACCO_HOOKS_GLOO_RING"] = ring
         rs = torch.empty(shard, dtype=dtype)
-        _collectives.reduce_scatter_sum(rs, inputs, group)
+        collectives.reduce_scatter_sum(rs, inputs, group)
         ag = torch.empty(world_size * shard, dtype=dtype)
-        _collectives.all_gather(ag, inputs[:shard] * (rank + 1), group)
+        collectives.all_gather(ag, inputs[:shard] * (rank + 1), group)
         out[ring] = (rs, ag)
     expected = torch.zeros(world_size * shard, dtype=torch.float64)
     for r in range(world_size):

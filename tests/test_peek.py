@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from acco_hooks import _peek
-from acco_hooks._peek import has_functional_peek, peek
+from acco_hooks import peek as peek_module
+from acco_hooks.peek import has_functional_peek, peek
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -93,9 +93,9 @@ def test_peek_is_functional_for_adamw_adam_and_sgd(name: str, monkeypatch) -> No
     def forbidden(*args):
         raise AssertionError("the snapshot fallback copied the optimizer state")
 
-    monkeypatch.setattr(_peek, "_peek_by_snapshot", forbidden)
+    monkeypatch.setattr(peek_module, "_peek_by_snapshot", forbidden)
     # Tiny chunks: the element-wise recomputation must be right across chunk boundaries.
-    monkeypatch.setattr(_peek, "_CHUNK", 5)
+    monkeypatch.setattr(peek_module, "_CHUNK", 5)
     estimate = [torch.empty_like(p) for p in shards]
     peek(opt, estimate)
     opt.step()

@@ -42,31 +42,26 @@ import contextlib
 import inspect
 import logging
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.optimization import get_scheduler
 
-from acco_hooks import checkpoint as acco_checkpoint
-from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine, real_updates
+from acco_hooks.hf._checkpoints import ENGINE_FILE, LIVE_PARAMS_FILE, load_engine, save_engine
+from acco_hooks.hf._engine_optimizer import EngineOptimizer, EngineSchedule, optimizer_cls_and_kwargs
+from acco_hooks.hf._refusals import refuse_after_init, refuse_before_init
 from acco_hooks.hf.arguments import ACCOArguments
 
 __all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
 
 logger = logging.getLogger(__name__)
 
-ENGINE_FILE = "acco_engine_rank{rank}.pt"
-LIVE_PARAMS_FILE = "acco_live_params.pt"
-_CHECKPOINT_FORMAT = 1
 _NO_CLIPPING = 1e30
-# LR schedules that need the training loop's metrics (the engine steps schedules by itself).
-_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
 # Trainer internals this class overrides: a transformers release that renames one would leave
 # the override silently unused, so the import fails instead.
 _OVERRIDDEN = (
@@ -82,48 +77,6 @@ if _missing:
         f"acco_hooks.hf: transformers {transformers.__version__} has no Trainer."
         f"{', Trainer.'.join(_missing)}; ACCOTrainer is written for transformers 5.x"
     )
-
-
-class _EngineOptimizer(EngineFrontEnd):
-    """What the Trainer holds as ``trainer.optimizer``: the engine, fed by ``training_step``.
-
-    ``step()`` and ``zero_grad()`` are no-ops: rounds end in ``training_step`` and gradients
-    never stay in ``.grad``. ``param_groups`` are the shard optimizer's (current ``lr`` there).
-    """
-
-    def __init__(self, engine: ACCOEngine) -> None:
-        self.engine = engine
-        engine.hook_param_grads()
-
-    def step(self, closure: Any = None) -> None:
-        """No-op: the Trainer step's last micro-batch already ended the engine's round."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op: gradients live in the engine."""
-
-
-class _EngineSchedule:
-    """What the Trainer holds as ``trainer.lr_scheduler``; the real one is the engine's.
-
-    The engine steps its scheduler after each real update (every other round in ``acco``), so
-    the Trainer's per-step ``lr_scheduler.step()`` must not: it is a no-op here. The state is
-    saved with the engine's.
-    """
-
-    def __init__(self, optimizer: _EngineOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """No-op: the engine steps the real scheduler after each real update."""
-
-    def get_last_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # in the engine's state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load: the engine's state holds the schedule."""
 
 
 @dataclass
@@ -185,7 +138,7 @@ class ACCOTrainer(Trainer):
                 f"{type(acco_args).__name__}"
             )
         bound = inspect.signature(Trainer.__init__).bind(None, *args, **kwargs).arguments
-        _refuse_before_init(bound.get("args"), acco_args, bound.get("optimizers"))
+        refuse_before_init(bound.get("args"), acco_args, bound.get("optimizers"))
         self.acco_args = acco_args
         self._acco_max_steps: int | None = None
         self._acco_lr: float | None = None  # LR the latest round's gradients are applied with
@@ -193,7 +146,7 @@ class ACCOTrainer(Trainer):
         self._acco_rounds_since_log = 0
         self._acco_wait_since_log = 0.0
         super().__init__(*args, **kwargs)
-        self._refuse_after_init()
+        refuse_after_init(self)
 
     # --------------------------------------------------------------------------- the engine
 
@@ -201,7 +154,7 @@ class ACCOTrainer(Trainer):
     def engine(self) -> ACCOEngine | None:
         """The ACCO engine of the current ``train()`` call (``None`` outside of training)."""
         optimizer = getattr(self, "optimizer", None)
-        return optimizer.engine if isinstance(optimizer, _EngineOptimizer) else None
+        return optimizer.engine if isinstance(optimizer, EngineOptimizer) else None
 
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
@@ -219,12 +172,12 @@ class ACCOTrainer(Trainer):
         self._acco_max_steps = num_training_steps
         super().create_optimizer_and_scheduler(num_training_steps)
 
-    def create_optimizer(self, model: nn.Module | None = None) -> _EngineOptimizer:
+    def create_optimizer(self, model: nn.Module | None = None) -> EngineOptimizer:
         """Build the ACCO engine over the Trainer's parameter groups (the Trainer's optimizer)."""
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
-        optimizer_cls, optimizer_kwargs = self._optimizer_cls_and_kwargs(opt_model)
+        optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(self, opt_model)
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [
@@ -249,7 +202,7 @@ class ACCOTrainer(Trainer):
             **engine_kwargs,
             **optimizer_kwargs,
         )
-        self.optimizer = _EngineOptimizer(engine)
+        self.optimizer = EngineOptimizer(engine)
         updates = real_updates(self.acco_args.mode, self._max_rounds())
         logger.info(
             "ACCOTrainer: mode=%s, %d rounds of %d micro-batches per rank, %d real updates, "
@@ -259,10 +212,10 @@ class ACCOTrainer(Trainer):
         )  # fmt: skip
         return self.optimizer
 
-    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> _EngineSchedule:
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> EngineSchedule:
         """The Trainer's view of the engine's scheduler (built with the engine)."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = _EngineSchedule(self.optimizer)
+            self.lr_scheduler = EngineSchedule(self.optimizer)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -291,37 +244,6 @@ class ACCOTrainer(Trainer):
             num_training_steps=updates,
             scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
         )
-
-    def _optimizer_cls_and_kwargs(self, model: nn.Module) -> tuple[type, dict[str, Any]]:
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-            source = "optimizer_cls_and_kwargs"
-        else:
-            optim = str(getattr(self.args.optim, "value", self.args.optim))
-            if optim.startswith("schedule_free"):
-                raise ValueError(
-                    f"ACCOTrainer: TrainingArguments.optim={optim!r}: schedule-free optimizers "
-                    "evaluate at other weights than they train (optimizer.eval()/train()), which "
-                    "the ACCO engine's shard optimizer does not follow. Use optim='adamw_torch' "
-                    "with an LR schedule"
-                )
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
-            source = f"TrainingArguments.optim={optim!r}"
-        kwargs = dict(kwargs)
-        special = sorted({"params", "model", "optimizer_dict"} & kwargs.keys())
-        is_torch_optimizer = isinstance(optimizer_cls, type) and issubclass(
-            optimizer_cls, torch.optim.Optimizer
-        )
-        if not is_torch_optimizer or special:
-            raise ValueError(
-                f"ACCOTrainer: {source} gives {getattr(optimizer_cls, '__name__', optimizer_cls)}"
-                + (f" built over its own {', '.join(special)}" if special else "")
-                + ", which the ACCO engine cannot run on a flat shard of the parameters. Use a "
-                "torch.optim optimizer such as optim='adamw_torch_fused' (the default), "
-                "'adamw_torch', 'adafactor' or 'sgd', or "
-                "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
-            )
-        return optimizer_cls, kwargs
 
     # ----------------------------------------------------------------- no DDP, no own clipping
 
@@ -470,46 +392,15 @@ class ACCOTrainer(Trainer):
         if engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         snapshot = self._acco_snapshot or _Snapshot(engine.state_dict(), None)
-        acco_checkpoint.save(
-            {"format": _CHECKPOINT_FORMAT, "engine": snapshot.engine_state},
-            os.path.join(output_dir, ENGINE_FILE.format(rank=engine.rank)),
-        )
-        if snapshot.live_params is not None and self.args.should_save:
-            acco_checkpoint.save(snapshot.live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
+        save_engine(output_dir, engine, snapshot.engine_state, snapshot.live_params,
+                    self.args.should_save)  # fmt: skip
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Restore this rank's engine shard and, if saved, the live parameters."""
-        engine = self.engine
-        if engine is None:
+        if self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, ENGINE_FILE.format(rank=engine.rank))
-        if not os.path.isfile(path):
-            saved = sorted(f for f in os.listdir(checkpoint) if f.startswith("acco_engine_rank"))
-            raise ValueError(
-                f"ACCOTrainer: {checkpoint} has no {os.path.basename(path)} "
-                + (
-                    f"(it has {len(saved)} engine shards: resume with that many processes)"
-                    if saved
-                    else "(it was not written by ACCOTrainer, or with save_only_model=True)"
-                )
-                + ". Resume from a checkpoint of an ACCOTrainer run with the same number of "
-                "processes, or start a new run from its model weights"
-            )  # fmt: skip
-        state = acco_checkpoint.load(path, map_location=engine.device)
-        if not isinstance(state, dict) or state.get("format") != _CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"ACCOTrainer: {path} is not an ACCOTrainer engine checkpoint of format "
-                f"{_CHECKPOINT_FORMAT} (this acco_hooks reads that format only)"
-            )
-        engine.load_state_dict(state["engine"])
-        live_path = os.path.join(checkpoint, LIVE_PARAMS_FILE)
-        if os.path.isfile(live_path):
-            live = acco_checkpoint.load(live_path, map_location=engine.device)
-            with torch.no_grad():
-                for n, p in self._trainable_named_parameters():
-                    p.copy_(live[n])
+        if checkpoint is not None:
+            load_engine(checkpoint, self.engine, self._trainable_named_parameters())
 
     # ---------------------------------------------------------------------- end of training
 
@@ -535,105 +426,7 @@ class ACCOTrainer(Trainer):
 
     def _close_engine(self, flush: bool) -> None:
         optimizer = self.optimizer
-        if not isinstance(optimizer, _EngineOptimizer):
+        if not isinstance(optimizer, EngineOptimizer):
             return
         optimizer.close(flush=flush, barrier=flush)
 
-    # ------------------------------------------------------------------------- refusals
-
-    def _refuse_after_init(self) -> None:
-        """Settings only known once the Trainer (and its accelerator) exist."""
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "ACCOTrainer: DeepSpeed is enabled (accelerate config or "
-                "ACCELERATE_USE_DEEPSPEED): ZeRO replaces the optimizer and gradient reduction "
-                "that the ACCO engine does (it already shards the optimizer state like ZeRO-1). "
-                "Launch without DeepSpeed"
-            )
-        if self.is_fsdp_enabled:
-            raise ValueError(
-                "ACCOTrainer: accelerate's FSDP plugin is enabled (accelerate config or "
-                "ACCELERATE_USE_FSDP): ACCOTrainer replicates the model and shards the optimizer "
-                "state like ZeRO-1. Launch without FSDP; for FSDP2 inside a node with ACCO across "
-                "nodes use the torchtitan trainer or acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
-            )
-        if self.args.n_gpu > 1:
-            raise ValueError(
-                f"ACCOTrainer: this process sees {self.args.n_gpu} GPUs and the Trainer would use "
-                "torch.nn.DataParallel. Launch one process per GPU: torchrun --nproc_per_node "
-                f"{self.args.n_gpu} your_script.py"
-            )
-        if self.is_model_parallel or getattr(self, "is_distributed_loading_by_transformers", False):
-            raise ValueError(
-                "ACCOTrainer: the model is spread over several devices (device_map or "
-                "from_pretrained(distributed_config=...)); ACCO needs one full replica per "
-                "process. Load the model on one device (device_map=None) per process"
-            )
-        if getattr(self.accelerator, "parallelism_config", None) is not None:
-            raise ValueError(
-                "ACCOTrainer: accelerate's parallelism_config (tensor, context or sequence "
-                "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
-            )
-        self._optimizer_cls_and_kwargs(self.model)  # a bad TrainingArguments.optim fails now
-
-
-def _refuse_before_init(args: Any, acco_args: ACCOArguments, optimizers: Any) -> None:
-    """Settings of the arguments alone: refused before the Trainer builds anything."""
-    if optimizers is not None and any(o is not None for o in optimizers):
-        raise ValueError(
-            "ACCOTrainer: optimizers=(optimizer, lr_scheduler) is not supported: the ACCO engine "
-            "builds the optimizer over its 1/N shard and steps the schedule once per real update. "
-            "Choose the optimizer with TrainingArguments.optim or "
-            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {'lr': ...}), the schedule with "
-            "TrainingArguments.lr_scheduler_type"
-        )
-    if acco_args.accumulate_until_ready:
-        raise ValueError(
-            "ACCOTrainer: ACCOArguments.accumulate_until_ready=True is not supported: the Trainer "
-            "runs gradient_accumulation_steps micro-batches per step and a fixed number of steps "
-            "per epoch on every rank, and logs, evaluates and saves at step boundaries "
-            "collectively. Set it to False, or use ACCOOptimizer in your own loop or the "
-            "torchtitan trainer for heterogeneous hardware"
-        )
-    if args is None:
-        return
-    if not isinstance(args, TrainingArguments):
-        raise TypeError(f"ACCOTrainer: args must be TrainingArguments, got {type(args).__name__}")
-    if args.deepspeed:
-        raise ValueError(
-            "ACCOTrainer: TrainingArguments.deepspeed is set: DeepSpeed's ZeRO replaces the "
-            "optimizer and gradient reduction that the ACCO engine does (ACCO already shards the "
-            "optimizer state like ZeRO-1). Remove deepspeed, or use the plain Trainer"
-        )
-    if args.fsdp:
-        raise ValueError(
-            f"ACCOTrainer: TrainingArguments.fsdp={args.fsdp!r}: ACCOTrainer replicates the "
-            "model and shards the optimizer state like ZeRO-1. Remove fsdp; for FSDP2 inside a "
-            "node with ACCO across nodes use the torchtitan trainer or "
-            "acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
-        )
-    if args.fp16:
-        raise ValueError(
-            "ACCOTrainer: TrainingArguments.fp16=True scales the loss with a GradScaler whose "
-            "scale the ACCO engine would average into the update. Use bf16=True (no loss "
-            "scaling) or full precision"
-        )
-    if args.parallelism_config is not None:
-        raise ValueError(
-            "ACCOTrainer: TrainingArguments.parallelism_config (tensor, context or sequence "
-            "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
-        )
-    if args.auto_find_batch_size:
-        raise ValueError(
-            "ACCOTrainer: TrainingArguments.auto_find_batch_size=True restarts the training loop "
-            "after an out-of-memory error with a new batch size, which the ACCO engine's "
-            "in-flight rounds cannot follow. Set per_device_train_batch_size yourself"
-        )
-    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
-    if schedule in _METRIC_SCHEDULES:
-        raise ValueError(
-            f"ACCOTrainer: TrainingArguments.lr_scheduler_type={schedule!r} steps on evaluation "
-            "metrics, but the ACCO engine steps the schedule after each real update on its "
-            "communication thread. Use a step-based schedule ('linear', 'cosine', "
-            "'constant_with_warmup', ...)"
-        )

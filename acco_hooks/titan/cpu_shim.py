@@ -1,91 +1,31 @@
-"""Run torchtitan's own Trainer on CPU (gloo) when the machine has no accelerator.
+"""Run torchtitan 0.2.2's own Trainer on CPU (gloo) when the machine has no accelerator.
 
-torchtitan 0.2.2 has no CPU device option. ``torchtitan/tools/utils.py`` picks the device at
-import time (``device_type = _get_available_device_type() or "cuda"``, ``device_module =
-torch.cuda``), and several modules copy those two names when they are imported
-(``from torchtitan.tools.utils import device_module, device_type`` in ``components/metrics.py``,
-``distributed/utils.py``, ``distributed/parallel_dims.py``, ``tools/profiling.py``). On a
-CPU-only machine the Trainer therefore calls ``torch.cuda.set_device``, builds a ``cuda`` device
-mesh and asks for the ``nccl`` backend, and dies.
+This is CPU scaffolding, shipped in the package because the README's main job needs it:
+``train_titan.py`` imports it when no accelerator is present, so that the first command runs on
+any machine. On a GPU machine importing it logs one line and patches nothing.
 
-Importing this module calls :func:`install`, which, only when no accelerator is available:
+torchtitan 0.2.2 has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda"`` and
+``torch.cuda`` at import time and several modules copy those names, so the Trainer calls
+``torch.cuda.set_device`` and asks for NCCL. :func:`install` (run on import, idempotent):
 
-1. sets ``device_type = "cpu"`` and ``device_module = CPU_DEVICE_MODULE`` in
-   ``torchtitan.tools.utils`` (and makes its ``get_device_info()`` return them), then replaces the
-   copies in every already-imported ``torchtitan.*`` module that still holds the original
-   ``"cuda"`` / ``torch.cuda`` values (modules imported later copy the patched values).
-   ``Trainer.__init__`` reads ``utils.device_module`` / ``utils.device_type`` right after it
-   imports ``--experimental.custom_import``, so the device becomes ``cpu:<LOCAL_RANK>``, the
-   world mesh is a ``cpu`` mesh, and ``init_distributed`` resolves the backend from
-   ``Backend.default_device_backend_map["cpu"]``, i.e. ``gloo``.
-   ``CPU_DEVICE_MODULE`` is ``torch.cpu`` plus what torchtitan calls that ``torch.cpu`` lacks or
-   answers differently: ``current_device() -> 0`` (an int: it ends up in
-   ``barrier(device_ids=[...])``), ``get_device_name``, ``get_device_properties(...).total_memory``
-   (physical RAM), ``reset_peak_memory_stats``/``empty_cache`` (no-ops) and ``memory_stats``, which
-   reports the process's peak RSS (``resource.getrusage``) as ``active_bytes.all.peak`` and
-   ``reserved_bytes.all.peak``, so the "memory: x GiB (y%)" column of torchtitan's step log is the
-   real peak resident memory of the rank (the kernel's high-water mark cannot be reset, so it is
-   the peak since process start, not since the last reset).
+1. points ``device_type`` / ``device_module`` at ``"cpu"`` and :data:`CPU_DEVICE_MODULE` in
+   every imported ``torchtitan.*`` module: ``torch.cpu`` plus what torchtitan calls that it
+   lacks (``current_device() -> 0``, device name and memory; ``memory_stats`` reports the peak
+   RSS, so the step log's "memory" column is the rank's real peak resident memory). The world
+   mesh becomes a ``cpu`` mesh and the backend gloo.
+2. makes FSDP2 work on gloo: torchtitan sets FSDP's gradient divide factor to 1 (it divides the
+   loss by the global token count), which FSDP2 sends as ``PREMUL_SUM``, which gloo rejects.
+   ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (through ``apply_fsdp`` and
+   a wrapped ``get_train_spec``) gives a plain ``SUM``: the value NCCL's ``PREMUL_SUM(1.0)``
+   gives.
+3. quiets what only a CPU run warns about (the peak-FLOPs lookup, DTensor's CPU-mesh RNG and
+   CPU autocast notices, torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). MFU is meaningless on
+   CPU; FSDP's sharded init draws other weights than an unsharded run (start both from one
+   seed checkpoint to compare them).
 
-2. makes FSDP2 work on gloo. torchtitan's ``apply_fsdp`` calls ``disable_fsdp_gradient_division``
-   (``set_gradient_divide_factor(1.0)`` on every ``FSDPModule``) because it divides the loss by the
-   *global* number of valid tokens itself, so the reduction it wants is a plain SUM of the
-   per-rank gradients. With an fp32 reduce dtype and an explicit factor FSDP2 expresses that as
-   ``ReduceOp.PREMUL_SUM(1 / 1.0)``, and gloo rejects it: the first backward dies with
-   "Cannot use ReduceOp.PREMUL_SUM with Gloo".
-   ``FSDPModule.set_force_sum_reduction_for_comms(True)``
-   makes FSDP2 use ``ReduceOp.SUM`` for the reduce-scatter (and HSDP all-reduce) and apply the
-   divide factor as a separate post-division (``_get_gradient_divide_factors`` in
-   ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). With torchtitan's factor 1.0 that
-   post-division is skipped, so the reduced gradient is exactly ``sum_r grad_r`` -- the same value
-   NCCL's ``PREMUL_SUM(1.0)`` produces; gradient scaling is unchanged and equals torchtitan's
-   intended semantics on NCCL (the mean over all global tokens). If some other code left the
-   factor unset, force-sum gives ``SUM`` followed by ``/ dp_size``, which equals the ``AVG`` that
-   FSDP2 would use otherwise (gloo in torch 2.13 does accept ``AVG``; only PREMUL_SUM fails).
-   Hook points (both harmless if they overlap; the flag is idempotent):
-   ``torchtitan.models.llama3.infra.parallelize.apply_fsdp`` is wrapped in that module's namespace
-   (``parallelize_llama`` looks it up there at call time), and
-   ``torchtitan.protocols.train_spec.get_train_spec`` (what ``Trainer.__init__`` calls) returns a
-   copy of the spec whose ``parallelize_fn`` runs the same post-pass over ``model.modules()``, which
-   covers every model, including those with their own ``apply_fsdp`` and the pipeline path (the
-   Trainer hands ``train_spec.parallelize_fn`` to ``pipelining_fn``).
-
-3. quiets what only a CPU run makes torchtitan and torch warn about, so that a first run shows
-   no warning that is not the user's to act on: ``get_peak_flops`` returns torchtitan's own
-   fallback (the A100's, so the ``mfu`` column means nothing on CPU) without running ``lspci``
-   and warning twice per rank; DTensor's "may not have complete support on cpu device mesh"
-   and CPU autocast's "target dtype is not supported" (float32 runs need no autocast) are
-   ignored; ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (set by torchrun, and torchtitan warns that it
-   overrides it) is unset: there is no NCCL here.
-
-Calling :func:`install` again (or importing this module twice) changes nothing. When an
-accelerator is available it only logs a line and patches nothing.
-
-Use it with torchtitan's own entry point (one process per rank, gloo on CPU)::
-
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        -m torchtitan.train --experimental.custom_import acco_hooks.titan.cpu_shim \\
-        --model.flavor debugmodel --model.hf_assets_path <dir with tokenizer.json> \\
-        --training.mixed_precision_param float32 --activation_checkpoint.mode none ...
-
-(``--training.dataset c4_test --training.dataset_path <dir with a .jsonl of {"text": ...}>`` works
-offline), or ``import acco_hooks.titan.cpu_shim`` before building a ``torchtitan.train.Trainer``.
-
-Things the shim does not change (same as on GPUs, or CPU limits of torch itself):
-
-* the default ``--training.mixed_precision_param bfloat16`` works (FSDP computes in bf16, DDP and
-  single-process runs use a CPU bf16 autocast); with ``float32`` torch warns "In CPU autocast, but
-  the target dtype is not supported. Disabling autocast." for DDP, which is harmless;
-* DTensor's RNG tracker refuses ``cpu`` ("DTensor random operators may not have complete support
-  on cpu device mesh"), so FSDP's sharded ``init_weights`` draws different initial weights than an
-  unsharded (DDP / 1-process) run with the same seed. To compare parallelisms, start them from one
-  ``--checkpoint.create_seed_checkpoint`` (loaded with ``--checkpoint.initial_load_path``);
-* torchtitan's DDP path (``replicate``) still averages gradients although the loss is already
-  divided by the global token count, so DDP gradients (and the logged grad_norm) are ``1/dp`` of
-  FSDP's; AdamW hides the constant factor, but grad-norm clipping then acts differently;
-* MFU is meaningless: ``get_peak_flops`` falls back to the A100 figure for an unknown device.
+With torchtitan's own entry point: ``-m torchtitan.train --experimental.custom_import
+acco_hooks.titan.cpu_shim ...``.
 """
-
 from __future__ import annotations
 
 import dataclasses

@@ -1,0 +1,88 @@
+"""What the Trainer holds as its optimizer and scheduler, and the optimizer its settings name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from acco_hooks._frontend import EngineFrontEnd
+from acco_hooks.engine import ACCOEngine
+
+__all__ = ["EngineOptimizer", "EngineSchedule", "optimizer_cls_and_kwargs"]
+
+
+class EngineOptimizer(EngineFrontEnd):
+    """What the Trainer holds as ``trainer.optimizer``: the engine, fed by ``training_step``.
+
+    ``step()`` and ``zero_grad()`` are no-ops: rounds end in ``training_step`` and gradients
+    never stay in ``.grad``. ``param_groups`` are the shard optimizer's (current ``lr`` there).
+    """
+
+    def __init__(self, engine: ACCOEngine) -> None:
+        self.engine = engine
+        engine.hook_param_grads()
+
+    def step(self, closure: Any = None) -> None:
+        """No-op: the Trainer step's last micro-batch already ended the engine's round."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: gradients live in the engine."""
+
+
+class EngineSchedule:
+    """What the Trainer holds as ``trainer.lr_scheduler``; the real one is the engine's.
+
+    The engine steps its scheduler after each real update (every other round in ``acco``), so
+    the Trainer's per-step ``lr_scheduler.step()`` must not: it is a no-op here. The state is
+    saved with the engine's.
+    """
+
+    def __init__(self, optimizer: EngineOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """No-op: the engine steps the real scheduler after each real update."""
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # in the engine's state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the engine's state holds the schedule."""
+
+
+def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict[str, Any]]:
+    """The torch optimizer class and keyword arguments the Trainer's settings name."""
+    if trainer.optimizer_cls_and_kwargs is not None:
+        optimizer_cls, kwargs = trainer.optimizer_cls_and_kwargs
+        source = "optimizer_cls_and_kwargs"
+    else:
+        optim = str(getattr(trainer.args.optim, "value", trainer.args.optim))
+        if optim.startswith("schedule_free"):
+            raise ValueError(
+                f"ACCOTrainer: TrainingArguments.optim={optim!r}: schedule-free optimizers "
+                "evaluate at other weights than they train (optimizer.eval()/train()), which "
+                "the ACCO engine's shard optimizer does not follow. Use optim='adamw_torch' "
+                "with an LR schedule"
+            )
+        optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+        source = f"TrainingArguments.optim={optim!r}"
+    kwargs = dict(kwargs)
+    special = sorted({"params", "model", "optimizer_dict"} & kwargs.keys())
+    is_torch_optimizer = isinstance(optimizer_cls, type) and issubclass(
+        optimizer_cls, torch.optim.Optimizer
+    )
+    if not is_torch_optimizer or special:
+        raise ValueError(
+            f"ACCOTrainer: {source} gives {getattr(optimizer_cls, '__name__', optimizer_cls)}"
+            + (f" built over its own {', '.join(special)}" if special else "")
+            + ", which the ACCO engine cannot run on a flat shard of the parameters. Use a "
+            "torch.optim optimizer such as optim='adamw_torch_fused' (the default), "
+            "'adamw_torch', 'adafactor' or 'sgd', or "
+            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
+        )
+    return optimizer_cls, kwargs

@@ -1,0 +1,114 @@
+"""What ``ACCOTrainer`` refuses, and why: settings the ACCO engine cannot serve, each named
+with its fix, before any training step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainingArguments
+
+from acco_hooks.hf._engine_optimizer import optimizer_cls_and_kwargs
+from acco_hooks.hf.arguments import ACCOArguments
+
+__all__ = ["refuse_after_init", "refuse_before_init"]
+
+# LR schedules that need the training loop's metrics (the engine steps schedules by itself).
+_METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def refuse_before_init(args: Any, acco_args: ACCOArguments, optimizers: Any) -> None:
+    """Settings of the arguments alone: refused before the Trainer builds anything."""
+    if optimizers is not None and any(o is not None for o in optimizers):
+        raise ValueError(
+            "ACCOTrainer: optimizers=(optimizer, lr_scheduler) is not supported: the ACCO engine "
+            "builds the optimizer over its 1/N shard and steps the schedule once per real update. "
+            "Choose the optimizer with TrainingArguments.optim or "
+            "optimizer_cls_and_kwargs=(torch.optim.AdamW, {'lr': ...}), the schedule with "
+            "TrainingArguments.lr_scheduler_type"
+        )
+    if acco_args.accumulate_until_ready:
+        raise ValueError(
+            "ACCOTrainer: ACCOArguments.accumulate_until_ready=True is not supported: the Trainer "
+            "runs gradient_accumulation_steps micro-batches per step and a fixed number of steps "
+            "per epoch on every rank, and logs, evaluates and saves at step boundaries "
+            "collectively. Set it to False, or use ACCOOptimizer in your own loop or the "
+            "torchtitan trainer for heterogeneous hardware"
+        )
+    if args is None:
+        return
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"ACCOTrainer: args must be TrainingArguments, got {type(args).__name__}")
+    if args.deepspeed:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.deepspeed is set: DeepSpeed's ZeRO replaces the "
+            "optimizer and gradient reduction that the ACCO engine does (ACCO already shards the "
+            "optimizer state like ZeRO-1). Remove deepspeed, or use the plain Trainer"
+        )
+    if args.fsdp:
+        raise ValueError(
+            f"ACCOTrainer: TrainingArguments.fsdp={args.fsdp!r}: ACCOTrainer replicates the "
+            "model and shards the optimizer state like ZeRO-1. Remove fsdp; for FSDP2 inside a "
+            "node with ACCO across nodes use the torchtitan trainer or "
+            "acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
+        )
+    if args.fp16:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.fp16=True scales the loss with a GradScaler whose "
+            "scale the ACCO engine would average into the update. Use bf16=True (no loss "
+            "scaling) or full precision"
+        )
+    if args.parallelism_config is not None:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.parallelism_config (tensor, context or sequence "
+            "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
+        )
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "ACCOTrainer: TrainingArguments.auto_find_batch_size=True restarts the training loop "
+            "after an out-of-memory error with a new batch size, which the ACCO engine's "
+            "in-flight rounds cannot follow. Set per_device_train_batch_size yourself"
+        )
+    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if schedule in _METRIC_SCHEDULES:
+        raise ValueError(
+            f"ACCOTrainer: TrainingArguments.lr_scheduler_type={schedule!r} steps on evaluation "
+            "metrics, but the ACCO engine steps the schedule after each real update on its "
+            "communication thread. Use a step-based schedule ('linear', 'cosine', "
+            "'constant_with_warmup', ...)"
+        )
+
+
+def refuse_after_init(trainer: Any) -> None:
+    """Settings only known once the Trainer (and its accelerator) exist."""
+    if trainer.is_deepspeed_enabled:
+        raise ValueError(
+            "ACCOTrainer: DeepSpeed is enabled (accelerate config or "
+            "ACCELERATE_USE_DEEPSPEED): ZeRO replaces the optimizer and gradient reduction "
+            "that the ACCO engine does (it already shards the optimizer state like ZeRO-1). "
+            "Launch without DeepSpeed"
+        )
+    if trainer.is_fsdp_enabled:
+        raise ValueError(
+            "ACCOTrainer: accelerate's FSDP plugin is enabled (accelerate config or "
+            "ACCELERATE_USE_FSDP): ACCOTrainer replicates the model and shards the optimizer "
+            "state like ZeRO-1. Launch without FSDP; for FSDP2 inside a node with ACCO across "
+            "nodes use the torchtitan trainer or acco_hooks.ACCOHSDPOptimizer (docs/hsdp.md)"
+        )
+    if trainer.args.n_gpu > 1:
+        raise ValueError(
+            f"ACCOTrainer: this process sees {trainer.args.n_gpu} GPUs and the Trainer would use "
+            "torch.nn.DataParallel. Launch one process per GPU: torchrun --nproc_per_node "
+            f"{trainer.args.n_gpu} your_script.py"
+        )
+    if trainer.is_model_parallel or getattr(trainer, "is_distributed_loading_by_transformers", False):
+        raise ValueError(
+            "ACCOTrainer: the model is spread over several devices (device_map or "
+            "from_pretrained(distributed_config=...)); ACCO needs one full replica per "
+            "process. Load the model on one device (device_map=None) per process"
+        )
+    if getattr(trainer.accelerator, "parallelism_config", None) is not None:
+        raise ValueError(
+            "ACCOTrainer: accelerate's parallelism_config (tensor, context or sequence "
+            "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
+        )
+    optimizer_cls_and_kwargs(trainer, trainer.model)  # a bad TrainingArguments.optim fails now
