@@ -166,38 +166,27 @@ class ACCOEngine(EngineStateMixin):
         param_groups = normalize_param_groups(params)
         self.device = param_groups[0]["params"][0].device
 
-        groups = build_engine_groups(process_group, fsdp_process_group, norm_process_group, timeout)
-        self._groups = groups
-        self.world_size, self.rank = groups.world_size, groups.rank
-        self.fsdp_world_size = groups.fsdp_world_size
-        if groups.data is not None:
-            broadcast_from_first_rank(
-                [local_tensor(p) for g in param_groups for p in g["params"]], groups.data
-            )
-        self._buffers = [
-            GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype,
-                         groups.data_parallel_ranks)  # fmt: skip
-            for g in param_groups
-        ]
-        self._slot_of = {
-            p: (gi, pi) for gi, g in enumerate(self._buffers) for pi, p in enumerate(g.params)
-        }
-        shard_groups = [
-            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [b.master]}
-            for g, b in zip(param_groups, self._buffers)
-        ]
-        self.optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-
+        # No local name holds the groups: a traceback through here must not keep them alive.
+        self._groups = build_engine_groups(
+            process_group, fsdp_process_group, norm_process_group, timeout
+        )
+        self.world_size, self.rank = self._groups.world_size, self._groups.rank
+        self.fsdp_world_size = self._groups.fsdp_world_size
         self._worker = CommWorker(self.device)
         self._hook_handles: list[Any] = []
         # Every group built above is this engine's alone; close() destroys them. An engine its
         # owner never closes is released when it is garbage-collected or at interpreter exit:
         # a gloo group destructed during interpreter finalization can abort the process.
-        self.process_groups = groups.owned
+        self.process_groups = self._groups.owned
         self._release = weakref.finalize(
             self, release_communication, self._worker, self.process_groups
         )
+        try:
+            self._build_shard(param_groups, optimizer_class, optimizer_kwargs, lr_scheduler)
+        except BaseException:
+            self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
+            self._groups, self.process_groups = None, ()  # type: ignore[assignment]
+            raise
         self._in_flight: Future | None = None
         self._in_flight_job: Job | None = None
         self._in_flight_round = -1
@@ -217,6 +206,31 @@ class ACCOEngine(EngineStateMixin):
             "functional" if has_functional_peek(self.optimizer) else "snapshot-and-restore",
             len(self._slot_of), len(self._buffers),
         )  # fmt: skip
+
+    def _build_shard(
+        self, param_groups: list[dict[str, Any]], optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any], lr_scheduler: Callable[..., Any] | None,
+    ) -> None:  # fmt: skip
+        """Every replica starts from the first rank's parameters; lay out the buffers; build the
+        shard optimizer over this rank's fp32 master shard."""
+        if self._groups.data is not None:
+            broadcast_from_first_rank(
+                [local_tensor(p) for g in param_groups for p in g["params"]], self._groups.data
+            )
+        self._buffers = [
+            GroupBuffers(g["params"], g["names"], self.world_size, self.rank, self.reduce_dtype,
+                         self._groups.data_parallel_ranks)  # fmt: skip
+            for g in param_groups
+        ]
+        self._slot_of = {
+            p: (gi, pi) for gi, g in enumerate(self._buffers) for pi, p in enumerate(g.params)
+        }
+        shard_groups = [
+            {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [b.master]}
+            for g, b in zip(param_groups, self._buffers)
+        ]
+        self.optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
 
     # ------------------------------------------------------------ gradients in (main thread)
 

@@ -7,6 +7,7 @@ import datetime
 import faulthandler
 import importlib
 import os
+import pathlib
 import socket
 import tempfile
 import time
@@ -17,6 +18,13 @@ import torch.multiprocessing as mp
 
 # A test whose processes have not finished by then fails instead of hanging the suite.
 DEFAULT_DEADLINE_S = 180.0
+
+
+def gloo_worker_threads() -> int:
+    """How many of this process's native threads are gloo process-group workers (Linux)."""
+    names = (pathlib.Path(task, "comm").read_text().strip()
+             for task in pathlib.Path("/proc/self/task").iterdir())  # fmt: skip
+    return sum(name.startswith("pt_gloo") for name in names)
 
 
 def _free_port() -> int:

@@ -7,11 +7,12 @@ Hugging Face ``Trainer`` on the embedded corpus (the Python standard library's s
 from __future__ import annotations
 
 import os
-import pathlib
 import tempfile
 from typing import Any
 
 import torch
+
+from tests.dist_utils import gloo_worker_threads
 
 SEQ_LEN = 32
 
@@ -217,13 +218,6 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
         engine_groups.clear()  # the last reference outside the engine
         after[-1]["gloo_threads_left"] = gloo_worker_threads() - gloo_threads_before
     return {"after": after, "distinct_groups": len(group_names)}
-
-
-def gloo_worker_threads() -> int:
-    """How many of this process's native threads are gloo process-group workers (Linux)."""
-    names = (pathlib.Path(task, "comm").read_text().strip()
-             for task in pathlib.Path("/proc/self/task").iterdir())  # fmt: skip
-    return sum(name.startswith("pt_gloo") for name in names)
 
 
 def stdlib_texts(n: int, chars: int = 2000) -> list[str]:
