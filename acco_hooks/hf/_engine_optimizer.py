@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from acco_hooks._frontend import EngineFrontEnd
-from acco_hooks.engine import ACCOEngine
+from transformers.optimization import get_scheduler
 
-__all__ = ["EngineOptimizer", "EngineSchedule", "optimizer_cls_and_kwargs"]
+from acco_hooks.engine import ACCOEngine, real_updates
+
+__all__ = ["EngineOptimizer", "EngineSchedule", "optimizer_cls_and_kwargs",
+           "schedule_over_real_updates"]  # fmt: skip
 
 
 class EngineOptimizer(EngineFrontEnd):
@@ -86,3 +90,21 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
             "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
         )
     return optimizer_cls, kwargs
+
+
+def schedule_over_real_updates(
+    args: Any, mode: str, rounds: int, shard_optimizer: torch.optim.Optimizer
+) -> Any:
+    """The ``lr_scheduler_type`` schedule over the real updates, on the shard optimizer."""
+    updates = max(1, real_updates(mode, rounds))
+    if args.warmup_steps < 1:  # a ratio of the schedule
+        warmup = args.get_warmup_steps(updates)
+    else:  # counted in Trainer steps (rounds): as many rounds of warm-up, in updates
+        warmup = math.ceil(int(args.warmup_steps) * updates / max(1, rounds))
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=shard_optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=updates,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )

@@ -5,15 +5,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from acco_hooks.hf._engine_optimizer import optimizer_cls_and_kwargs
 from acco_hooks.hf.arguments import ACCOArguments
 
-__all__ = ["refuse_after_init", "refuse_before_init"]
+__all__ = ["check_trainer_internals", "refuse_after_init", "refuse_before_init"]
 
+# Trainer internals ACCOTrainer overrides: a transformers release that renames one would leave
+# the override silently unused, so the import fails instead.
+_OVERRIDDEN = (
+    "_prepare_for_training", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
+    "_get_learning_rate", "_save_checkpoint", "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler", "_finalize_training",
+)  # fmt: skip
 # LR schedules that need the training loop's metrics (the engine steps schedules by itself).
 _METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+
+
+def check_trainer_internals() -> None:
+    """Refuse a transformers whose ``Trainer`` lacks a method ``ACCOTrainer`` overrides."""
+    missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
+    if missing:
+        import transformers
+
+        raise ImportError(
+            f"acco_hooks.hf: transformers {transformers.__version__} has no Trainer."
+            f"{', Trainer.'.join(missing)}; ACCOTrainer is written for transformers 5.x"
+        )
 
 
 def refuse_before_init(args: Any, acco_args: ACCOArguments, optimizers: Any) -> None:

@@ -39,9 +39,9 @@ runs at θ without changing the training trajectory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +49,21 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
-from transformers.optimization import get_scheduler
 
 from acco_hooks.engine import ACCOEngine, real_updates
 from acco_hooks.hf._checkpoints import ENGINE_FILE, LIVE_PARAMS_FILE, load_engine, save_engine
-from acco_hooks.hf._engine_optimizer import EngineOptimizer, EngineSchedule, optimizer_cls_and_kwargs
-from acco_hooks.hf._refusals import refuse_after_init, refuse_before_init
+from acco_hooks.hf._engine_optimizer import (
+    EngineOptimizer,
+    EngineSchedule,
+    optimizer_cls_and_kwargs,
+    schedule_over_real_updates,
+)
+from acco_hooks.hf._loss_weights import label_tokens, microbatch_weight
+from acco_hooks.hf._refusals import (
+    check_trainer_internals,
+    refuse_after_init,
+    refuse_before_init,
+)
 from acco_hooks.hf.arguments import ACCOArguments
 
 __all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
@@ -62,21 +71,7 @@ __all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
 logger = logging.getLogger(__name__)
 
 _NO_CLIPPING = 1e30
-# Trainer internals this class overrides: a transformers release that renames one would leave
-# the override silently unused, so the import fails instead.
-_OVERRIDDEN = (
-    "_prepare_for_training", "_wrap_model", "_clip_grad_norm", "_get_grad_norm",
-    "_get_learning_rate", "_save_checkpoint", "_save_optimizer_and_scheduler",
-    "_load_optimizer_and_scheduler", "_finalize_training",
-)  # fmt: skip
-_missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
-if _missing:
-    import transformers
-
-    raise ImportError(
-        f"acco_hooks.hf: transformers {transformers.__version__} has no Trainer."
-        f"{', Trainer.'.join(_missing)}; ACCOTrainer is written for transformers 5.x"
-    )
+check_trainer_internals()  # fail at import, not silently at train()
 
 
 @dataclass
@@ -198,7 +193,8 @@ class ACCOTrainer(Trainer):
             optimizer_cls,
             accumulation_steps=self.args.gradient_accumulation_steps,
             max_grad_norm=max_grad_norm,
-            lr_scheduler=self._build_engine_lr_scheduler,
+            lr_scheduler=functools.partial(schedule_over_real_updates, self.args,
+                                           self.acco_args.mode, self._max_rounds()),
             **engine_kwargs,
             **optimizer_kwargs,
         )
@@ -228,24 +224,6 @@ class ACCOTrainer(Trainer):
             "ACCOTrainer: the number of training steps is not known yet; build the optimizer "
             "through train() or create_optimizer_and_scheduler(num_training_steps)"
         )
-
-    def _build_engine_lr_scheduler(self, shard_optimizer: torch.optim.Optimizer) -> Any:
-        """The ``lr_scheduler_type`` schedule over the real updates, on the shard optimizer."""
-        rounds = self._max_rounds()
-        updates = max(1, real_updates(self.acco_args.mode, rounds))
-        if self.args.warmup_steps < 1:  # a ratio of the schedule
-            warmup = self.args.get_warmup_steps(updates)
-        else:  # counted in Trainer steps (rounds): as many rounds of warm-up, in updates
-            warmup = math.ceil(int(self.args.warmup_steps) * updates / max(1, rounds))
-        return get_scheduler(
-            self.args.lr_scheduler_type,
-            optimizer=shard_optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=updates,
-            scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
-        )
-
-    # ----------------------------------------------------------------- no DDP, no own clipping
 
     def _wrap_model(
         self, model: nn.Module, training: bool = True, dataloader: Any = None
@@ -290,12 +268,12 @@ class ACCOTrainer(Trainer):
         engine = self.engine
         if engine is None:
             raise RuntimeError("ACCOTrainer.training_step runs inside train() only")
-        items = self._local_items(inputs)  # before compute_loss consumes the inputs
+        items = label_tokens(self, inputs)  # before compute_loss consumes the inputs
         last = self.accelerator.sync_gradients
         if last:  # the LR this round's gradients will be applied with, for the log
             self._acco_lr = float(engine.optimizer.param_groups[0]["lr"])
         loss = super().training_step(model, inputs, num_items_in_batch)
-        weight = self._microbatch_weight(items, num_items_in_batch)
+        weight = microbatch_weight(self, items, num_items_in_batch)
         ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()
         while last and not ended:
             ended = engine.skip_microbatch()
@@ -303,34 +281,6 @@ class ACCOTrainer(Trainer):
             self._acco_rounds_since_log += 1
             self._acco_wait_since_log += engine.last_wait_s
         return loss
-
-    def _local_items(self, inputs: dict[str, Any]) -> int | None:
-        """The label tokens of one micro-batch, counted as the Trainer counts num_items_in_batch."""
-        if "shift_labels" in inputs:
-            labels = inputs["shift_labels"]
-        elif "labels" in inputs and isinstance(inputs["labels"], torch.Tensor):
-            labels = inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"]
-        else:
-            return None
-        return int(labels.ne(-100).sum())
-
-    def _microbatch_weight(self, items: int | None, num_items_in_batch: Any) -> float:
-        """How much of the engine's weighting unit the back-propagated loss sums over."""
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)
-        if scaled is None:  # the Trainer's own rule (Trainer.training_step)
-            scaled = (
-                self.model_accepts_loss_kwargs and num_items_in_batch is not None
-            ) or self.compute_loss_func is not None
-        if not scaled or num_items_in_batch is None or items is None:
-            # A per-micro-batch mean that the Trainer divided by the step's micro-batches (or a
-            # loss the user normalised over the step): every micro-batch is an equal share.
-            return 1.0 / self.current_gradient_accumulation_steps
-        factor = 1
-        if self.args.average_tokens_across_devices and (
-            self.model_accepts_loss_kwargs or self.compute_loss_func
-        ):  # compute_loss multiplied the loss by the number of processes
-            factor = self.accelerator.num_processes // self.get_tp_size()
-        return items * factor / float(num_items_in_batch)
 
     # --------------------------------------------------------------- logs and evaluation at θ
 
