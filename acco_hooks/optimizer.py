@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -85,37 +85,10 @@ class ACCOOptimizer(EngineFrontEnd):
     """
 
     def __init__(
-        self,
-        params: Iterable[Any],
-        optimizer_class: type[torch.optim.Optimizer],
-        *,
-        mode: str = "acco",
-        process_group: Any = None,
-        accumulation_steps: int = 1,
-        accumulate_until_ready: bool = False,
-        reduce_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
-        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        nonfinite: str = "skip",
-        timeout: float | None = None,
-        fsdp_process_group: Any = None,
-        **optimizer_kwargs: Any,
+        self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
     ) -> None:
-        self.engine = ACCOEngine(
-            params,
-            optimizer_class,
-            mode=mode,
-            process_group=process_group,
-            accumulation_steps=accumulation_steps,
-            accumulate_until_ready=accumulate_until_ready,
-            reduce_dtype=reduce_dtype,
-            max_grad_norm=max_grad_norm,
-            lr_scheduler=lr_scheduler,
-            nonfinite=nonfinite,
-            timeout=timeout,
-            fsdp_process_group=fsdp_process_group,
-            **optimizer_kwargs,
-        )
+        # The settings are the engine's own (documented above): one signature, one validation.
+        self.engine = ACCOEngine(params, optimizer_class, **kwargs)
         self.engine.hook_param_grads()
 
     def step(self, weight: float = 1.0) -> bool:
