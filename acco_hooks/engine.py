@@ -122,7 +122,7 @@ class ACCOEngine(EngineStateMixin):
         "mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype", "max_grad_norm",
         "nonfinite", "timeout", "device",
         # The process groups of the worker thread, and this rank's place in them
-        "_groups", "world_size", "rank", "fsdp_world_size", "process_groups",
+        "_groups", "world_size", "rank", "fsdp_world_size",
         # Buffers (one per parameter group) and the shard optimizer
         "_buffers", "_slot_of", "optimizer", "lr_scheduler",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
@@ -177,15 +177,14 @@ class ACCOEngine(EngineStateMixin):
         # Every group built above is this engine's alone; close() destroys them. An engine its
         # owner never closes is released when it is garbage-collected or at interpreter exit:
         # a gloo group destructed during interpreter finalization can abort the process.
-        self.process_groups = self._groups.owned
         self._release = weakref.finalize(
-            self, release_communication, self._worker, self.process_groups
+            self, release_communication, self._worker, self._groups.owned
         )
         try:
             self._build_shard(param_groups, optimizer_class, optimizer_kwargs, lr_scheduler)
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
-            self._groups, self.process_groups = None, ()  # type: ignore[assignment]
+            self._groups = None  # type: ignore[assignment]
             raise
         self._in_flight: Future | None = None
         self._in_flight_job: Job | None = None
@@ -512,6 +511,11 @@ class ACCOEngine(EngineStateMixin):
                     torch._foreach_copy_(g.locals, [live[n] for n in g.names])
 
     @property
+    def process_groups(self) -> tuple[Any, ...]:
+        """The process groups this engine built for its thread (empty once closed)."""
+        return () if self._groups is None else self._groups.owned
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran: the thread is joined and the process groups destroyed."""
         return not self._release.alive
@@ -553,9 +557,10 @@ class ACCOEngine(EngineStateMixin):
                     logger.warning("acco_hooks: close(): a peer never reached the barrier",
                                    exc_info=True)  # fmt: skip
             self._release()
-            # Drop the last references too: the groups' C++ objects go now, not at exit.
+            # Drop the last references too: the groups' C++ objects go now, not at exit. A
+            # result not applied above is dropped for good (a later flush() applies nothing).
             self._groups = None  # type: ignore[assignment]
-            self.process_groups = ()
+            self._in_flight = self._in_flight_job = None
 
     def __enter__(self) -> ACCOEngine:
         return self

@@ -221,6 +221,9 @@ def test_close_with_flush_false_drops_the_update_in_flight() -> None:
     opt.close(flush=False)
     for a, b in zip(live, _params(model)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # still the estimate θ̃
+    opt.flush()  # dropped means dropped: nothing is left to apply
+    for a, b in zip(live, _params(model)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
