@@ -16,18 +16,25 @@ buffer                size, dtype  role
 
 A parameter replicated over a mesh dimension other than the data-parallel one (tensor
 parallelism) counts once in the global gradient norm: ``norm_discounts`` says where.
+
+Memory per rank for Φ parameters (model in dtype d, AdamW): the model (Φ·d), the fp32
+accumulator (4Φ), one communication buffer shared by the reduce-scatter input and the
+all-gather output (Φ·max(reduce dtype, d)), and the 1/N shard: fp32 master + optimizer state +
+reduce/gather staging (≈ 20Φ/N). The estimate step adds no memory for AdamW, Adam and SGD.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["GroupBuffers", "local_tensor", "memory_bytes"]
+__all__ = ["GroupBuffers", "build_shard", "local_tensor", "memory_bytes"]
 
 
 class GroupBuffers:
@@ -157,6 +164,31 @@ def _norm_discounts(
     return discounts
 
 
+def build_shard(
+    param_groups: list[dict[str, Any]], world_size: int, rank: int,
+    data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype,
+    optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
+    """Lay each parameter group out in flat buffers; build the shard optimizer (and its
+    scheduler) over this rank's fp32 master shard.
+
+    Takes no process group: a traceback through a refused optimizer argument must not keep the
+    engine's groups alive.
+
+    Returns:
+        ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group.
+    """
+    buffers = [
+        GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks)
+        for g in param_groups
+    ]
+    shard_groups = [
+        {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [b.master]}
+        for g, b in zip(param_groups, buffers)
+    ]
+    optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
+    return buffers, optimizer, None if lr_scheduler is None else lr_scheduler(optimizer)
 
 
 def memory_bytes(

@@ -23,7 +23,14 @@ from acco_hooks.collectives import all_gather, reduce_scatter_sum
 from acco_hooks._groups import EngineGroups
 from acco_hooks.peek import peek
 
-__all__ = ["Job", "RoundResult", "all_gather_shards", "communicate"]
+__all__ = ["ACCOCommunicationError", "Job", "RoundResult", "all_gather_shards", "communicate"]
+
+
+class ACCOCommunicationError(RuntimeError):
+    """A round's communication failed (a peer died or hung, a collective or the shard step
+    raised). Every rank of the group fails its round the same way: a collective cannot complete
+    without all its ranks. The engine cannot continue: restart from the last complete checkpoint.
+    """
 
 
 class Job(enum.Enum):

@@ -10,12 +10,18 @@ import torch
 from torch import Tensor
 
 __all__ = ["MODES", "NONFINITE_POLICIES", "REDUCE_DTYPES", "normalize_param_groups",
-           "validate_config"]  # fmt: skip
+           "real_updates", "validate_config"]  # fmt: skip
 
 MODES = ("acco", "dpu", "ddp")
 NONFINITE_POLICIES = ("skip", "raise")
 # Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def real_updates(mode: str, rounds: int) -> int:
+    """Real optimizer updates in ``rounds`` rounds: every other round in ``acco``, every round
+    in ``dpu`` and ``ddp``. Schedules counted in updates use it."""
+    return rounds // 2 if mode == "acco" else rounds
 
 
 def validate_config(

@@ -126,6 +126,9 @@ class EngineStateMixin:
             self._in_flight = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight_job = Job(state["pending_job"])
 
+    def _param_shapes(self) -> list[list[tuple[int, ...]]]:
+        return [[tuple(p.shape) for p in g.params] for g in self._buffers]
+
     def reset_master_from_params(self) -> None:
         """Take the fp32 master shard from the model's current parameters.
 

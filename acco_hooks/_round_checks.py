@@ -1,0 +1,64 @@
+"""What the engine checks at a round end, and how it reports a non-finite gradient."""
+
+from __future__ import annotations
+
+import warnings
+
+from acco_hooks._buffers import GroupBuffers
+
+__all__ = ["check_round_inputs", "nonfinite_error", "warn_skipped_round"]
+
+
+def check_round_inputs(
+    buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int
+) -> None:
+    """Every parameter got a gradient, and none was moved since the engine was built."""
+    moved = [name for g in buffers for name in g.moved_params()]
+    if moved:
+        raise RuntimeError(
+            f"acco_hooks: {_some(moved)} moved or changed dtype after the optimizer was "
+            "built (model.to(), a dtype cast, param.data = ...): the engine holds views of "
+            "the old memory and would train parameters the model no longer uses. Move or "
+            "cast the model first, then build the optimizer"
+        )
+    missing = [
+        g.names[pi]
+        for g, arrived in zip(buffers, grad_arrived)
+        for pi, ok in enumerate(arrived)
+        if not ok
+    ]
+    if missing and len(missing) == sum(len(g.params) for g in buffers):
+        raise RuntimeError(
+            f"acco_hooks: no gradient reached any parameter during round {round_index}: "
+            "call loss.backward() before each step()"
+        )
+    if missing:
+        raise RuntimeError(
+            f"acco_hooks: no gradient reached {_some(missing)} during round "
+            f"{round_index}. Every trained parameter must get a gradient in every "
+            "round: run backward() before step(), and set requires_grad=False on parameters "
+            "that are not trained (or leave them out of the optimizer's params)"
+        )
+
+
+def nonfinite_error(round_index: int, what: str) -> FloatingPointError:
+    """``nonfinite='raise'``: the error the training loop sees."""
+    return FloatingPointError(
+        f"acco_hooks: the averaged gradient of round {round_index} has NaN/Inf values "
+        f"(nonfinite='raise'); the {what} was not applied and the optimizer state is unchanged"
+    )
+
+
+def warn_skipped_round(round_index: int, what: str, skipped_rounds: int) -> None:
+    """``nonfinite='skip'``: every rank skipped the round; say so where the loop called from."""
+    warnings.warn(
+        f"acco_hooks: non-finite gradient (NaN/Inf) in round {round_index}: every rank skipped "
+        f"this {what}; the optimizer state and learning rate are unchanged ({skipped_rounds} "
+        "rounds skipped so far)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
