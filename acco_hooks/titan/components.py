@@ -1,15 +1,9 @@
-"""torchtitan components backed by the ACCO engine: optimizer container, schedulers, train spec.
+"""torchtitan components backed by the ACCO engine: the optimizer container and its schedulers.
 
-The engine replaces two things of a torchtitan train spec:
-
-- the data-parallel wrapping: :func:`parallelize_without_data_parallel` runs the model's own
-  parallelize function (TP, activation checkpointing, torch.compile, FSDP) with the
-  ``dp_replicate`` dimension hidden, so no DDP is applied, and FSDP2 (if
-  ``data_parallel_shard_degree > 1``) shards over the ``fsdp`` mesh only: no cross-replica
-  all-reduce (HSDP without its slow half);
-- the optimizer: :class:`ACCOOptimizersContainer` holds one engine over every model part of
-  this rank, sharded over the ``dp_replicate`` mesh (on top of FSDP's sharding), and looks
-  like torchtitan's ``OptimizersContainer`` to the LR schedulers, metrics and checkpointing.
+:class:`ACCOOptimizersContainer` holds one engine over every model part of this rank, sharded
+over the ``dp_replicate`` mesh (on top of FSDP's sharding), and looks like torchtitan's
+``OptimizersContainer`` to the LR schedulers, metrics and checkpointing. ``train_spec`` puts it
+(and a parallelize function without data parallelism) into a model's train spec.
 """
 
 from __future__ import annotations
@@ -27,13 +21,8 @@ from torchtitan.distributed import ParallelDims
 from acco_hooks.engine import ACCOEngine, real_updates
 from acco_hooks.titan.config import REDUCE_DTYPES, JobConfig
 
-__all__ = [
-    "ACCOOptimizersContainer",
-    "build_acco_lr_schedulers",
-    "build_acco_optimizers",
-    "parallelize_without_data_parallel",
-    "real_updates",
-]
+__all__ = ["ACCOOptimizersContainer", "build_acco_lr_schedulers", "build_acco_optimizers",
+           "real_updates"]  # fmt: skip
 
 _OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -176,30 +165,3 @@ def build_acco_lr_schedulers(
     )
     optimizers.engine.lr_scheduler = schedulers
     return schedulers
-
-
-class _WithoutDataParallel:
-    """A ``ParallelDims`` view without the ``dp_replicate`` dimension.
-
-    Parallelize functions then apply no DDP, and FSDP over the ``fsdp`` mesh alone (instead of
-    HSDP over ``["dp_replicate", "fsdp"]``).
-    """
-
-    def __init__(self, parallel_dims: ParallelDims) -> None:
-        self._parallel_dims = parallel_dims
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parallel_dims, name)
-
-    dp_replicate_enabled = False
-
-
-def parallelize_without_data_parallel(parallelize_fn):
-    """Wrap a train spec's parallelize function so that it applies everything but the
-    cross-replica data parallelism (DDP, or HSDP's all-reduce)."""
-
-    def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig):
-        return parallelize_fn(model, _WithoutDataParallel(parallel_dims), job_config)
-
-    parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
-    return parallelize
