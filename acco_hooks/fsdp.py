@@ -24,7 +24,7 @@ micro-batch instead: less memory, S-1 more intra-node reduce-scatters per round.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,15 +32,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from acco_hooks._fsdp_internals import fsdp_modules, turn_off_replica_all_reduce
 from acco_hooks.engine import ACCOEngine
 from acco_hooks.optimizer import ACCOOptimizer
 
 __all__ = ["ACCOHSDPOptimizer", "fsdp_modules", "set_gradient_sync_for_next_microbatch"]
-
-
-def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
-    """Every ``FSDPModule`` in ``modules`` and their submodules."""
-    return [m for root in modules for m in root.modules() if isinstance(m, FSDPModule)]
 
 
 def set_gradient_sync_for_next_microbatch(
@@ -55,50 +51,6 @@ def set_gradient_sync_for_next_microbatch(
     last = engine.microbatches_in_round + 1 >= engine.accumulation_steps
     for module in modules:
         module.set_requires_gradient_sync(every_microbatch or last, recurse=False)
-
-
-def _turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
-    """Make HSDP stop after its reduce-scatter; return the (replicate, shard) mesh groups.
-
-    ``set_requires_all_reduce(False)`` is not enough: FSDP2 then keeps the reduce-scattered
-    gradient aside for a later all-reduce and never writes ``.grad``. Each parameter group is
-    instead told that its mesh is FSDP-only (``FSDPMeshInfo`` on the shard dimension), so it
-    reduce-scatters over the shard dimension and writes the summed shard gradient; the
-    parameters keep their (Replicate, Shard) placements. This relies on FSDP2's parameter
-    group internals (``torch.distributed.fsdp._fully_shard``, torch 2.13); a torch without
-    them is refused with an error rather than silently all-reducing.
-    """
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-    except ImportError as exc:  # pragma: no cover - other torch versions
-        raise RuntimeError(
-            f"acco_hooks: this torch ({torch.__version__}) has no FSDP2 mesh internals that "
-            "ACCOHSDPOptimizer can adjust; use torch 2.13"
-        ) from exc
-    groups = None
-    param_groups = {  # fully_shard([a, b]) gives a and b one state: visit each group once
-        id(g): g for module in modules for g in module._get_fsdp_state()._fsdp_param_groups
-    }
-    for param_group in param_groups.values():
-        info = param_group.mesh_info
-        if not isinstance(info, HSDPMeshInfo):
-            raise ValueError(
-                "acco_hooks: ACCOHSDPOptimizer needs a model wrapped with fully_shard on a "
-                "2-D DeviceMesh (replicate, shard), e.g. init_device_mesh(device, (R, S), "
-                "mesh_dim_names=('dp_replicate', 'dp_shard')); this module is sharded on a "
-                f"{info.mesh.ndim}-D mesh {info.mesh.mesh_dim_names}. For pure data "
-                "parallelism use ACCOOptimizer"
-            )
-        groups = groups or (info.replicate_process_group, info.shard_process_group)
-        param_group.mesh_info = FSDPMeshInfo(
-            mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim
-        )
-    if groups is None:
-        raise ValueError(
-            "acco_hooks: ACCOHSDPOptimizer: the model has no parameters managed by fully_shard; "
-            "wrap it with fully_shard(module, mesh=mesh_2d) first"
-        )
-    return groups
 
 
 class ACCOHSDPOptimizer(ACCOOptimizer):
@@ -121,8 +73,9 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         params: what to optimize; default ``model.named_parameters()``.
         sync_every_microbatch: let FSDP reduce-scatter every micro-batch instead of once per
             round (less memory for unsharded gradients, more intra-node traffic).
-        mode, accumulation_steps, reduce_dtype, max_grad_norm, lr_scheduler, nonfinite,
-        timeout, \*\*optimizer_kwargs: as for ``ACCOOptimizer``.
+        \*\*kwargs: the settings and optimizer arguments of ``ACCOOptimizer`` (``mode``,
+            ``accumulation_steps``, ``reduce_dtype``, ``max_grad_norm``, ``lr``, ...), except
+            the process groups, which come from the mesh.
 
     Example::
 
@@ -145,22 +98,21 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         params: Iterable[Any] | None = None,
-        mode: str = "acco",
-        accumulation_steps: int = 1,
-        reduce_dtype: torch.dtype | None = None,
-        max_grad_norm: float | None = None,
-        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        nonfinite: str = "skip",
-        timeout: float | None = None,
         sync_every_microbatch: bool = False,
-        **optimizer_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
         if not isinstance(sync_every_microbatch, bool):
             raise TypeError(
                 f"acco_hooks: sync_every_microbatch={sync_every_microbatch!r} must be True or False"
             )
+        for taken in ("process_group", "fsdp_process_group"):
+            if taken in kwargs:
+                raise TypeError(
+                    f"acco_hooks: ACCOHSDPOptimizer takes its groups from the model's 2-D mesh; "
+                    f"drop {taken}="
+                )
         self.fsdp_modules = fsdp_modules([model])
-        replicate_group, shard_group = _turn_off_replica_all_reduce(self.fsdp_modules)
+        replicate_group, shard_group = turn_off_replica_all_reduce(self.fsdp_modules)
         gloo = dist.get_backend(shard_group) == "gloo"
         for module in self.fsdp_modules:
             module.set_gradient_divide_factor(1.0)
@@ -170,19 +122,9 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         # FSDP2 runs post-accumulate-grad hooks on the sharded parameters once it wrote their
         # reduce-scattered gradient: the hooks ACCOOptimizer attaches take each shard from there.
         super().__init__(
-            model.named_parameters() if params is None else params,
-            optimizer_class,
-            mode=mode,
-            process_group=replicate_group,
-            fsdp_process_group=shard_group,
-            accumulation_steps=accumulation_steps,
-            reduce_dtype=reduce_dtype,
-            max_grad_norm=max_grad_norm,
-            lr_scheduler=lr_scheduler,
-            nonfinite=nonfinite,
-            timeout=timeout,
-            **optimizer_kwargs,
-        )
+            model.named_parameters() if params is None else params, optimizer_class,
+            process_group=replicate_group, fsdp_process_group=shard_group, **kwargs,
+        )  # fmt: skip
         self._set_gradient_sync()
 
     def _set_gradient_sync(self) -> None:
