@@ -21,6 +21,7 @@ from acco_hooks.ddp_comm_hooks import (  # noqa: E402
     acco_hook,
     delayed_allreduce_hook,
 )
+from acco_hooks._frontend import label_tokens  # noqa: E402
 from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine  # noqa: E402
 from acco_hooks.fsdp import ACCOHSDPOptimizer  # noqa: E402
 from acco_hooks.optimizer import ACCOOptimizer  # noqa: E402
@@ -38,5 +39,6 @@ __all__ = [
     "acco_hook",
     "check_supported_versions",
     "delayed_allreduce_hook",
+    "label_tokens",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""What every front-end of the engine exposes: real weights, closing, checkpoints, figures to log."""
+"""What every front-end of the engine exposes: real weights, closing, checkpoints, figures to log,
+and the one rule for a micro-batch's weight under a token-summed loss."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import torch
 
 from acco_hooks.engine import ACCOEngine
 
-__all__ = ["EngineFrontEnd"]
+IGNORE_INDEX = -100  # torch's cross_entropy default, torchtitan's and transformers' label padding
+
+
+def label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """The tokens a token-summed cross-entropy over ``labels`` sums over.
+
+    It is a micro-batch's weight for :meth:`ACCOEngine.microbatch_done` when the loss is summed
+    over tokens: the engine then divides Σ gradients by Σ tokens over every micro-batch of
+    every rank, the per-token average of one large batch. The torchtitan and Hugging Face
+    trainers weigh their micro-batches with it.
+    """
+    return int(labels.ne(ignore_index).sum())
+
+__all__ = ["EngineFrontEnd", "label_tokens"]
 
 
 class EngineFrontEnd:

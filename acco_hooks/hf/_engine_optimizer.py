@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -13,8 +14,43 @@ from transformers.optimization import get_scheduler
 
 from acco_hooks.engine import ACCOEngine, real_updates
 
-__all__ = ["EngineOptimizer", "EngineSchedule", "optimizer_cls_and_kwargs",
+__all__ = ["EngineOptimizer", "EngineSchedule", "build_engine", "optimizer_cls_and_kwargs",
            "schedule_over_real_updates"]  # fmt: skip
+
+_NO_CLIPPING = 1e30
+
+
+def build_engine(
+    trainer: Any, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any], rounds: int,
+) -> ACCOEngine:  # fmt: skip
+    """The engine over the Trainer's two parameter groups (weight decay / none), with the
+    Trainer's clipping, timeout and LR schedule and the ``ACCOArguments`` settings."""
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [(n, p) for n, p in named if n in decay],
+         "weight_decay": trainer.args.weight_decay},
+        {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]  # fmt: skip
+    # Without clipping, a bound no norm reaches: the engine still measures the gradient
+    # norm, which the Trainer logs as ``grad_norm`` in any case (a scalar all-reduce).
+    max_grad_norm = trainer.args.max_grad_norm
+    if not (max_grad_norm and max_grad_norm > 0):
+        max_grad_norm = _NO_CLIPPING
+    engine_kwargs = trainer.acco_args.engine_kwargs()
+    if engine_kwargs["timeout"] is None and trainer.args.ddp_timeout:
+        engine_kwargs["timeout"] = float(trainer.args.ddp_timeout)  # as the default group's
+    mode = trainer.acco_args.mode
+    return ACCOEngine(
+        [g for g in groups if g["params"]],
+        optimizer_cls,
+        accumulation_steps=trainer.args.gradient_accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        lr_scheduler=functools.partial(schedule_over_real_updates, trainer.args, mode, rounds),
+        **engine_kwargs,
+        **optimizer_kwargs,
+    )
 
 
 class EngineOptimizer(EngineFrontEnd):

@@ -1,7 +1,10 @@
 """How much of the engine's weighting unit each of the Trainer's micro-batches is.
 
 The engine averages Σ gradients / Σ weights over all ranks; the Trainer has already scaled each
-micro-batch's loss by its own rule, which these functions read back (see ``ACCOTrainer``).
+micro-batch's loss by its own rule, which these functions read back: a micro-batch weighs
+``items · f / num_items_in_batch`` when the loss is normalised by the number of label tokens
+(``f`` = the number of processes when ``average_tokens_across_devices`` scales the loss by it),
+``1 / gradient_accumulation_steps`` when the Trainer divides a per-micro-batch mean by it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from acco_hooks._frontend import label_tokens as count_label_tokens
 
 __all__ = ["label_tokens", "microbatch_weight"]
 
@@ -21,7 +26,7 @@ def label_tokens(trainer: Any, inputs: dict[str, Any]) -> int | None:
         labels = inputs["labels"][..., 1:] if trainer._loss_shifts_labels else inputs["labels"]
     else:
         return None
-    return int(labels.ne(-100).sum())
+    return count_label_tokens(labels)
 
 
 def microbatch_weight(trainer: Any, items: int | None, num_items_in_batch: Any) -> float:

@@ -20,26 +20,16 @@ callbacks, checkpoint folders, ``resume_from_checkpoint``):
   engine's shard optimizer for the number of *real updates* (``max_steps // 2`` in ``acco``),
   warm-up scaled alike, and the engine steps it after each real update.
 
-Loss scaling. The engine averages ``Σ gradients / Σ weights`` over all ranks, so each
-micro-batch's weight is the share of a unit that the Trainer's loss already divides by:
-``items · f / num_items_in_batch`` when the loss is normalised by the number of label tokens
-(``f`` = the number of processes when ``average_tokens_across_devices`` scales the loss by it),
-``1 / gradient_accumulation_steps`` when the Trainer divides a per-micro-batch mean by it.
-``ddp`` mode then takes exactly the update of a plain ``Trainer`` with DDP (measured: float
-noise, see ``docs/hf.md``).
-
-Checkpoints. Each rank writes its engine shard to ``acco_engine_rank{r}.pt`` in the checkpoint
-folder (atomically, with :func:`acco_hooks.checkpoint.save`). The folder's model weights are the
-real parameters θ; when the live parameters differ from θ (``acco``: the estimate θ̃; ``dpu``:
-the parameters one update behind), rank 0 also writes them to ``acco_live_params.pt``, and
-``resume_from_checkpoint`` puts them back, so a resumed run continues exactly. Evaluation also
-runs at θ without changing the training trajectory.
+Loss scaling: each micro-batch weighs the share of a unit that the Trainer's loss already
+divides by (``_loss_weights``), so ``ddp`` mode takes exactly the update of a plain ``Trainer``
+with DDP. Checkpoints: each rank writes its engine shard next to the model files, which hold the
+real θ; the live parameters go along when they differ (``_checkpoints``). ``docs/hf.md`` has
+the details and the measurements.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -55,8 +45,8 @@ from acco_hooks.hf._checkpoints import ENGINE_FILE, LIVE_PARAMS_FILE, load_engin
 from acco_hooks.hf._engine_optimizer import (
     EngineOptimizer,
     EngineSchedule,
+    build_engine,
     optimizer_cls_and_kwargs,
-    schedule_over_real_updates,
 )
 from acco_hooks.hf._loss_weights import label_tokens, microbatch_weight
 from acco_hooks.hf._refusals import (
@@ -70,7 +60,6 @@ __all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
 
 logger = logging.getLogger(__name__)
 
-_NO_CLIPPING = 1e30
 check_trainer_internals()  # fail at import, not silently at train()
 
 
@@ -173,31 +162,7 @@ class ACCOTrainer(Trainer):
             return self.optimizer
         opt_model = self.model if model is None else model
         optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs(self, opt_model)
-        decay = set(self.get_decay_parameter_names(opt_model))
-        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [(n, p) for n, p in named if n in decay],
-             "weight_decay": self.args.weight_decay},
-            {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0},
-        ]  # fmt: skip
-        # Without clipping, a bound no norm reaches: the engine still measures the gradient
-        # norm, which the Trainer logs as ``grad_norm`` in any case (a scalar all-reduce).
-        max_grad_norm = self.args.max_grad_norm
-        if not (max_grad_norm and max_grad_norm > 0):
-            max_grad_norm = _NO_CLIPPING
-        engine_kwargs = self.acco_args.engine_kwargs()
-        if engine_kwargs["timeout"] is None and self.args.ddp_timeout:
-            engine_kwargs["timeout"] = float(self.args.ddp_timeout)  # as the default group's
-        engine = ACCOEngine(
-            [g for g in groups if g["params"]],
-            optimizer_cls,
-            accumulation_steps=self.args.gradient_accumulation_steps,
-            max_grad_norm=max_grad_norm,
-            lr_scheduler=functools.partial(schedule_over_real_updates, self.args,
-                                           self.acco_args.mode, self._max_rounds()),
-            **engine_kwargs,
-            **optimizer_kwargs,
-        )
+        engine = build_engine(self, opt_model, optimizer_cls, optimizer_kwargs, self._max_rounds())
         self.optimizer = EngineOptimizer(engine)
         updates = real_updates(self.acco_args.mode, self._max_rounds())
         logger.info(

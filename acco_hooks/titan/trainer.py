@@ -16,8 +16,6 @@ PP alike (torchtitan's PP schedule sums token losses, ``scale_grads=False``).
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import time
 from typing import Any, Iterator
 
@@ -25,64 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from acco_hooks._frontend import label_tokens
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
-from acco_hooks.titan.components import (
-    ACCOOptimizersContainer,
-    build_acco_lr_schedulers,
-    build_acco_optimizers,
-    parallelize_without_data_parallel,
-    real_updates,
-)
+from acco_hooks.titan.components import ACCOOptimizersContainer, real_updates
 from acco_hooks.titan.config import JobConfig, validate_acco_config
+from acco_hooks.titan.train_spec import acco_train_spec, building, ensure_acco_train_spec
 
 __all__ = ["ACCOTrainer", "acco_train_spec", "ensure_acco_train_spec"]
-
-# The trainer whose __init__ is running. torchtitan calls a spec's builders with
-# (model_parts, optimizer_config, parallel_dims) only; the engine also needs [acco] and the
-# round size, which the trainer being built holds.
-_TRAINER_BEING_BUILT: contextvars.ContextVar["ACCOTrainer"] = contextvars.ContextVar("acco_trainer")
-
-
-def _build_optimizers(model_parts, optimizer_config, parallel_dims) -> ACCOOptimizersContainer:
-    trainer = _TRAINER_BEING_BUILT.get()
-    steps = trainer.job_config.acco.accumulation_steps or trainer.gradient_accumulation_steps
-    return build_acco_optimizers(model_parts, optimizer_config, parallel_dims,
-                                 trainer.job_config, steps)  # fmt: skip
-
-
-def _build_lr_schedulers(optimizers, lr_scheduler_config, training_steps):
-    mode = _TRAINER_BEING_BUILT.get().job_config.acco.mode
-    return build_acco_lr_schedulers(optimizers, lr_scheduler_config, training_steps, mode)
-
-
-def acco_train_spec(base: TrainSpec) -> TrainSpec:
-    """``base`` with the ACCO engine in place of its data parallelism and optimizer.
-
-    Use it to give your own model ACCO: ``register_train_spec("mymodel_acco",
-    acco_train_spec(get_train_spec("mymodel")))``; ``ACCOTrainer`` does this on the fly.
-    """
-    return dataclasses.replace(
-        base,
-        parallelize_fn=parallelize_without_data_parallel(base.parallelize_fn),
-        build_optimizers_fn=_build_optimizers,
-        build_lr_schedulers_fn=_build_lr_schedulers,
-    )
-
-
-def ensure_acco_train_spec(model_name: str) -> str:
-    """Register ``<model_name>_acco`` once (from the ``<model_name>`` spec); return its name."""
-    base_name = model_name.removesuffix("_acco")
-    name = f"{base_name}_acco"
-    try:
-        get_train_spec(name)
-    except ValueError:
-        register_train_spec(name, acco_train_spec(get_train_spec(base_name)))
-    return name
-
 
 class ACCOTrainer(Trainer):
     """torchtitan ``Trainer`` whose data parallelism and optimizer are the ACCO engine.
@@ -98,11 +48,8 @@ class ACCOTrainer(Trainer):
         if not job_config.acco.enable:
             raise ValueError("ACCOTrainer needs [acco] enable = true")
         job_config.model.name = ensure_acco_train_spec(job_config.model.name)
-        token = _TRAINER_BEING_BUILT.set(self)
-        try:
+        with building(self):
             super().__init__(job_config)
-        finally:
-            _TRAINER_BEING_BUILT.reset(token)
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
         # HSDP: FSDP2 shards each replica; its gradient reduce-scatter is switched per micro-batch
         self._fsdp_modules = fsdp_modules(self.model_parts)
@@ -154,7 +101,7 @@ class ACCOTrainer(Trainer):
                     engine, self._fsdp_modules, self.job_config.acco.fsdp_sync_every_microbatch
                 )
             input_dict, labels = next(data_iterator)
-            valid = (labels != IGNORE_INDEX).sum()
+            valid = label_tokens(labels, IGNORE_INDEX)
             for key, value in input_dict.items():
                 if isinstance(value, torch.Tensor):
                     input_dict[key] = value.to(self.device)
@@ -167,7 +114,7 @@ class ACCOTrainer(Trainer):
             loss_sum += loss.detach().reshape(())
             tokens += valid
             if valid > 0:
-                round_ended = engine.microbatch_done(weight=float(valid))
+                round_ended = engine.microbatch_done(weight=valid)
             else:  # nothing to learn from; keep the round count in step with the other ranks
                 round_ended = engine.skip_microbatch()
         if self.step == self.job_config.training.steps:
