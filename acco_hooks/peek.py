@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["peek", "has_functional_peek"]
+__all__ = ["CHUNK_NUMEL", "peek", "has_functional_peek"]
 
 # Elements per chunk of the functional estimate: bounds its temporaries to a few MiB whatever
 # the shard size, so the estimate adds no memory proportional to the model.
-_CHUNK = 1 << 20
+CHUNK_NUMEL = 1 << 20
 
 
 def has_functional_peek(optimizer: torch.optim.Optimizer) -> bool:
@@ -33,13 +33,17 @@ def has_functional_peek(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def peek(optimizer: torch.optim.Optimizer, outputs: list[Tensor]) -> None:
+def peek(
+    optimizer: torch.optim.Optimizer, outputs: list[Tensor], *, chunk_numel: int = CHUNK_NUMEL
+) -> None:
     """Write ``Opt(θ, g)`` of every parameter of ``optimizer`` into ``outputs`` without stepping.
 
     Args:
         optimizer: the shard optimizer. Its params hold ``θ`` and their ``.grad`` holds ``g``.
         outputs: one tensor per parameter of ``optimizer`` (in ``param_groups`` order), same
             shape, any floating dtype: receives the would-be parameters.
+        chunk_numel: elements recomputed at a time by the functional estimate (bounds its
+            temporaries); the result does not depend on it.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(params) != len(outputs):
@@ -55,8 +59,8 @@ def peek(optimizer: torch.optim.Optimizer, outputs: list[Tensor]) -> None:
                 out.copy_(p)
                 continue
             state = optimizer.state.get(p, {})
-            for start in range(0, p.numel(), _CHUNK):
-                end = min(start + _CHUNK, p.numel())
+            for start in range(0, p.numel(), chunk_numel):
+                end = min(start + chunk_numel, p.numel())
                 view = lambda t: t.view(-1)[start:end]  # noqa: E731
                 if isinstance(optimizer, torch.optim.SGD):
                     new = _sgd_chunk(group, state, view, view(p), view(p.grad))

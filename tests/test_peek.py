@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-from acco_hooks import peek as peek_module
 from acco_hooks.peek import has_functional_peek, peek
 
 OPTIMIZERS = {
@@ -85,27 +84,34 @@ def test_peek_equals_the_real_step(name: str, prior_steps: int) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(FUNCTIONAL))
-def test_peek_is_functional_for_adamw_adam_and_sgd(name: str, monkeypatch) -> None:
-    """No snapshot of the optimizer state is taken: the copying fallback is never called."""
+def test_peek_is_functional_for_adamw_adam_and_sgd(name: str) -> None:
+    """The optimizer never steps during Peek: no snapshot-step-restore of its state."""
     opt, shards = make_optimizer(name, prior_steps=2)
     assert has_functional_peek(opt)
-
-    def forbidden(*args):
-        raise AssertionError("the snapshot fallback copied the optimizer state")
-
-    monkeypatch.setattr(peek_module, "_peek_by_snapshot", forbidden)
-    # Tiny chunks: the element-wise recomputation must be right across chunk boundaries.
-    monkeypatch.setattr(peek_module, "_CHUNK", 5)
+    steps = []
+    handle = opt.register_step_pre_hook(lambda *args: steps.append(args))
     estimate = [torch.empty_like(p) for p in shards]
-    peek(opt, estimate)
+    # Tiny chunks: the element-wise recomputation must be right across chunk boundaries.
+    peek(opt, estimate, chunk_numel=5)
+    assert steps == []
+    handle.remove()
     opt.step()
     for p, e in zip(shards, estimate):
         torch.testing.assert_close(e, p.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_other_optimizers_fall_back_to_snapshot_and_restore() -> None:
-    opt, _ = make_optimizer("rmsprop", prior_steps=1)
+    opt, shards = make_optimizer("rmsprop", prior_steps=1)
     assert not has_functional_peek(opt)
+    before = copy.deepcopy(opt.state_dict())
+    steps = []
+    opt.register_step_pre_hook(lambda *args: steps.append(args))
+    peek(opt, [torch.empty_like(p) for p in shards])
+    assert len(steps) == 1  # stepped for real on a snapshot ...
+    after = opt.state_dict()  # ... and put every state tensor back
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(after["state"][key][name], value, rtol=0, atol=0)
 
 
 def test_peek_writes_into_a_bf16_gather_buffer() -> None:

@@ -1,7 +1,7 @@
 """Property tests: every configuration value is validated up front, with a useful message.
 
 What is validated, and the validity predicate each test uses (written here from the documented
-meaning of each setting, independently of ``acco_hooks.engine._validate_config`` and
+meaning of each setting, independently of ``acco_hooks._config.validate_config`` and
 ``acco_hooks.titan.config.validate_acco_config``):
 
 ``ACCOOptimizer(params, torch.optim.AdamW, ..., lr=1e-3)`` (single local worker, no
