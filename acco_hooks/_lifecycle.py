@@ -19,6 +19,7 @@ from torch import Tensor
 from acco_hooks._buffers import memory_bytes
 from acco_hooks._comm_job import ACCOCommunicationError, Job
 from acco_hooks._groups import barrier_each
+from acco_hooks._ownership import claim, release
 
 __all__ = ["EngineLifecycleMixin"]
 
@@ -50,7 +51,13 @@ class EngineLifecycleMixin:
                     engine.accumulate_grad(param, param.grad)
                     param.grad = None
 
-        self._hook_handles += [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
+        params = self.params
+        try:
+            claim(self, params, [name for g in self._buffers for name in g.names])
+        except RuntimeError:
+            self.close(flush=False, barrier=False)  # its groups go now, not with the traceback
+            raise
+        self._hook_handles += [p.register_post_accumulate_grad_hook(on_grad) for p in params]
 
     def flush(self) -> None:
         """Wait for in-flight communication and leave the latest real parameters θ in the model.
@@ -137,6 +144,7 @@ class EngineLifecycleMixin:
             for handle in self._hook_handles:
                 handle.remove()
             self._hook_handles = []
+            release(self)
             if barrier and self._failure is None and self.process_groups:
                 self._meet_peers()
             self._release()

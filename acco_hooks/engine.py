@@ -102,7 +102,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         "_in_flight", "_in_flight_job", "_in_flight_round", "_in_flight_seen", "_failure",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
-        "_grad_arrived", "last_wait_s", "last_round_microbatches", "last_global_count",
+        "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches", "last_global_count",
         "last_grad_norm",
     )  # fmt: skip
 
@@ -173,6 +173,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         self.round_index = self.num_updates = self.skipped_rounds = 0
         self._round_microbatches, self._local_count = 0, 0.0
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
+        self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         logger.info(
@@ -198,12 +199,20 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
             raise KeyError(
                 "acco_hooks: accumulate_grad: this tensor is not one of the engine's parameters"
             ) from None
+        if grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse matmul, ...
+            name = self._buffers[gi].names[pi]
+            raise RuntimeError(
+                f"acco_hooks: {name} got a {grad.layout} gradient; the engine sums and shards "
+                "dense gradients only, and a dense step is not the step torch's optimizers take "
+                "on a sparse gradient. Use nn.Embedding(..., sparse=False) (the default)"
+            )
         if isinstance(grad, DTensor):
             if grad.placements != param.placements:  # e.g. Partial sums over tensor-parallel ranks
                 grad = grad.redistribute(grad.device_mesh, param.placements)
             grad = grad.to_local()
         self._buffers[gi].accumulator_views[pi].add_(grad)
         self._grad_arrived[gi][pi] = True
+        self.grads_received += 1
 
     # ------------------------------------------------------------ the round schedule
 

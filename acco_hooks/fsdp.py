@@ -41,16 +41,20 @@ __all__ = ["ACCOHSDPOptimizer", "fsdp_modules", "set_gradient_sync_for_next_micr
 
 def set_gradient_sync_for_next_microbatch(
     engine: ACCOEngine, modules: list[FSDPModule], every_microbatch: bool = False
-) -> None:
+) -> bool:
     """Let FSDP reduce-scatter gradients in the next backward only if it may end the round.
 
     Call it before each micro-batch. With ``every_microbatch`` FSDP reduce-scatters every
     micro-batch (the engine then accumulates the shards) instead of accumulating unsharded
     gradients until the round's last one.
+
+    Returns:
+        Whether the next backward hands the engine gradients.
     """
     last = engine.microbatches_in_round + 1 >= engine.accumulation_steps
     for module in modules:
         module.set_requires_gradient_sync(every_microbatch or last, recurse=False)
+    return every_microbatch or last
 
 
 class ACCOHSDPOptimizer(ACCOOptimizer):
@@ -128,9 +132,12 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         self._set_gradient_sync()
 
     def _set_gradient_sync(self) -> None:
-        set_gradient_sync_for_next_microbatch(
+        self._gradient_sync = set_gradient_sync_for_next_microbatch(
             self.engine, self.fsdp_modules, self.sync_every_microbatch
         )
+
+    def _grads_expected(self) -> bool:
+        return self._gradient_sync  # without it FSDP keeps the gradients until the round's last
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.

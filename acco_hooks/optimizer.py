@@ -84,12 +84,17 @@ class ACCOOptimizer(EngineFrontEnd):
         >>> opt.flush()                    # the model now holds the real parameters
     """
 
+    # torch.amp.GradScaler hands such an optimizer its scale instead of unscaling .grad (which
+    # is empty here): step() sees it and refuses loss scaling by name.
+    _step_supports_amp_scaling = True
+
     def __init__(
         self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
     ) -> None:
         # The settings are the engine's own (documented above): one signature, one validation.
         self.engine = ACCOEngine(params, optimizer_class, **kwargs)
         self.engine.hook_param_grads()
+        self._grads_at_last_step = 0
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.
@@ -104,9 +109,37 @@ class ACCOOptimizer(EngineFrontEnd):
 
         Returns:
             ``True`` if this call ended a round.
+
+        Raises:
+            RuntimeError: no gradient reached the engine since the last ``step()`` (a missing
+                ``backward()``), or the step comes from ``torch.amp.GradScaler``.
+            TypeError: ``weight`` is a closure (``optimizer.step(closure)``).
         """
+        if callable(weight):
+            raise TypeError(
+                "acco_hooks: step(closure) is not supported: run forward and backward in the "
+                "training loop, then call step() (step(weight) takes the micro-batch's weight)"
+            )
+        if "found_inf" in vars(self) or "grad_scale" in vars(self):
+            del self.found_inf, self.grad_scale
+            raise RuntimeError(
+                "acco_hooks: torch.amp.GradScaler is not supported: the engine would average "
+                "gradients still multiplied by the loss scale. Train in bfloat16 autocast (no "
+                "loss scaling needed) or in float32, without the scaler"
+            )
+        if self.engine.grads_received == self._grads_at_last_step and self._grads_expected():
+            raise RuntimeError(
+                "acco_hooks: step() was called, but no gradient reached the optimizer since the "
+                "last step(): call loss.backward() before each step() (a rank out of data "
+                "counts an empty micro-batch with engine.skip_microbatch())"
+            )
+        self._grads_at_last_step = self.engine.grads_received
         return self.engine.microbatch_done(weight)
+
+    def _grads_expected(self) -> bool:
+        """Whether the backward before a ``step()`` hands the engine gradients (``False`` for a
+        micro-batch whose gradients FSDP keeps unsharded until the round's last one)."""
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: gradients live in the engine (kept so standard loops run unchanged)."""
-

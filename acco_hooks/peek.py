@@ -13,6 +13,8 @@ back to snapshot -> ``step()`` -> restore, which costs a copy of its state.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -59,22 +61,28 @@ def peek(
                 out.copy_(p)
                 continue
             state = optimizer.state.get(p, {})
+            if isinstance(optimizer, torch.optim.SGD):
+                chunk = functools.partial(_sgd_chunk, group, state)
+            else:  # read on the host once per parameter, not once per chunk
+                step = float(state["step"]) + 1 if "step" in state else 1.0
+                # AdamW decays decoupled whatever its param-group keys say (not every torch
+                # version has ``decoupled_weight_decay``); Adam as the key says.
+                decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+                    group.get("decoupled_weight_decay", False)
+                )
+                chunk = functools.partial(_adam_chunk, group, state, step, decoupled)
             for start in range(0, p.numel(), chunk_numel):
                 end = min(start + chunk_numel, p.numel())
                 view = lambda t: t.view(-1)[start:end]  # noqa: E731
-                if isinstance(optimizer, torch.optim.SGD):
-                    new = _sgd_chunk(group, state, view, view(p), view(p.grad))
-                else:
-                    new = _adam_chunk(group, state, view, view(p), view(p.grad))
-                view(out).copy_(new)
+                view(out).copy_(chunk(view, view(p), view(p.grad)))
 
 
-def _adam_chunk(group: dict, state: dict, view, param: Tensor, grad: Tensor) -> Tensor:
+def _adam_chunk(
+    group: dict, state: dict, step: float, decoupled: bool, view, param: Tensor, grad: Tensor
+) -> Tensor:
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-    decoupled = group.get("decoupled_weight_decay", False)
-    step = float(state["step"]) + 1 if "step" in state else 1.0
     if group["maximize"]:
         grad = -grad
     param = param.clone()  # chunk-sized temporary: θ itself must not move

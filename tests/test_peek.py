@@ -17,11 +17,19 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.1)),
     "sgd_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "sgd_dampening": (torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.3)),
+    # torch's foreach and fused kernels: the estimate mirrors the single-tensor arithmetic
+    "adamw_foreach": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, foreach=True)),
+    "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+    "adam_fused_coupled_wd": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05, fused=True)),
+    "sgd_foreach_nesterov": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True,
+                                                   foreach=True)),
+    "sgd_fused_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, fused=True)),
     "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),  # snapshot fallback
     "adagrad": (torch.optim.Adagrad, dict(lr=1e-1)),  # snapshot fallback
 }
 FUNCTIONAL = {"adamw", "adamw_amsgrad", "adam_coupled_wd", "adam_maximize", "sgd",
-              "sgd_nesterov", "sgd_dampening"}  # fmt: skip
+              "sgd_nesterov", "sgd_dampening", "adamw_foreach", "adamw_fused",
+              "adam_fused_coupled_wd", "sgd_foreach_nesterov", "sgd_fused_momentum"}  # fmt: skip
 
 
 def make_optimizer(name: str, prior_steps: int):
@@ -121,3 +129,17 @@ def test_peek_writes_into_a_bf16_gather_buffer() -> None:
     opt.step()
     for p, e in zip(shards, estimate):
         torch.testing.assert_close(e, p.detach().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_adamw_decays_decoupled_without_the_param_group_key() -> None:
+    """Some torch versions' AdamW has no ``decoupled_weight_decay`` key: the estimate must not
+    read AdamW's rule from it (a coupled decay would be a different step)."""
+    opt, shards = make_optimizer("adamw", prior_steps=2)
+    saved = [group.pop("decoupled_weight_decay") for group in opt.param_groups]
+    estimate = [torch.empty_like(p) for p in shards]
+    peek(opt, estimate)
+    for group, value in zip(opt.param_groups, saved):
+        group["decoupled_weight_decay"] = value
+    opt.step()
+    for p, e in zip(shards, estimate):
+        torch.testing.assert_close(e, p.detach(), rtol=1e-6, atol=1e-7)

@@ -1,0 +1,157 @@
+"""Inputs plain PyTorch accepts: the engine trains the same model, or refuses by name.
+
+The reference is the same model trained with the same ``torch.optim`` class and no engine:
+``mode="ddp"`` on one process is then a plain optimizer step on the average of the round's
+micro-batch gradients. Every refusal happens at the first call that would go wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from acco_hooks import ACCOOptimizer
+
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class Awkward(nn.Module):
+    """Tied weights, a channels-last conv, a non-contiguous parameter, a branch that only some
+    micro-batches use, and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.conv = nn.Conv2d(6, 6, 3, padding=1).to(memory_format=torch.channels_last)
+        self.transposed = nn.Parameter(torch.randn(6, 4).t())  # a (4, 6) view, not contiguous
+        self.sometimes = nn.Linear(6, 6)
+        self.frozen = nn.Parameter(torch.randn(6), requires_grad=False)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        x = self.embed(tokens)  # (B, T, 6)
+        image = x.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
+        x = x + self.conv(image.to(memory_format=torch.channels_last)).mean(-1).transpose(1, 2)
+        x = x + (x @ self.transposed.t() @ self.transposed) * 0.1 + self.frozen
+        if use_branch:
+            x = x + self.sometimes(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
+
+
+def _batches(rounds: int, steps: int) -> list[list[tuple[torch.Tensor, bool]]]:
+    gen = torch.Generator().manual_seed(1)
+    return [[(torch.randint(0, 11, (2, 5), generator=gen), micro == 0) for micro in range(steps)]
+            for _ in range(rounds)]  # fmt: skip
+
+
+def test_awkward_parameters_train_as_with_plain_adamw() -> None:
+    assert not Awkward().transposed.is_contiguous()
+    torch.manual_seed(0)
+    model = Awkward()
+    reference = copy.deepcopy(model)
+    steps, rounds = 3, 4
+    opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, mode="ddp",
+                        accumulation_steps=steps, **ADAMW)  # fmt: skip
+    # Added after the optimizer was built: as with a torch optimizer, it is not trained and its
+    # gradient accumulates in .grad.
+    model.late = nn.Parameter(torch.ones(6))
+    reference.late = nn.Parameter(torch.ones(6))
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p is not reference.late],
+                                **ADAMW)  # fmt: skip
+    for round_batches in _batches(rounds, steps):
+        for tokens, use_branch in round_batches:
+            (model(tokens, use_branch) + model.late.sum()).backward()
+            opt.step()
+            ((reference(tokens, use_branch) + reference.late.sum()) / steps).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.close()
+    trained = dict(model.named_parameters())
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(trained[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.head.weight is model.embed.weight  # still tied
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(model.late.grad, torch.full((6,), float(rounds * steps)))
+    torch.testing.assert_close(model.late, torch.ones(6))
+
+
+def test_sparse_gradient_is_refused_by_name() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    opt = ACCOOptimizer(model.named_parameters(), torch.optim.SGD, mode="ddp", lr=0.1)
+    with pytest.raises(RuntimeError, match=r"0.weight got a torch.sparse_coo gradient.*sparse=False"):
+        model(torch.tensor([[1, 2]])).sum().backward()
+    opt.close()
+
+
+def test_complex_parameters_are_refused_at_construction() -> None:
+    weight = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"dtype torch.complex64; only floating"):
+        ACCOOptimizer([("weight", weight)], torch.optim.AdamW, lr=1e-2)
+
+
+def test_clip_grad_norm_on_trained_parameters_points_at_max_grad_norm() -> None:
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="ddp", lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"would clip nothing.*max_grad_norm=1.0"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    other(torch.randn(3, 4)).sum().backward()  # parameters no engine trains: torch's own
+    norm = torch.nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+    assert norm > 1e-3
+    total = torch.cat([p.grad.flatten() for p in other.parameters()]).norm()
+    torch.testing.assert_close(total, torch.tensor(1e-3), rtol=1e-4, atol=0)
+    opt.step()
+    opt.close()
+    model(torch.randn(3, 4)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0  # closed: torch's again
+
+
+def test_grad_scaler_is_refused() -> None:
+    model = nn.Linear(4, 1)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.SGD, mode="ddp", lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler is not supported.*bfloat16"):
+        scaler.step(opt)
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)  # nothing was applied
+    opt.close()
+
+
+def test_step_without_backward_is_refused_at_that_step() -> None:
+    model = nn.Linear(4, 1)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.SGD, mode="ddp", accumulation_steps=4,
+                        lr=0.1)  # fmt: skip
+    model(torch.randn(2, 4)).sum().backward()
+    assert not opt.step()
+    with pytest.raises(RuntimeError, match=r"no gradient reached the optimizer since the last step"):
+        opt.step()
+    model(torch.randn(2, 4)).sum().backward()  # the loop can go on
+    assert not opt.step()
+    assert opt.engine.microbatches_in_round == 2
+    opt.close()
+
+
+def test_closure_is_refused() -> None:
+    model = nn.Linear(4, 1)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"step\(closure\) is not supported"):
+        opt.step(lambda: model(torch.randn(2, 4)).sum())
+    opt.close()
+
+
+def test_two_open_optimizers_on_one_model_are_refused() -> None:
+    model = nn.Linear(4, 1)
+    first = ACCOOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"weight, bias already train\(s\) under another ACCO"):
+        ACCOOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1)
+    first.close()
+    second = ACCOOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1)  # now it may
+    model(torch.randn(2, 4)).sum().backward()
+    assert second.step()
+    second.close()
