@@ -12,6 +12,8 @@ buffer                size, dtype  role
 ``shard_sum``         Φ/N, reduce  the reduce-scattered gradient of this rank's shard
 ``master``            Φ/N, fp32    this rank's master weights, stepped by the shard optimizer
 ``gather_input``      Φ/N, model   the new shard (θ or θ̃) to all-gather
+``carried``           Φ/N, fp32    ``acco``: the estimate round's reduce-scattered sum ΣG̃,
+                                   added to the update round's sum
 ====================  ===========  ========================================================
 
 A parameter replicated over a mesh dimension other than the data-parallel one (tensor
@@ -20,7 +22,8 @@ parallelism) counts once in the global gradient norm: ``norm_discounts`` says wh
 Memory per rank for Φ parameters (model in dtype d, AdamW): the model (Φ·d), the fp32
 accumulator (4Φ), one communication buffer shared by the reduce-scatter input and the
 all-gather output (Φ·max(reduce dtype, d)), and the 1/N shard: fp32 master + optimizer state +
-reduce/gather staging (≈ 20Φ/N). The estimate step adds no memory for AdamW, Adam and SGD.
+reduce/gather staging (≈ 20Φ/N), and in ``acco`` the carried half-batch sum (4Φ/N). The
+estimate step adds no memory for AdamW, Adam and SGD.
 """
 
 from __future__ import annotations
@@ -52,13 +55,13 @@ class GroupBuffers:
         "norm_discounts",
         # Full-size buffers (the compute side's accumulator; the payload / result buffer)
         "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
-        # Shard-size buffers (the communication side)
-        "shard_sum", "master", "gather_input",
+        # Shard-size buffers (the communication side); ``carried`` in acco only
+        "shard_sum", "master", "gather_input", "carried",
     )  # fmt: skip
 
     def __init__(
         self, params: list[Tensor], names: list[str], world_size: int, rank: int,
-        reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...],
+        reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...], carry: bool = False,
     ) -> None:  # fmt: skip
         self.params, self.names = params, names
         self.locals = [local_tensor(p) for p in params]
@@ -88,6 +91,9 @@ class GroupBuffers:
         self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
         self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
         self.master = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
+        self.carried = (
+            torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if carry else None
+        )
         self.reset_master(rank)
 
     def copy_gathered_into_params(self) -> None:
@@ -166,7 +172,7 @@ def _norm_discounts(
 
 def build_shard(
     param_groups: list[dict[str, Any]], world_size: int, rank: int,
-    data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype,
+    data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype, carry: bool,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
@@ -180,7 +186,8 @@ def build_shard(
         ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group.
     """
     buffers = [
-        GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks)
+        GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks,
+                     carry)  # fmt: skip
         for g in param_groups
     ]
     shard_groups = [
@@ -208,6 +215,7 @@ def memory_bytes(
             g.padded_numel * max(reduce_dtype.itemsize, g.gather_dtype.itemsize) for g in buffers
         ),
         "master_shard": nbytes(g.master for g in buffers),
+        "carried_shard": nbytes(g.carried for g in buffers if g.carried is not None),
         "optimizer_state": nbytes(state),
         "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the
             id(t): t                 # reduce-scatter output is the master's gradient

@@ -60,9 +60,17 @@ def communicate(
     else:
         for g in buffers:
             reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
+    # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
+    # update averages both rounds, and no rank keeps a model-sized carry between rounds.
+    carried = [g.carried for g in buffers if g.carried is not None]
+    if carried and job is Job.ESTIMATE:
+        torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
+    add_carried = bool(carried) and job is Job.UPDATE
     # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
-    # whether to skip, although each has seen only its own shard.
-    finite = all(bool(torch.isfinite(g.shard_sum).all()) for g in buffers)
+    # whether to skip, although each has seen only its own shard. A NaN estimate round also
+    # skips the update that carries it.
+    sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
+    finite = all(bool(torch.isfinite(t).all()) for t in sums)
     counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
                           device=buffers[0].master.device)  # fmt: skip
     if groups.count is not None:
@@ -82,11 +90,14 @@ def communicate(
     grads = []
     for g in buffers:
         if g.shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
-            g.master.grad = g.shard_sum.div_(global_count)
+            total = g.shard_sum
         else:
             if g.master.grad is None or g.master.grad is g.shard_sum:
                 g.master.grad = torch.empty_like(g.master)
-            g.master.grad.copy_(g.shard_sum).div_(global_count)
+            total = g.master.grad.copy_(g.shard_sum)
+        if add_carried:
+            total.add_(g.carried)
+        g.master.grad = total.div_(global_count)
         grads.append(g.master.grad)
     grad_norm = None
     if max_grad_norm is not None:

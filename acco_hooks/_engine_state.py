@@ -1,7 +1,9 @@
 """The engine's checkpoints: what a state holds, and what it must match before it is loaded.
 
-A state is this rank's alone (its master shard, optimizer state and accumulator), so it can
-only resume the same rank of a run with the same shape; anything else is refused by name.
+A state is this rank's alone: its master shard, optimizer state, pending result shard and, in
+``acco``, the carried half-batch shard, all 1/N of the model; the model-sized accumulator only
+when saved in the middle of a round. So it can only resume the same rank of a run with the same
+shape; anything else is refused by name.
 Saving waits for the round in flight but keeps its result unapplied, so it never changes the
 trajectory; loading gathers the saved pending shards again, rebuilding that result bit for bit.
 """
@@ -16,7 +18,9 @@ from acco_hooks._comm_job import Job, all_gather_shards
 
 __all__ = ["STATE_VERSION", "EngineStateMixin", "check_compatible"]
 
-STATE_VERSION = 1
+# 2: the half-batch acco carries is a reduce-scattered shard; the accumulator is saved only
+# mid-round. Version 1 carried it in the full accumulator.
+STATE_VERSION = 2
 
 
 def check_compatible(
@@ -26,8 +30,10 @@ def check_compatible(
     """Raise ``ValueError`` naming the first difference between ``state`` and this engine."""
     if state.get("version") != STATE_VERSION:
         raise ValueError(
-            f"acco_hooks: load_state_dict: unknown state version {state.get('version')!r} "
-            f"(this acco_hooks writes version {STATE_VERSION})"
+            f"acco_hooks: load_state_dict: the checkpoint has engine state version "
+            f"{state.get('version')!r}, this acco_hooks reads version {STATE_VERSION} (version "
+            "1 kept acco's carried half-batch in the full accumulator, which this version no "
+            "longer holds). Resume it with the acco_hooks that wrote it"
         )
     if state["world_size"] != world_size:
         raise ValueError(
@@ -88,7 +94,11 @@ class EngineStateMixin:
             "skipped_rounds": self.skipped_rounds,
             "round_microbatches": self._round_microbatches, "local_count": self._local_count,
             "grad_arrived": [list(a) for a in self._grad_arrived],
-            "accumulator": [g.accumulator for g in self._buffers],
+            # Zero at a round boundary: saved only mid-round, the one model-sized tensor.
+            "accumulator": (
+                [g.accumulator for g in self._buffers] if self._round_microbatches else None
+            ),
+            "carried": None if self.mode != "acco" else [g.carried for g in self._buffers],
             "master": [g.master for g in self._buffers],
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
@@ -104,11 +114,18 @@ class EngineStateMixin:
             has_lr_scheduler=self.lr_scheduler is not None,
         )  # fmt: skip
         self._finish_in_flight(apply=False)
+        accumulators = state["accumulator"] or [None] * len(self._buffers)
+        carried = state["carried"] or [None] * len(self._buffers)
         with torch.no_grad():
-            for g, acc, master, shard in zip(
-                self._buffers, state["accumulator"], state["master"], state["pending_shard"]
+            for g, acc, kept, master, shard in zip(
+                self._buffers, accumulators, carried, state["master"], state["pending_shard"]
             ):
-                g.accumulator.copy_(acc)
+                if acc is None:
+                    g.accumulator.zero_()
+                else:
+                    g.accumulator.copy_(acc)
+                if kept is not None:
+                    g.carried.copy_(kept)
                 g.master.copy_(master)
                 g.gather_input.copy_(shard)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -10,12 +10,12 @@ thread), ``_comm_job`` (what the thread computes), ``_round_checks`` (what a rou
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
-    round   compute side (main thread)          communication side (worker thread)    live after
-    -----   --------------------------------    ----------------------------------   ----------
-      0     acc  = G̃_0 at θ_0                   (nothing in flight)                   θ_0
-      1     acc += G_0 at θ_0   (carry G̃_0)     θ̃_1 = Peek(θ_0, ΣG̃_0 / Σc̃_0)          θ̃_1
-      2     acc  = G̃_1 at θ̃_1                   θ_1 = Opt(θ_0, Σ(G̃_0+G_0) / Σ(c̃_0+c_0)) θ_1
-      3     acc += G_1 at θ_1   (carry G̃_1)     θ̃_2 = Peek(θ_1, ΣG̃_1 / Σc̃_1)          θ̃_2
+    round   compute side (main thread)   communication side (worker thread)         live after
+    -----   -------------------------    -----------------------------------------  ----------
+      0     acc = G̃_0 at θ_0             (nothing in flight)                        θ_0
+      1     acc = G_0 at θ_0             θ̃_1 = Peek(θ_0, ΣG̃_0 / Σc̃_0); keep ΣG̃_0     θ̃_1
+      2     acc = G̃_1 at θ̃_1             θ_1 = Opt(θ_0, (ΣG̃_0 + ΣG_0) / Σ(c̃_0+c_0))  θ_1
+      3     acc = G_1 at θ_1             θ̃_2 = Peek(θ_1, ΣG̃_1 / Σc̃_1); keep ΣG̃_1     θ̃_2
       …
 
 Follow one gradient. ``backward()`` produces it; a post-accumulate-grad hook adds it to the
@@ -26,8 +26,9 @@ round still communicates). At the round end (:meth:`~ACCOEngine._end_round`) the
 
 1. waits for the communication launched at the end of the previous round and copies its
    all-gathered result into the model: it becomes the live parameters of the next round;
-2. copies the accumulator into the communication buffer (``acco`` keeps the accumulator after
-   an estimate round: G̃ is carried into the update);
+2. copies the accumulator into the communication buffer and zeroes it (in ``acco`` the
+   estimate round's job keeps its reduce-scattered sum ΣG̃ on the shard side, and the update
+   round's job adds it: every update averages two rounds of gradients);
 3. hands that payload to the worker thread: reduce-scatter -> divide by the global weight ->
    clip -> step (or Peek) this rank's 1/N fp32 master shard -> all-gather (``_comm_job``);
 4. returns at once: the next round's micro-batches run while the network works.
@@ -157,7 +158,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
                 )
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
-                self.reduce_dtype, optimizer_class, optimizer_kwargs, lr_scheduler,
+                self.reduce_dtype, mode == "acco", optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
@@ -282,12 +283,13 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
 
-        # 2. the payload: acco carries G̃ into the update round; everything else restarts
+        # 2. the payload; the accumulator restarts. acco's update round averages both halves:
+        #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side, and
+        #    its count c̃ stays in the local count.
         estimate = self.mode == "acco" and self.round_index % 2 == 0
         for g in self._buffers:
             g.comm_input.copy_(g.accumulator)
-            if not estimate:
-                g.accumulator.zero_()
+            g.accumulator.zero_()
         count = self._local_count
         if not estimate:
             self._local_count = 0.0

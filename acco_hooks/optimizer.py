@@ -127,14 +127,16 @@ class ACCOOptimizer(EngineFrontEnd):
                 "gradients still multiplied by the loss scale. Train in bfloat16 autocast (no "
                 "loss scaling needed) or in float32, without the scaler"
             )
-        if self.engine.grads_received == self._grads_at_last_step and self._grads_expected():
+        received = self.engine.grads_received
+        if received == self._grads_at_last_step and self._grads_expected() and not self.closed:
             raise RuntimeError(
                 "acco_hooks: step() was called, but no gradient reached the optimizer since the "
                 "last step(): call loss.backward() before each step() (a rank out of data "
                 "counts an empty micro-batch with engine.skip_microbatch())"
             )
-        self._grads_at_last_step = self.engine.grads_received
-        return self.engine.microbatch_done(weight)
+        ended = self.engine.microbatch_done(weight)
+        self._grads_at_last_step = received  # not before: an interrupted step() is repeated
+        return ended
 
     def _grads_expected(self) -> bool:
         """Whether the backward before a ``step()`` hands the engine gradients (``False`` for a

@@ -10,11 +10,14 @@ estimate step's cost is read off as acco's peak RSS minus dpu's (dpu never estim
 The HSDP row (``acco_hsdp``) runs ACCO across R=2 replicas, each sharded by FSDP2 over S=2
 ranks (``ACCOHSDPOptimizer``, 4 ranks): everything the engine holds is 1/S of the ``acco`` row
 (R=2 replicas without FSDP), the master shard and optimizer state included.
-Writes docs/results/memory.json.
+The engine's checkpoint per rank (``torch.save`` of ``state_dict()``) is measured after round
+5 (in acco: after an estimate round, with its half-batch carried) and round 6, against the
+rank's model bytes. Writes docs/results/memory.json.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
 import resource
@@ -69,14 +72,32 @@ def run(rank: int, world_size: int, mode: str) -> dict:
             opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, mode="acco", lr=1e-4)
         else:
             opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, lr=1e-4)
-        for _ in range(6):
+        checkpoint_bytes = {}
+        for round_index in range(1, 7):
             microbatch()
             opt.step()
+            if round_index in (5, 6):  # acco: after an estimate round (5) and an update (6)
+                checkpoint_bytes[f"after_round_{round_index}"] = _saved_bytes(opt.state_dict())
         opt.flush()
         tracked = opt.engine.memory_bytes()
         opt.close()
+        return {"tracked_bytes": tracked, "rss_growth_bytes": _rss_peak_bytes() - baseline,
+                "params": sum(p.numel() for p in model.parameters()),
+                "model_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
+                "checkpoint_bytes": checkpoint_bytes}  # fmt: skip
     return {"tracked_bytes": tracked, "rss_growth_bytes": _rss_peak_bytes() - baseline,
             "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _saved_bytes(state: dict) -> int:
+    """Bytes ``torch.save`` writes for this rank's engine state."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.tell()
 
 
 def _fully_shard_2x2(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
@@ -115,8 +136,8 @@ def main() -> None:
     mib = 1 << 20
     print(f"parameters: {params:,} ({4 * params / mib:.1f} MiB fp32), 2 ranks")
     print(f"{'category':<18}" + "".join(f"{m:>17}" for m in ("spec (acco)", "acco", "dpu", "ddp")))
-    for cat in ("model", "grad_accumulator", "comm_buffer", "master_shard", "optimizer_state",
-                "shard_staging"):  # fmt: skip
+    for cat in ("model", "grad_accumulator", "comm_buffer", "master_shard", "carried_shard",
+                "optimizer_state", "shard_staging"):  # fmt: skip
         cells = [results["spec_prediction_acco_n2"].get(cat)] + [
             results[m]["tracked_bytes"].get(cat) for m in ("acco", "dpu", "ddp")
         ]
@@ -134,6 +155,12 @@ def main() -> None:
     for mode in ("adamw_unsharded", "ddp", "dpu", "acco", "acco_hsdp"):
         print(f"peak RSS growth over training, {mode}: {results[mode]['rss_growth_bytes'] / mib:.1f} MiB")
     print(f"estimate step (acco - dpu peak RSS): {results['estimate_step_rss_cost_bytes'] / mib:+.1f} MiB")
+    print("engine checkpoint per rank (torch.save of state_dict()) against the rank's model bytes:")
+    for mode in ("ddp", "dpu", "acco", "acco_hsdp"):
+        model_bytes = results[mode]["model_bytes"]
+        cells = ", ".join(f"{when.replace('_', ' ')}: {size / mib:.1f} MiB ({size / model_bytes:.2f}x)"
+                          for when, size in results[mode]["checkpoint_bytes"].items())  # fmt: skip
+        print(f"  {mode:<10} model {model_bytes / mib:.1f} MiB; {cells}")
     print(f"wrote {OUT}")
 
 

@@ -166,3 +166,42 @@ def test_sigkill_during_saving_leaves_a_complete_checkpoint(delay_s: float, tmp_
     assert torch.equal(state["payload"], _payload(state["step"]))
     leftovers = [f for f in os.listdir(tmp_path) if f != "rank0.pt"]
     assert all(f.endswith(".tmp") for f in leftovers)  # at most the interrupted temporary
+
+
+def state_sizes(rank: int, world_size: int) -> dict:
+    """The largest tensor of the engine state at round boundaries, and the accumulator saved
+    mid-round, in acco."""
+    model, opt = build(Config(mode="acco"))
+    sizes = {"model_numel": sum(p.numel() for p in model.parameters())}
+    for i in range(3 * MICRO):  # rounds 0 (estimate), 1 (update), 2 (estimate)
+        microbatch_loss(model, rank, i // MICRO, i % MICRO).backward()
+        opt.step()
+        if opt.engine.microbatches_in_round == 0:
+            state = opt.state_dict()
+            assert state["accumulator"] is None
+            sizes[f"after_round_{opt.round_index - 1}"] = max(t.numel() for t in _tensors(state))
+    microbatch_loss(model, rank, 3, 0).backward()
+    opt.step()
+    sizes["mid_round_accumulator"] = sum(t.numel() for t in opt.state_dict()["accumulator"])
+    opt.close()
+    return sizes
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def test_a_checkpoint_at_a_round_boundary_holds_only_shards() -> None:
+    for sizes in run_distributed("tests.test_checkpoint:state_sizes", 2):
+        shard = -(-sizes["model_numel"] // 2)
+        assert sizes["after_round_0"] <= shard  # estimate in flight, half-batch carried
+        assert sizes["after_round_1"] <= shard
+        assert sizes["after_round_2"] <= shard
+        assert sizes["mid_round_accumulator"] >= sizes["model_numel"]  # mid-round only

@@ -62,7 +62,7 @@ def test_parameter_without_grad_at_round_end_is_named() -> None:
 
 def test_step_before_any_backward_is_refused() -> None:
     _, opt = build()
-    with pytest.raises(RuntimeError, match=r"no gradient reached any parameter during round 0: call loss.backward\(\) before each step\(\)"):
+    with pytest.raises(RuntimeError, match=r"no gradient reached the optimizer since the last step\(\): call loss.backward\(\) before each step\(\)"):
         opt.step()
     opt.close()
 
