@@ -1,12 +1,15 @@
-"""What the engine checks at a round end, and how it reports a non-finite gradient."""
+"""What the engine refuses (a sparse gradient, a missing one, a moved model), and how it reports
+a non-finite gradient."""
 
 from __future__ import annotations
 
 import warnings
 
+import torch
+
 from acco_hooks._buffers import GroupBuffers
 
-__all__ = ["check_round_inputs", "nonfinite_error", "warn_skipped_round"]
+__all__ = ["check_round_inputs", "nonfinite_error", "sparse_gradient_error", "warn_skipped_round"]
 
 
 def check_round_inputs(
@@ -39,6 +42,15 @@ def check_round_inputs(
             "round: run backward() before step(), and set requires_grad=False on parameters "
             "that are not trained (or leave them out of the optimizer's params)"
         )
+
+
+def sparse_gradient_error(name: str, layout: torch.layout) -> RuntimeError:
+    """A sparse gradient: a dense step on it is not the step torch's optimizers take."""
+    return RuntimeError(
+        f"acco_hooks: {name} got a {layout} gradient; the engine sums and shards dense "
+        "gradients only, and a dense step is not the step torch's optimizers take on a sparse "
+        "gradient. Use nn.Embedding(..., sparse=False) (the default)"
+    )
 
 
 def nonfinite_error(round_index: int, what: str) -> FloatingPointError:

@@ -67,7 +67,12 @@ from acco_hooks._groups import (
     release_communication,
 )
 from acco_hooks._lifecycle import EngineLifecycleMixin
-from acco_hooks._round_checks import check_round_inputs, nonfinite_error, warn_skipped_round
+from acco_hooks._round_checks import (
+    check_round_inputs,
+    nonfinite_error,
+    sparse_gradient_error,
+    warn_skipped_round,
+)
 from acco_hooks._worker import CommWorker
 from acco_hooks.peek import has_functional_peek
 
@@ -201,12 +206,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
                 "acco_hooks: accumulate_grad: this tensor is not one of the engine's parameters"
             ) from None
         if grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse matmul, ...
-            name = self._buffers[gi].names[pi]
-            raise RuntimeError(
-                f"acco_hooks: {name} got a {grad.layout} gradient; the engine sums and shards "
-                "dense gradients only, and a dense step is not the step torch's optimizers take "
-                "on a sparse gradient. Use nn.Embedding(..., sparse=False) (the default)"
-            )
+            raise sparse_gradient_error(self._buffers[gi].names[pi], grad.layout)
         if isinstance(grad, DTensor):
             if grad.placements != param.placements:  # e.g. Partial sums over tensor-parallel ranks
                 grad = grad.redistribute(grad.device_mesh, param.placements)
