@@ -25,7 +25,7 @@ STATE_VERSION = 2
 
 def check_compatible(
     state: dict[str, Any], *, mode: str, world_size: int, fsdp_world_size: int,
-    param_shapes: list[list[tuple[int, ...]]], has_lr_scheduler: bool,
+    accumulation_steps: int, param_shapes: list[list[tuple[int, ...]]], has_lr_scheduler: bool,
 ) -> None:  # fmt: skip
     """Raise ``ValueError`` naming the first difference between ``state`` and this engine."""
     if state.get("version") != STATE_VERSION:
@@ -55,6 +55,14 @@ def check_compatible(
             f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
             f"this engine has mode={mode!r}; build the optimizer with "
             f"mode={state['mode']!r} to resume"
+        )
+    if state["accumulation_steps"] != accumulation_steps:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
+            f"{state['accumulation_steps']}, this optimizer has accumulation_steps="
+            f"{accumulation_steps}: the resumed run would take another batch per update than "
+            "the saved one. Build the optimizer with "
+            f"accumulation_steps={state['accumulation_steps']} to resume"
         )
     if [[tuple(s) for s in g] for g in state["param_shapes"]] != param_shapes:
         raise ValueError(
@@ -90,7 +98,7 @@ class EngineStateMixin:
         return {
             "version": STATE_VERSION, "mode": self.mode, "world_size": self.world_size,
             "fsdp_world_size": self.fsdp_world_size, "param_shapes": self._param_shapes(),
-            "round_index": self.round_index, "num_updates": self.num_updates,
+            "accumulation_steps": self.accumulation_steps, "round_index": self.round_index, "num_updates": self.num_updates,
             "skipped_rounds": self.skipped_rounds,
             "round_microbatches": self._round_microbatches, "local_count": self._local_count,
             "grad_arrived": [list(a) for a in self._grad_arrived],
@@ -110,8 +118,8 @@ class EngineStateMixin:
         """Restore :meth:`state_dict` output saved by the same rank of a same-sized run."""
         check_compatible(
             state, mode=self.mode, world_size=self.world_size,
-            fsdp_world_size=self.fsdp_world_size, param_shapes=self._param_shapes(),
-            has_lr_scheduler=self.lr_scheduler is not None,
+            fsdp_world_size=self.fsdp_world_size, accumulation_steps=self.accumulation_steps,
+            param_shapes=self._param_shapes(), has_lr_scheduler=self.lr_scheduler is not None,
         )  # fmt: skip
         self._finish_in_flight(apply=False)
         accumulators = state["accumulator"] or [None] * len(self._buffers)

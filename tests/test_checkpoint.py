@@ -104,6 +104,27 @@ def test_resuming_in_another_mode_is_refused(two_rank_checkpoint: str) -> None:
     opt.close()
 
 
+def test_resuming_with_other_accumulation_steps_or_groups_is_refused(
+    two_rank_checkpoint: str,
+) -> None:
+    from acco_hooks import ACCOOptimizer
+
+    state = torch.load(two_rank_checkpoint, weights_only=False)["optimizer"]
+    state["world_size"] = 1
+    model = make_model()
+    opt = ACCOOptimizer(param_groups(model, True), torch.optim.AdamW, mode="acco",
+                        accumulation_steps=MICRO + 1, lr_scheduler=make_scheduler, lr=3e-2)
+    with pytest.raises(ValueError, match=rf"accumulation_steps={MICRO}, this optimizer has "
+                       rf"accumulation_steps={MICRO + 1}.*accumulation_steps={MICRO} to resume"):
+        opt.load_state_dict(state)
+    opt.close()
+    opt = ACCOOptimizer(param_groups(model, False), torch.optim.AdamW, mode="acco",
+                        accumulation_steps=MICRO, lr_scheduler=make_scheduler, lr=3e-2)
+    with pytest.raises(ValueError, match=r"parameter groups and shapes differ"):
+        opt.load_state_dict(state)  # one group where the checkpoint has two
+    opt.close()
+
+
 def test_master_shard_follows_weights_loaded_after_construction() -> None:
     """Loading pretrained weights after building the optimizer, then resetting the master."""
     from acco_hooks import ACCOOptimizer
