@@ -1,0 +1,175 @@
+"""Faults injected by (rank, round), the way torchft tests them; then what must hold.
+
+One training (``acco``, 2 gloo ranks, ``ROUNDS`` rounds of ``MICRO`` micro-batches, a
+checkpoint every ``CHECKPOINT_EVERY`` rounds) runs once unfaulted: its per-round losses are
+the golden ones. Each fault then hits one rank in one round, through public API only:
+
+* ``delay``: that rank's shard step, on the communication thread, sleeps (a slow link);
+* ``raise``: that rank's shard step raises (a failing collective or optimizer);
+* ``nan``: that rank's loss becomes NaN for one micro-batch;
+* ``kill``: that rank SIGKILLs itself at the start of the round.
+
+After each: a delay changes nothing, bit for bit; a NaN round is skipped by every rank and the
+replicas still agree bit for bit; a raise or a kill ends the job on every surviving rank with
+``ACCOCommunicationError`` (no hang: the harness's deadline would fail the test), and a run
+resumed in fresh processes from the last complete checkpoint reproduces the golden losses of
+every later round and the golden final weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import signal
+import time
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.scenario import make_model, make_scheduler, microbatch_loss, param_groups
+
+ROUNDS = 12
+MICRO = 2
+CHECKPOINT_EVERY = 4
+RUN = "tests.test_faults:faulted_run"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str  # "delay", "raise", "nan", "kill" or "none"
+    rank: int = 1
+    round: int = 0  # delay/raise: an update round (odd in acco), whose job fails or waits
+
+
+NONE = Fault("none")
+
+
+def _install(fault: Fault, rank: int, opt) -> None:
+    """``delay``/``raise``: a step pre-hook on the shard optimizer, which steps on the
+    communication thread once per real update (the job of round 2k+1 in acco is update k)."""
+    if fault.rank != rank or fault.kind not in ("delay", "raise"):
+        return
+    updates = iter(range(ROUNDS))
+
+    def on_step(optimizer, args, kwargs) -> None:
+        if 2 * next(updates) + 1 != fault.round:
+            return
+        if fault.kind == "delay":
+            time.sleep(0.5)
+        else:
+            raise OSError(f"injected fault in round {fault.round}")
+
+    opt.optimizer.register_step_pre_hook(on_step)
+
+
+def _complete_checkpoint(ckpt_dir: str, world_size: int) -> int:
+    """The latest round every rank saved (0: none)."""
+    rounds = {}
+    for path in glob.glob(os.path.join(ckpt_dir, "round*_rank*.pt")):
+        r = int(os.path.basename(path)[5:].split("_")[0])
+        rounds[r] = rounds.get(r, 0) + 1
+    return max([r for r, n in rounds.items() if n == world_size], default=0)
+
+
+def faulted_run(rank: int, world_size: int, fault: Fault, ckpt_dir: str, resume: bool) -> dict:
+    from acco_hooks import ACCOCommunicationError, ACCOOptimizer, checkpoint
+
+    model = make_model()
+    opt = ACCOOptimizer(param_groups(model, True), torch.optim.AdamW, mode="acco",
+                        accumulation_steps=MICRO, lr_scheduler=make_scheduler, lr=3e-2,
+                        weight_decay=0.1, timeout=20)  # fmt: skip
+    start = _complete_checkpoint(ckpt_dir, world_size) if resume else 0
+    if start:
+        saved = checkpoint.load(os.path.join(ckpt_dir, f"round{start}_rank{rank}.pt"))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    _install(fault, rank, opt)
+    losses: dict[int, float] = {}
+    try:
+        for r in range(start, ROUNDS):
+            if fault.kind == "kill" and fault.rank == rank and fault.round == r:
+                os.kill(os.getpid(), signal.SIGKILL)
+            total = 0.0
+            for micro in range(MICRO):
+                loss = microbatch_loss(model, rank, r, micro)
+                if fault.kind == "nan" and (fault.rank, fault.round, micro) == (rank, r, 0):
+                    loss = loss * float("nan")
+                loss.backward()
+                total += loss.item()
+                opt.step()
+            losses[r] = total
+            if (r + 1) % CHECKPOINT_EVERY == 0 and not resume:
+                checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                                os.path.join(ckpt_dir, f"round{r + 1}_rank{rank}.pt"))  # fmt: skip
+        opt.flush()
+    except ACCOCommunicationError as exc:
+        opt.close(flush=False, barrier=False)
+        return {"error": str(exc), "losses": losses}
+    result = {
+        "error": None,
+        "losses": losses,
+        "start": start,
+        "skipped_rounds": opt.engine.skipped_rounds,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+    opt.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory) -> list[dict]:
+    ckpt_dir = str(tmp_path_factory.mktemp("golden"))
+    return run_distributed(RUN, 2, NONE, ckpt_dir, False)
+
+
+def _assert_replicas_agree(results: list[dict]) -> None:
+    for name, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][name]), name
+
+
+def test_a_delayed_communication_changes_nothing(golden, tmp_path) -> None:
+    results = run_distributed(RUN, 2, Fault("delay", rank=1, round=5), str(tmp_path), False)
+    _assert_replicas_agree(results)
+    for result, expected in zip(results, golden):
+        assert result["losses"] == expected["losses"]
+        for name, value in expected["params"].items():
+            assert torch.equal(result["params"][name], value), name
+
+
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(golden, tmp_path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_distributed(RUN, 2, Fault("nan", rank=0, round=7), str(tmp_path), False)
+    _assert_replicas_agree(results)
+    for result, expected in zip(results, golden):
+        assert result["skipped_rounds"] == 1  # round 7's update (its estimate was clean)
+        assert all(torch.isfinite(p).all() for p in result["params"].values())
+        # Before the fault, nothing differs; at round 7 one rank's loss is NaN.
+        assert [result["losses"][r] for r in range(7)] == [expected["losses"][r] for r in range(7)]
+
+
+@pytest.mark.parametrize("fault", [Fault("raise", rank=1, round=7), Fault("kill", rank=1, round=6)],
+                         ids=["raise", "kill"])  # fmt: skip
+def test_a_failed_rank_ends_the_job_and_a_resume_reproduces_the_golden_run(
+    fault: Fault, golden, tmp_path
+) -> None:
+    faulted = run_distributed(RUN, 2, fault, str(tmp_path), False, may_die=(1,))
+    survivor = faulted[0]
+    assert survivor["error"] is not None
+    assert "restart from the last complete checkpoint" in survivor["error"]
+    if fault.kind == "raise":
+        assert "injected fault in round 7" in faulted[1]["error"]
+    else:
+        assert faulted[1] is None  # killed
+    assert _complete_checkpoint(str(tmp_path), 2) == 4  # round 8's never completed
+
+    resumed = run_distributed(RUN, 2, NONE, str(tmp_path), True)
+    _assert_replicas_agree(resumed)
+    for result, expected in zip(resumed, golden):
+        assert result["start"] == 4
+        assert result["losses"] == {r: expected["losses"][r] for r in range(4, ROUNDS)}
+        for name, value in expected["params"].items():
+            assert torch.equal(result["params"][name], value), name
