@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -33,6 +34,18 @@ def validate_config(
         raise TypeError(
             f"acco_hooks: optimizer_class must be a torch.optim.Optimizer subclass such as "
             f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
+        )
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"acco_hooks: {optimizer_class.__name__}.step() needs a closure that re-evaluates "
+            "the loss, which a sharded step on the communication thread cannot run; use a "
+            "first-order optimizer such as torch.optim.AdamW or SGD"
+        )
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise TypeError(
+            "acco_hooks: torch.optim.SparseAdam steps sparse gradients, and the engine sums "
+            "and shards dense ones; use torch.optim.Adam or AdamW with dense gradients"
         )
     if mode not in MODES:
         raise ValueError(f"acco_hooks: mode={mode!r} is not one of {', '.join(map(repr, MODES))}")
