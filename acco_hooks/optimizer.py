@@ -144,4 +144,16 @@ class ACCOOptimizer(EngineFrontEnd):
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op: gradients live in the engine (kept so standard loops run unchanged)."""
+        """No-op before ``backward()`` or after ``step()`` (standard loops run unchanged).
+
+        Raises:
+            RuntimeError: between a ``backward()`` and its ``step()``: the gradient is already
+                in the round's accumulator, so the discard a loop means here cannot happen.
+        """
+        if self.engine.grads_received != self._grads_at_last_step and not self.closed:
+            raise RuntimeError(
+                "acco_hooks: zero_grad() between backward() and step(): that gradient already "
+                "went into the engine's round accumulator and cannot be discarded. Call "
+                "step() after every backward() (each call counts one micro-batch; the engine "
+                "ends the round), and zero_grad() before backward() or after step()"
+            )

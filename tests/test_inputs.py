@@ -164,3 +164,19 @@ def test_two_open_optimizers_on_one_model_are_refused() -> None:
 def test_optimizers_the_engine_cannot_step_are_refused_by_name(optimizer_class, match) -> None:
     with pytest.raises(TypeError, match=match):
         ACCOOptimizer(nn.Linear(4, 1).parameters(), optimizer_class, lr=0.1)
+
+
+def test_zero_grad_between_backward_and_step_is_refused() -> None:
+    model = nn.Linear(4, 1)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.SGD, mode="ddp", accumulation_steps=2,
+                        lr=0.1)  # fmt: skip
+    opt.zero_grad()  # before backward, or after step(): the usual places
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) between backward\(\) and step\(\)"):
+        opt.zero_grad()  # a loop that means to drop this gradient would silently keep it
+    assert not opt.step()
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    assert opt.step()
+    opt.zero_grad()
+    opt.close()
