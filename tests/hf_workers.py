@@ -279,3 +279,30 @@ if __name__ == "__main__":
     import sys
 
     _compare(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+
+
+def evaluate_on_one_rank(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """A callback evaluates on rank 0 only, during training: an error on every rank, no hang."""
+    from transformers import TrainerCallback
+
+    from acco_hooks import ACCOCommunicationError
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+    trainer: Any = None
+
+    class EvaluateOnRankZero(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2 and state.is_world_process_zero:
+                trainer.evaluate()
+
+    args = training_args(output_dir, ddp_timeout=5)
+    trainer = ACCOTrainer(model=tiny_llama(), args=args, train_dataset=byte_dataset(32),
+                          eval_dataset=byte_dataset(8, offset=32 * SEQ_LEN),
+                          callbacks=[EvaluateOnRankZero()],
+                          acco_args=ACCOArguments(mode="acco"))  # fmt: skip
+    try:
+        trainer.train()
+    except (RuntimeError, ACCOCommunicationError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}

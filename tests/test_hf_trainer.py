@@ -320,3 +320,12 @@ def test_example_script_trains_with_torchrun(tmp_path) -> None:
     first, last, _ = map(float, summary.groups())
     assert last < first
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_evaluate_on_one_rank_during_training_raises_instead_of_hanging(tmp_path) -> None:
+    # A faulted job: no orderly teardown barrier after the ranks' errors (may_die).
+    rank0, rank1 = run_distributed("tests.hf_workers:evaluate_on_one_rank", 2, str(tmp_path),
+                                   deadline_s=120, may_die=(1,))  # fmt: skip
+    assert rank0["error"] is not None and "must run on every rank" in rank0["error"]
+    assert "ddp_timeout" in rank0["error"]
+    assert rank1 is not None and rank1["error"] is not None  # its next collective lost rank 0

@@ -3,14 +3,17 @@ with its fix, before any training step."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
+import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from acco_hooks.hf._engine_optimizer import optimizer_cls_and_kwargs
 from acco_hooks.hf.arguments import ACCOArguments
 
-__all__ = ["check_trainer_internals", "refuse_after_init", "refuse_before_init"]
+__all__ = ["EvaluationBarrier", "check_trainer_internals", "refuse_after_init",
+           "refuse_before_init"]  # fmt: skip
 
 # Trainer internals ACCOTrainer overrides: a transformers release that renames one would leave
 # the override silently unused, so the import fails instead.
@@ -131,3 +134,44 @@ def refuse_after_init(trainer: Any) -> None:
             "parallelism) is set; ACCO supports pure data parallelism here. Remove it"
         )
     optimizer_cls_and_kwargs(trainer, trainer.model)  # a bad TrainingArguments.optim fails now
+
+
+class EvaluationBarrier:
+    """Refuses, instead of hanging, an evaluation that only some ranks run during training.
+
+    ``evaluate()`` gathers metrics from every rank, so a rank that calls it alone (a callback
+    guarded by ``is_world_process_zero``) waits forever in the gather. Before evaluating, every
+    rank meets the others at a gloo ``monitored_barrier`` on a group of its own, which gives up
+    after ``timeout_s`` and names the ranks that never came. The group lives for one ``train()``
+    call (``open`` / ``close``); outside it, evaluation is the plain Trainer's.
+    """
+
+    def __init__(self) -> None:
+        self._group: Any = None
+
+    def open(self) -> None:
+        """Build the group; every rank calls it (at the start of ``train()``)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+
+    def check(self, what: str, timeout_s: float) -> None:
+        """Meet every rank before ``what``; raise ``RuntimeError`` if one never comes."""
+        if self._group is None:
+            return
+        try:
+            dist.monitored_barrier(
+                self._group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+            )
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"ACCOTrainer.{what}() during training must run on every rank (it gathers "
+                f"metrics from all of them), but not every rank reached it within "
+                f"{timeout_s:.0f} s (TrainingArguments.ddp_timeout): {exc}. Call it on every "
+                "rank, not only where is_world_process_zero"
+            ) from exc
+
+    def close(self) -> None:
+        """Destroy the group (every rank, at the end of ``train()``)."""
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)

@@ -50,6 +50,7 @@ from acco_hooks.hf._engine_optimizer import (
 )
 from acco_hooks.hf._loss_weights import label_tokens, microbatch_weight
 from acco_hooks.hf._refusals import (
+    EvaluationBarrier,
     check_trainer_internals,
     refuse_after_init,
     refuse_before_init,
@@ -129,6 +130,7 @@ class ACCOTrainer(Trainer):
         self._acco_snapshot: _Snapshot | None = None  # set while a checkpoint is written
         self._acco_rounds_since_log = 0
         self._acco_wait_since_log = 0.0
+        self._acco_evaluation_barrier = EvaluationBarrier()
         super().__init__(*args, **kwargs)
         refuse_after_init(self)
 
@@ -280,12 +282,15 @@ class ACCOTrainer(Trainer):
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """``Trainer.evaluate`` at the real parameters θ (the training trajectory is unchanged)."""
+        """``Trainer.evaluate`` at the real parameters θ (the training trajectory is unchanged).
+        During training a call that not every rank makes raises instead of hanging."""
+        self._acco_evaluation_barrier.check("evaluate", self.args.ddp_timeout)
         with self._real_parameters():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.predict`` at the real parameters θ."""
+        """``Trainer.predict`` at the real parameters θ, on every rank (see :meth:`evaluate`)."""
+        self._acco_evaluation_barrier.check("predict", self.args.ddp_timeout)
         with self._real_parameters():
             return super().predict(*args, **kwargs)
 
@@ -329,9 +334,11 @@ class ACCOTrainer(Trainer):
         A later ``train()`` builds a new engine from the model's weights: resume through
         ``resume_from_checkpoint`` to keep the optimizer state.
         """
+        self._acco_evaluation_barrier.open()
         try:
             return super().train(*args, **kwargs)
         finally:
+            self._acco_evaluation_barrier.close()
             # After an exception (on this rank alone, maybe): quietly, and without waiting for
             # peers at a barrier; after success, _finalize_training closed it already.
             self._close_engine(flush=False)
