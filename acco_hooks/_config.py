@@ -103,8 +103,11 @@ def _positive_number(value: Any, low: float = 0.0, high: float = math.inf) -> bo
     return math.isfinite(as_float) and as_float > 0 and low <= as_float <= high
 
 
-def normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Parameter groups as dicts with ``params`` and ``names``; frozen parameters removed.
+def normalize_param_groups(
+    params: Iterable[Any],
+) -> tuple[list[dict[str, Any]], list[tuple[str, Tensor]]]:
+    """Parameter groups as dicts with ``params`` and ``names``, and the frozen parameters
+    (``requires_grad=False``) left out of them, by name.
 
     All on one device, each tensor once, floating point.
     """
@@ -114,7 +117,7 @@ def normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     if not items:
         raise ValueError("acco_hooks: got an empty parameter list")
     groups = items if isinstance(items[0], dict) else [{"params": items}]
-    normalized, seen = [], set()
+    normalized, seen, frozen = [], set(), []
     for gi, group in enumerate(groups):
         if not isinstance(group, dict):
             raise TypeError("acco_hooks: mix of parameter-group dicts and tensors in params")
@@ -129,6 +132,7 @@ def normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
                 raise ValueError(f"acco_hooks: {name} appears more than once in params")
             seen.add(p)
             if not p.requires_grad:
+                frozen.append((name, p))
                 continue
             if not p.is_floating_point():
                 raise TypeError(f"acco_hooks: {name} has dtype {p.dtype}; only floating parameters train")
@@ -144,4 +148,4 @@ def normalize_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
             f"acco_hooks: parameters are on several devices {sorted(map(str, devices))}; "
             "move the whole model to one device before building the optimizer"
         )
-    return normalized
+    return normalized, frozen

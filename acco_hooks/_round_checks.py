@@ -13,9 +13,19 @@ __all__ = ["check_round_inputs", "nonfinite_error", "sparse_gradient_error", "wa
 
 
 def check_round_inputs(
-    buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int
-) -> None:
-    """Every parameter got a gradient, and none was moved since the engine was built."""
+    buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int,
+    frozen: list[tuple[str, torch.Tensor]],
+) -> None:  # fmt: skip
+    """Every parameter got a gradient, none was moved since the engine was built, and none of
+    those frozen then was unfrozen since (a torch optimizer would train it now)."""
+    unfrozen = [name for name, p in frozen if p.requires_grad]
+    if unfrozen:
+        raise RuntimeError(
+            f"acco_hooks: {_some(unfrozen)} had requires_grad=False when the optimizer was "
+            "built and requires grad now: the engine left it out and would never train it "
+            "(a torch optimizer given it would). Build the optimizer after unfreezing, or "
+            "give the unfrozen parameters to a new one"
+        )
     moved = [name for g in buffers for name in g.moved_params()]
     if moved:
         raise RuntimeError(

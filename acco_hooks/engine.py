@@ -101,7 +101,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         # The worker thread's process groups, and this rank's place in them
         "_groups", "world_size", "rank", "fsdp_world_size",
         # Buffers (one per parameter group) and the shard optimizer
-        "_buffers", "_slot_of", "optimizer", "lr_scheduler",
+        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
         "_worker", "_hook_handles", "_release", "__weakref__",
         # The round in flight (launched, not yet applied), and the failure that stopped the engine
@@ -139,7 +139,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         self.accumulate_until_ready = accumulate_until_ready
         self.reduce_dtype = reduce_dtype or torch.float32
         self.max_grad_norm = max_grad_norm
-        param_groups = normalize_param_groups(params)
+        param_groups, self._frozen = normalize_param_groups(params)
         self.device = param_groups[0]["params"][0].device
 
         # No local name holds the groups: a traceback through here must not keep them alive.
@@ -278,7 +278,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         return True
 
     def _end_round(self) -> None:
-        check_round_inputs(self._buffers, self._grad_arrived, self.round_index)
+        check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen)
         start = time.perf_counter()
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start

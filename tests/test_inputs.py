@@ -180,3 +180,17 @@ def test_zero_grad_between_backward_and_step_is_refused() -> None:
     assert opt.step()
     opt.zero_grad()
     opt.close()
+
+
+def test_unfreezing_a_parameter_after_building_is_refused_at_the_round_end() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    opt = ACCOOptimizer(model.named_parameters(), torch.optim.SGD, mode="ddp", lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    assert opt.step()  # frozen: left alone, as by a torch optimizer
+    model[0].requires_grad_(True)  # gradual unfreezing
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"0.weight, 0.bias had requires_grad=False when the "
+                       r"optimizer was built.*Build the optimizer after unfreezing"):
+        opt.step()
+    opt.close()
