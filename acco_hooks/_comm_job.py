@@ -12,6 +12,7 @@ training loop reads ``gathered`` once the job's future is done.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ class RoundResult(NamedTuple):
     grad_norm: float | None  # before clipping; None without max_grad_norm
     nonfinite: bool  # NaN/Inf in the averaged gradient: nothing was stepped, θ was re-gathered
     updated: bool  # the shard optimizer stepped (a real update θ_t -> θ_{t+1})
+    comm_s: float  # how long the job took on the communication thread
 
 
 def communicate(
@@ -54,6 +56,7 @@ def communicate(
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
 ) -> RoundResult:  # fmt: skip
     """reduce-scatter -> average -> clip -> step or estimate -> all-gather."""
+    start = time.perf_counter()
     if groups.data is None:
         for g in buffers:
             g.shard_sum.copy_(g.comm_input)
@@ -80,7 +83,7 @@ def communicate(
         for g in buffers:
             g.gather_input.copy_(g.master)
         all_gather_shards(buffers, groups)
-        return RoundResult(global_count, None, True, False)
+        return RoundResult(global_count, None, True, False, time.perf_counter() - start)
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -112,7 +115,9 @@ def communicate(
     else:
         peek(optimizer, [g.gather_input for g in buffers])
     all_gather_shards(buffers, groups)
-    return RoundResult(global_count, grad_norm, False, job is Job.UPDATE)
+    return RoundResult(
+        global_count, grad_norm, False, job is Job.UPDATE, time.perf_counter() - start
+    )
 
 
 def _clip_(

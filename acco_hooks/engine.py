@@ -74,6 +74,7 @@ from acco_hooks._round_checks import (
     warn_skipped_round,
 )
 from acco_hooks._worker import CommWorker
+from acco_hooks.advisor import Advisor
 from acco_hooks.peek import has_functional_peek
 
 __all__ = ["ACCOCommunicationError", "ACCOEngine", "MODES", "NONFINITE_POLICIES",
@@ -108,7 +109,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         "_in_flight", "_in_flight_job", "_in_flight_round", "_in_flight_seen", "_failure",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
-        "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches", "last_global_count",
+        "_grad_arrived", "grads_received", "advisor", "_round_started", "last_wait_s", "last_round_microbatches", "last_global_count",
         "last_grad_norm",
     )  # fmt: skip
 
@@ -180,6 +181,8 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         self._round_microbatches, self._local_count = 0, 0.0
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
+        self.advisor = Advisor(accumulation_steps)  # measures K and C; predicts ACCO's speedup
+        self._round_started: float | None = None
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         logger.info(
@@ -280,6 +283,8 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
     def _end_round(self) -> None:
         check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen)
         start = time.perf_counter()
+        if self._round_started is not None:  # this round's compute, for the advisor
+            self.advisor.record(start - self._round_started, None)
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
 
@@ -310,6 +315,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         if self.mode == "ddp":  # synchronous: its own result is the next round's parameters
             self._finish_in_flight(apply=True)
         # 4. return: the next round computes while the network works
+        self._round_started = time.perf_counter()
 
     def _finish_in_flight(self, apply: bool) -> None:
         """Wait for the in-flight communication; with ``apply``, its result becomes live."""
@@ -340,6 +346,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
     def _take_result(self, result: RoundResult) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
         self.num_updates += result.updated
+        self.advisor.record(None, result.comm_s)
         if not result.nonfinite:
             return
         what = "update" if self._in_flight_job is Job.UPDATE else "estimate"

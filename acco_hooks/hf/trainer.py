@@ -261,6 +261,7 @@ class ACCOTrainer(Trainer):
             logs["acco/comm_wait_s"] = self._acco_wait_since_log / rounds
             if engine.skipped_rounds:
                 logs["acco/skipped_rounds"] = engine.skipped_rounds
+            logs.update({f"acco/{name}": v for name, v in engine.advisor.figures.items()})
             self._acco_rounds_since_log, self._acco_wait_since_log = 0, 0.0
         super().log(logs, start_time)
 

@@ -140,7 +140,8 @@ class ACCOTrainer(Trainer):
             engine.last_grad_norm if engine.last_grad_norm is not None else -1.0,
             {"acco/round": engine.round_index, "acco/real_updates": engine.num_updates,
              "acco/microbatches": engine.last_round_microbatches,
-             "acco/comm_wait_s": engine.last_wait_s},
+             "acco/comm_wait_s": engine.last_wait_s,
+             **{f"acco/{name}": value for name, value in engine.advisor.figures.items()}},
         )  # fmt: skip
 
     def _log_pending_metrics(self) -> None:
