@@ -25,7 +25,16 @@ def test_shipped_config_is_valid(path: pathlib.Path) -> None:
                        par.tensor_parallel_degree, par.pipeline_parallel_degree))  # fmt: skip
     validate_acco_config(config, world_size=world)
     batch = config.training.local_batch_size * par.data_parallel_replicate_degree * par.data_parallel_shard_degree
-    assert config.training.global_batch_size % batch == 0, "global batch: a whole number of micro-batches"
+    if config.training.global_batch_size > 0:
+        assert config.training.global_batch_size % batch == 0, "global batch: a whole number of micro-batches"
+    else:  # -1: one micro-batch per rank and torchtitan step; the engine's round size is explicit
+        assert config.acco.accumulation_steps >= 1
+    if "8b" in path.name:  # the batch scales with the nodes: valid at 2 to 64 replicas
+        assert config.training.global_batch_size == -1
+        per_replica = world // par.data_parallel_replicate_degree
+        for replicas in (2, 8, 64):
+            par.data_parallel_replicate_degree = replicas
+            validate_acco_config(config, world_size=per_replica * replicas)
     if "hsdp" in path.name:
         assert config.acco.enable and par.data_parallel_shard_degree > 1
         assert par.data_parallel_replicate_degree > 1
