@@ -1,0 +1,110 @@
+"""Per-GPU memory of each shipped 8B config, by node count: a calculator, before you launch.
+
+    python -m benchmarks.memory_8b          # seconds; writes docs/results/memory_8b.json
+
+For every ``torchtitan_configs/llama3_8b_*.toml`` and 2, 4, 8 and 16 nodes of 8 GPUs, the bytes
+one GPU holds, in GiB. The parameter count is exact (torchtitan's 8B model built on the meta
+device). The rest is arithmetic on the engine's buffer layout (``acco_hooks/_buffers.py``):
+
+- ``params``: the GPU's slice of the model (1/TP, 1/PP, and 1/S with FSDP), in the model dtype;
+- ``grads``: what holds gradients between micro-batches: the engine's fp32 accumulator, plus
+  FSDP's unsharded gradients of a round when ``fsdp_sync_every_microbatch`` is off;
+- ``comm_buffer``: one buffer for the reduce-scatter input and all-gather output,
+  max(reduce dtype, model dtype) per element;
+- ``optimizer``: the 1/R share (R = ACCO replicas) of the fp32 master, AdamW's two moments,
+  the reduce/gather staging, and in ``acco`` the carried half-batch sum;
+- ``activations``: an estimate, not a measurement: with selective activation checkpointing,
+  34·s·b·h bytes per layer and micro-batch (Korthikanti et al., 2022, bf16), divided by TP,
+  for the layers of one pipeline stage (PP's in-flight micro-batches not counted).
+
+The pipeline stage holds 1/PP of the layers; embedding and output are counted as the even
+split. No CUDA context, allocator fragmentation or compile workspace: keep ~10 GiB of headroom
+on an 80 GB H100.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "results" / "memory_8b.json"
+GPUS_PER_NODE = 8
+NODES = (2, 4, 8, 16)
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+H100_BUDGET_GIB = 70  # of an 80 GB H100, leaving room for the CUDA context and fragmentation
+
+
+def model_facts() -> dict[str, int]:
+    """The 8B model's exact parameter count and the shapes the activation estimate needs."""
+    import torch
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    args = llama3_args["8B"]
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {"params": sum(p.numel() for p in model.parameters()), "layers": args.n_layers,
+            "hidden": args.dim}  # fmt: skip
+
+
+def per_gpu_bytes(config_path: pathlib.Path, nodes: int, facts: dict[str, int]) -> dict[str, float]:
+    """GiB per GPU, by category, for ``config_path`` on ``nodes`` nodes."""
+    import tomllib
+
+    cfg = tomllib.loads(config_path.read_text())
+    par, training, acco = cfg["parallelism"], cfg["training"], cfg["acco"]
+    tp, pp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1)
+    shard = par.get("data_parallel_shard_degree", 1)
+    replicas = nodes * GPUS_PER_NODE // (tp * pp * shard)
+    local = facts["params"] / (tp * pp * shard)  # the elements of the model on this GPU
+    model_bytes = BYTES[training.get("dtype", "float32")]
+    reduce_bytes = BYTES[acco.get("reduce_dtype", "float32")]
+    fsdp_unsharded = 0.0
+    if shard > 1 and not acco.get("fsdp_sync_every_microbatch", False):
+        fsdp_unsharded = local * shard * model_bytes  # a whole replica's gradients, unsharded
+    shard_side = 4 + 8 + reduce_bytes + model_bytes + (4 if acco["mode"] == "acco" else 0)
+    tokens = training["local_batch_size"] * training["seq_len"]
+    activations = (facts["layers"] / pp) * 34 * tokens * facts["hidden"] / tp
+    figures = {
+        "replicas": replicas,
+        "params": local * model_bytes,
+        "grads": local * 4 + fsdp_unsharded,
+        "comm_buffer": local * max(reduce_bytes, model_bytes),
+        "optimizer": local * shard_side / replicas,
+        "activations_estimate": activations,
+    }
+    total = sum(v for k, v in figures.items() if k != "replicas")
+    row = {k: (v if k == "replicas" else round(v / GIB, 2)) for k, v in figures.items()}
+    row["total"] = round(total / GIB, 2)
+    row["runs"] = replicas >= 2  # ACCO (and its ddp mode) needs two replicas
+    row["fits_h100_80gb"] = row["total"] <= H100_BUDGET_GIB
+    return row
+
+
+def _note(row: dict) -> str:
+    if not row["runs"]:
+        return "needs 2 replicas: more nodes"
+    return "" if row["fits_h100_80gb"] else f"over {H100_BUDGET_GIB} GiB: smaller local_batch_size"
+
+
+def main() -> None:
+    facts = model_facts()
+    results = {"params": facts["params"], "gpus_per_node": GPUS_PER_NODE, "configs": {}}
+    print(f"Llama-3 8B: {facts['params']:,} parameters; GiB per GPU ({GPUS_PER_NODE} GPUs/node)")
+    print(f"{'config':<26}{'nodes':>6}{'R':>4}{'params':>8}{'grads':>8}{'comm':>7}{'optim':>7}"
+          f"{'act*':>7}{'total':>8}  note")  # fmt: skip
+    for path in sorted((ROOT / "torchtitan_configs").glob("llama3_8b_*.toml")):
+        rows = results["configs"][path.name] = {}
+        for nodes in NODES:
+            row = rows[nodes] = per_gpu_bytes(path, nodes, facts)
+            print(f"{path.stem:<26}{nodes:>6}{row['replicas']:>4}{row['params']:>8}{row['grads']:>8}"
+                  f"{row['comm_buffer']:>7}{row['optimizer']:>7}{row['activations_estimate']:>7}"
+                  f"{row['total']:>8}  {_note(row)}")  # fmt: skip
+    print("act*: an estimate (selective activation checkpointing), see the module docstring")
+    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
