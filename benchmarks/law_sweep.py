@@ -1,0 +1,154 @@
+"""ACCO's per-token speedup against the law, swept over C/K on a capped link.
+
+    sudo python -m benchmarks.law_sweep                   # ~20 min on 2 cores
+    python -m benchmarks.law_sweep --plot-only            # redraw from the JSON
+
+Per token at equal tokens per optimizer update: ACCO with k micro-batches per round (an update
+spans two rounds, 2k micro-batches) against the engine's synchronous ZeRO-1 (``mode = "ddp"``)
+with 2k micro-batches per update. Measured S = T_ddp(2k) / (2 · T_acco(k)), round times from
+torchtitan's own per-step log (``benchmarks.throughput``), on the two-host netbed. The link cap
+sets C, one round's communication (``benchmarks.comm_only``); K is the compute of k
+micro-batches in one process without communication. The law (``acco_hooks.advisor``):
+S = (2K + C) / (2·max(K, C)). Each cap runs ``--repeats`` times (acco and ddp alternated); the
+figure shows every run and the mean with its standard deviation. The engine's own prediction
+(the ``acco advisor:`` line of each acco run, measured on its own rounds) is recorded next to
+the measurement.
+
+Writes ``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+from benchmarks.throughput import LOCAL_BATCH, ROOT, SEQ_LEN, _machine, parse_steps, titan_args
+
+RESULTS = ROOT / "docs" / "results" / "law_sweep.json"
+FIGURE = ROOT / "docs" / "figures" / "law_sweep.png"
+ADVISOR = re.compile(r"acco advisor: compute_per_round=([\d.]+)s comm_per_round=([\d.]+)s "
+                     r"predicted_speedup=([\d.]+)")  # fmt: skip
+
+
+def law(compute_s: float, comm_s: float) -> float:
+    from acco_hooks.advisor import predicted_speedup
+
+    return predicted_speedup(compute_s, comm_s)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from benchmarks.netbed import run_two_ranks, two_host_link
+
+    k = args.microbatches
+    results: dict = {
+        "date": datetime.date.today().isoformat(), "machine": _machine(),
+        "model": "torchtitan llama3 debugmodel (6.16M parameters)", "k": k,
+        "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
+        "repeats": args.repeats, "rates": {},
+    }  # fmt: skip
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29642", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = ["taskset", "-c", "0", *titan_args(
+        "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
+        args.rounds, k, 1, "/tmp/acco_law/compute")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    compute = parse_steps(proc.stdout + proc.stderr, LOCAL_BATCH * SEQ_LEN * k)["round_s"]
+    results["compute_K_s"] = compute
+    print(f"K (compute of {k} micro-batches): {compute:.3f} s", flush=True)
+
+    with two_host_link() as link:
+        for rate in args.rates:
+            link.set_rate(rate)
+            status, out, _ = run_two_ranks(link, [sys.executable, "-m", "benchmarks.comm_only",
+                                                  "--rounds", "5"], timeout_s=900)  # fmt: skip
+            comm = statistics.median(
+                json.loads(next(line for line in out.splitlines() if line.startswith("{")))["comm_s"]
+            )
+            row: dict = {"comm_C_s": comm, "C_over_K": comm / compute, "law_S": law(compute, comm),
+                         "acco_round_s": [], "ddp_round_s": [], "measured_S": [],
+                         "advisor": []}  # fmt: skip
+            for repeat in range(args.repeats):
+                times = {}
+                for mode, micro in (("acco", k), ("ddp", 2 * k)):
+                    cmd = titan_args("debug_cpu_acco.toml", ("--acco.mode", mode), args.rounds,
+                                     micro, 2, f"/tmp/acco_law/{mode}")  # fmt: skip
+                    status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
+                    if status:
+                        raise RuntimeError(f"{mode} at {rate} failed:\n{out[-3000:]}\n{out1[-3000:]}")
+                    times[mode] = parse_steps(out, LOCAL_BATCH * SEQ_LEN * micro)["round_s"]
+                    if mode == "acco" and (found := ADVISOR.search(out)):
+                        row["advisor"].append({"compute_per_round_s": float(found[1]),
+                                               "comm_per_round_s": float(found[2]),
+                                               "predicted_speedup": float(found[3])})  # fmt: skip
+                row["acco_round_s"].append(times["acco"])
+                row["ddp_round_s"].append(times["ddp"])
+                row["measured_S"].append(times["ddp"] / (2 * times["acco"]))
+                print(f"{rate:>8} run {repeat}: acco(k={k}) {times['acco']:.3f} s/round, "
+                      f"ddp(2k) {times['ddp']:.3f} s/update -> S={row['measured_S'][-1]:.3f} "
+                      f"(law {row['law_S']:.3f} at C/K={row['C_over_K']:.2f})", flush=True)  # fmt: skip
+            row["measured_S_mean"] = statistics.fmean(row["measured_S"])
+            row["measured_S_std"] = statistics.stdev(row["measured_S"]) if args.repeats > 1 else 0.0
+            row["of_law"] = row["measured_S_mean"] / row["law_S"]
+            results["rates"][rate] = row
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(results["rates"].items(), key=lambda item: item[1]["C_over_K"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    grid = [i / 100 for i in range(0, 501)]
+    ax.plot(grid, [(2 + x) / (2 * max(1.0, x)) for x in grid], "k-", linewidth=1,
+            label="law (2K + C) / (2 max(K, C))")  # fmt: skip
+    for rate, row in rows:
+        ax.scatter([row["C_over_K"]] * len(row["measured_S"]), row["measured_S"], s=12,
+                   color="tab:blue", alpha=0.5)  # fmt: skip
+        ax.errorbar(row["C_over_K"], row["measured_S_mean"], yerr=row["measured_S_std"], fmt="o",
+                    color="tab:blue", capsize=3)  # fmt: skip
+        ax.annotate(rate, (row["C_over_K"], row["measured_S_mean"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))  # fmt: skip
+    ax.scatter([], [], s=12, color="tab:blue", alpha=0.5, label="each run")
+    ax.errorbar([], [], yerr=[], fmt="o", color="tab:blue", label="mean ± std")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("C / K (one round's communication / one round's compute)")
+    ax.set_ylabel("per-token speedup S of acco(k) over ddp(2k)")
+    ax.set_title(f"{results['model']}, 2 ranks, k = {results['k']}, netbed caps", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGURE, dpi=110)
+    print(f"wrote {FIGURE}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--rates", default="1400mbit,670mbit,340mbit,170mbit,85mbit",
+                        help="tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4, help="k: ACCO's micro-batches per round")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
+    args.rates = args.rates.split(",")
+    results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
+    for rate, row in results["rates"].items():
+        advised = [a["predicted_speedup"] for a in row["advisor"]]
+        print(f"{rate:>9}: C/K={row['C_over_K']:.2f} law S={row['law_S']:.3f} measured "
+              f"{row['measured_S_mean']:.3f} ± {row['measured_S_std']:.3f} ({row['of_law']:.0%} of "
+              f"the law); advisor {statistics.fmean(advised) if advised else float('nan'):.3f}")  # fmt: skip
+    plot(results)
+
+
+if __name__ == "__main__":
+    main()
