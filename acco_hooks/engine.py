@@ -109,8 +109,10 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         "_in_flight", "_in_flight_job", "_in_flight_round", "_in_flight_seen", "_failure",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
-        "_grad_arrived", "grads_received", "advisor", "_round_started", "last_wait_s", "last_round_microbatches", "last_global_count",
-        "last_grad_norm",
+        "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches",
+        "last_global_count", "last_grad_norm",
+        # The advisor's measurement of compute (from the last round end) and communication
+        "advisor", "_round_started",
     )  # fmt: skip
 
     def __init__(

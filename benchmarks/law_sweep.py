@@ -22,13 +22,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 
-from benchmarks.throughput import LOCAL_BATCH, ROOT, SEQ_LEN, _machine, parse_steps, titan_args
+from benchmarks.throughput import (
+    LOCAL_BATCH,
+    ROOT,
+    SEQ_LEN,
+    _machine,
+    compute_only_round_s,
+    main_args,
+    parse_steps,
+    titan_args,
+)
 
 RESULTS = ROOT / "docs" / "results" / "law_sweep.json"
 FIGURE = ROOT / "docs" / "figures" / "law_sweep.png"
@@ -52,13 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
         "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
         "repeats": args.repeats, "rates": {},
     }  # fmt: skip
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29642", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    cmd = ["taskset", "-c", "0", *titan_args(
-        "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
-        args.rounds, k, 1, "/tmp/acco_law/compute")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    compute = parse_steps(proc.stdout + proc.stderr, LOCAL_BATCH * SEQ_LEN * k)["round_s"]
+    compute = compute_only_round_s(args.rounds, k)
     results["compute_K_s"] = compute
     print(f"K (compute of {k} micro-batches): {compute:.3f} s", flush=True)
 
@@ -132,15 +133,8 @@ def plot(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--rates", default="1400mbit,670mbit,340mbit,170mbit,85mbit",
-                        help="tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4, help="k: ACCO's micro-batches per round")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--plot-only", action="store_true")
-    args = parser.parse_args()
-    args.rates = args.rates.split(",")
+    args = main_args(__doc__, "1400mbit,670mbit,340mbit,170mbit,85mbit",
+                     "tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4")  # fmt: skip
     results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
     for rate, row in results["rates"].items():
         advised = [a["predicted_speedup"] for a in row["advisor"]]

@@ -69,6 +69,32 @@ def titan_args(config: str, extra: tuple[str, ...], rounds: int, microbatches: i
             "--training.global_batch_size", str(LOCAL_BATCH * dp * microbatches), *extra]  # fmt: skip
 
 
+def compute_only_round_s(rounds: int, microbatches: int) -> float:
+    """Median round time of one process on core 0 with no communication at all."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29641", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    cmd = ["taskset", "-c", "0", *titan_args(
+        "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
+        rounds, microbatches, 1, "/tmp/acco_bench/compute")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    tokens_per_rank = LOCAL_BATCH * SEQ_LEN * microbatches
+    return parse_steps(proc.stdout + proc.stderr, tokens_per_rank)["round_s"]
+
+
+def main_args(description: str, rates: str, rates_help: str) -> argparse.Namespace:
+    """The command line both netbed benchmarks share."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    parser.add_argument("--rates", default=rates, help=rates_help)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per round per rank")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cap (law_sweep)")
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
+    args.rates = args.rates.split(",")
+    return args
+
+
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import run_two_ranks, two_host_link
 
@@ -80,14 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seq_len": SEQ_LEN, "rounds": args.rounds, "rates": {},
     }  # fmt: skip
 
-    # Compute only: one process on core 0, no communication at all.
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29641", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    cmd = ["taskset", "-c", "0", *titan_args(
-        "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
-        args.rounds, args.microbatches, 1, "/tmp/acco_bench/compute")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    results["compute_only_s"] = parse_steps(proc.stdout + proc.stderr, tokens_per_rank)["round_s"]
+    results["compute_only_s"] = compute_only_round_s(args.rounds, args.microbatches)
     print(f"compute only: {results['compute_only_s']:.3f} s/round", flush=True)
 
     with two_host_link() as link:
@@ -165,14 +184,8 @@ def plot(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--rates", default="none,1gbit,200mbit,50mbit",
-                        help="comma-separated tbf caps per host (none = no cap)")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per round per rank")
-    parser.add_argument("--plot-only", action="store_true")
-    args = parser.parse_args()
-    args.rates = args.rates.split(",")
+    args = main_args(__doc__, "none,1gbit,200mbit,50mbit",
+                     "comma-separated tbf caps per host (none = no cap)")  # fmt: skip
     results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
     plot(results)
 
