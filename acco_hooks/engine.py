@@ -111,8 +111,9 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
         "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches",
         "last_global_count", "last_grad_norm",
-        # The advisor's measurement of compute (from the last round end) and communication
-        "advisor", "_round_started",
+        # The advisor's clocks: when this round and this micro-batch started, and whether a
+        # communication was in flight when the micro-batch started
+        "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
     )  # fmt: skip
 
     def __init__(
@@ -183,8 +184,11 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         self._round_microbatches, self._local_count = 0, 0.0
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
-        self.advisor = Advisor(accumulation_steps)  # measures K and C; predicts ACCO's speedup
+        # measures K, C and the round time; predicts ACCO's per-token speedup
+        self.advisor = Advisor(accumulation_steps, overlapping=mode != "ddp")
         self._round_started: float | None = None
+        self._microbatch_started: float | None = None
+        self._microbatch_overlapped = False
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         logger.info(
@@ -260,6 +264,16 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
 
     def _count_microbatch(self, weight: float) -> bool:
         self._raise_if_failed()
+        if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
+            elapsed = time.perf_counter() - self._microbatch_started
+            self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
+        try:
+            return self._count_or_end_round(weight)
+        finally:  # the next micro-batch's compute starts now
+            self._microbatch_started = time.perf_counter()
+            self._microbatch_overlapped = self.communication_in_flight
+
+    def _count_or_end_round(self, weight: float) -> bool:
         if self.mode == "ddp" and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
             self._finish_in_flight(apply=True)
@@ -285,8 +299,6 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
     def _end_round(self) -> None:
         check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen)
         start = time.perf_counter()
-        if self._round_started is not None:  # this round's compute, for the advisor
-            self.advisor.record(start - self._round_started, None)
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
 
@@ -317,7 +329,10 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
         if self.mode == "ddp":  # synchronous: its own result is the next round's parameters
             self._finish_in_flight(apply=True)
         # 4. return: the next round computes while the network works
-        self._round_started = time.perf_counter()
+        now = time.perf_counter()
+        if self._round_started is not None:  # round end to round end, for the advisor
+            self.advisor.record_round(now - self._round_started, self.last_round_microbatches)
+        self._round_started = now
 
     def _finish_in_flight(self, apply: bool) -> None:
         """Wait for the in-flight communication; with ``apply``, its result becomes live."""
@@ -348,7 +363,7 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
     def _take_result(self, result: RoundResult) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
         self.num_updates += result.updated
-        self.advisor.record(None, result.comm_s)
+        self.advisor.record_comm(result.comm_s)
         if not result.nonfinite:
             return
         what = "update" if self._in_flight_job is Job.UPDATE else "estimate"

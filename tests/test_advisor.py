@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -27,18 +28,77 @@ def test_the_law_at_its_landmarks(compute: float, comm: float, expected: float) 
     )
 
 
-def test_the_advisor_warns_with_the_fix_when_acco_is_slower() -> None:
+def _feed(advisor: Advisor, rounds: int, quiet_s: float, overlapped_s: float, comm_s: float,
+          round_s: float) -> None:
+    """``rounds`` rounds of 4 micro-batches: the first undisturbed, the rest overlapping."""
+    for _ in range(rounds):
+        advisor.record_microbatch(quiet_s, communicating=False)
+        for _ in range(3):
+            advisor.record_microbatch(overlapped_s, communicating=True)
+        advisor.record_comm(comm_s)
+        advisor.record_round(round_s, microbatches=4)
+
+
+def test_the_advisor_warns_with_the_fix_when_communication_dominates() -> None:
     advisor = Advisor(accumulation_steps=4)
-    for compute, comm in [(9.0, 9.0), (9.0, 9.0)] + [(1.0, 3.0), (1.2, 3.2), (0.8, 2.8), (1.0, 3.0)]:
-        advisor.record(compute, None)
-        advisor.record(None, comm)
-    assert advisor.figures == {"compute_per_round_s": 1.0, "comm_per_round_s": 3.0,
-                               "predicted_speedup": pytest.approx(5 / 6)}  # fmt: skip
+    _feed(advisor, 2, quiet_s=9.0, overlapped_s=9.0, comm_s=9.0, round_s=9.0)  # warm-up: ignored
+    _feed(advisor, 4, quiet_s=0.25, overlapped_s=0.5, comm_s=3.0, round_s=3.1)
+    # K from undisturbed micro-batches only: 4 x 0.25 (the 9 s warm-up ones are outvoted)
+    assert advisor.figures["compute_per_round_s"] == pytest.approx(1.0)
+    assert advisor.figures["comm_per_round_s"] == 3.0 and advisor.figures["round_s"] == 3.1
+    assert advisor.figures["ideal_speedup"] == pytest.approx(5 / 6)  # (2 + 3) / (2 x 3)
+    assert advisor.figures["predicted_speedup"] == pytest.approx(5 / 6.2)  # (2K + C) / 2T
     advice = advisor.advice()
     assert advice.startswith("acco advisor: compute_per_round=1.0000s comm_per_round=3.0000s "
-                             "predicted_speedup=0.83")  # fmt: skip
+                             "predicted_speedup=0.81 round=3.1000s ideal_speedup=0.83")  # fmt: skip
     assert "WARNING" in advice and "accumulation_steps to about 12" in advice  # C/c = 3/0.25
     assert "mode='ddp'" in advice
+
+
+def test_the_advisor_prices_imperfect_overlap() -> None:
+    # C = K: the law allows 1.5, but the rounds take 1.6 K because communication slows compute.
+    advisor = Advisor(accumulation_steps=4)
+    _feed(advisor, 6, quiet_s=0.25, overlapped_s=0.4, comm_s=1.0, round_s=1.6)
+    assert advisor.figures["ideal_speedup"] == pytest.approx(1.5)
+    assert advisor.figures["predicted_speedup"] == pytest.approx(3.0 / 3.2)
+    advice = advisor.advice()
+    assert "WARNING" in advice and "although the law allows 1.50" in advice
+
+
+def test_without_undisturbed_microbatches_compute_is_an_upper_bound() -> None:
+    advisor = Advisor(accumulation_steps=2)
+    for _ in range(6):
+        advisor.record_microbatch(0.5, communicating=True)
+        advisor.record_comm(2.0)
+        advisor.record_round(2.0, microbatches=2)
+    assert advisor.figures["compute_per_round_s"] == pytest.approx(1.0)
+
+
+def test_in_ddp_mode_the_prediction_is_the_law() -> None:
+    advisor = Advisor(accumulation_steps=4, overlapping=False)
+    _feed(advisor, 6, quiet_s=0.25, overlapped_s=0.25, comm_s=1.0, round_s=2.0)
+    assert advisor.figures["predicted_speedup"] == advisor.figures["ideal_speedup"] == 1.5
+
+
+def test_the_engine_measures_compute_apart_from_a_slow_communication(caplog) -> None:
+    # dpu steps the shard optimizer every round; a step pre-hook (on the communication
+    # thread) makes each round's communication take >= 0.2 s while compute takes ~0.01 s.
+    model = nn.Linear(16, 16)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="dpu", accumulation_steps=2,
+                        lr=1e-3)  # fmt: skip
+    opt.optimizer.register_step_pre_hook(lambda *_: time.sleep(0.2))
+    with caplog.at_level(logging.INFO, logger="acco_hooks"):
+        for _ in range(16):
+            time.sleep(0.005)
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+    opt.close()
+    figures = opt.engine.advisor.figures
+    assert figures["comm_per_round_s"] >= 0.2 and figures["round_s"] >= 0.2
+    assert 0.01 <= figures["compute_per_round_s"] < 0.1, figures  # not the waits, not the comm
+    assert figures["ideal_speedup"] < 1 and figures["predicted_speedup"] < 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("acco advisor:")]
+    assert len(lines) == 1 and "WARNING" in lines[0], lines
 
 
 def test_the_engine_logs_one_advisor_line_with_its_figures(caplog) -> None:
@@ -53,6 +113,7 @@ def test_the_engine_logs_one_advisor_line_with_its_figures(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("acco advisor:")]
     assert len(lines) == 1, lines
     figures = opt.engine.advisor.figures
-    assert set(figures) == {"compute_per_round_s", "comm_per_round_s", "predicted_speedup"}
+    assert set(figures) == {"compute_per_round_s", "comm_per_round_s", "round_s",
+                            "predicted_speedup", "ideal_speedup"}  # fmt: skip
     assert figures["compute_per_round_s"] > 0 and figures["comm_per_round_s"] > 0
     assert f"predicted_speedup={figures['predicted_speedup']:.2f}" in lines[0]
