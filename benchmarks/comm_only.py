@@ -4,7 +4,10 @@ One rank per host (run it under ``benchmarks.netbed``): no forward or backward, 
 round end costs the network and the shard: reduce-scatter of the gradient buffer, the AdamW step
 of the 1/N fp32 shard, all-gather of the new parameters. ``mode="ddp"`` makes every round end
 wait for its own communication, so the time of ``microbatch_done`` is that cost.
-Prints one JSON line: {"comm_s": [...], "memory_bytes": {...}, "params": N}.
+Prints one JSON line: {"comm_s": [...], "memory_bytes": {...}, "params": N}. ``memory_bytes``
+is ``ACCOEngine.memory_bytes()`` of this ``mode="ddp"`` engine after the rounds: the same
+accounting as the ``ddp`` row of ``benchmarks.memory`` (no carried shard, which only ``acco``
+holds).
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""How long a surviving rank takes to fail after its peer is SIGKILLed (2 gloo processes).
+
+    python -m benchmarks.peer_death            # ~10 s on 2 cores: 3 runs of 2 processes
+
+The scenario of ``tests/test_failures.py::test_killed_rank_makes_the_survivor_fail_clearly``:
+a tiny model (``tests/scenario.py``) trains in ``mode="acco"`` on 2 gloo ranks over loopback;
+rank 1 writes the wall-clock time and SIGKILLs itself before round 5, with round 4's
+communication in flight. Rank 0 notes the wall-clock time at which ``ACCOCommunicationError``
+reaches its training loop. The detection time is the difference (same machine, same clock).
+It includes at most one micro-batch of the tiny model's compute: the survivor sees the error
+at its next ``step()``. The engine's ``timeout=`` (30 s here) plays no part: the dead peer's
+sockets close.
+
+Writes ``docs/results/peer_death.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import signal
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks.throughput import ROOT, _machine
+
+RESULTS = ROOT / "docs" / "results" / "peer_death.json"
+KILL_BEFORE_ROUND = 5
+
+
+def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
+    from acco_hooks import ACCOCommunicationError, ACCOOptimizer
+    from tests.scenario import make_model, microbatch_loss
+
+    model = make_model()
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", lr=1e-2, timeout=30)
+    try:
+        for r in range(50):
+            if rank == 1 and r == KILL_BEFORE_ROUND:
+                pathlib.Path(stamp_dir, "killed_at").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            microbatch_loss(model, rank, r, 0).backward()
+            opt.step()
+    except ACCOCommunicationError as exc:
+        return {"error_at": time.time(), "round": r, "message": str(exc).splitlines()[0]}
+    return {"error_at": None, "round": r, "message": "no error"}
+
+
+def main() -> None:
+    from tests.dist_utils import run_distributed
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    runs = []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as stamp_dir:
+            survivor, dead = run_distributed(
+                "benchmarks.peer_death:killed_peer_run", 2, stamp_dir, may_die=(1,)
+            )
+            killed_at = float(pathlib.Path(stamp_dir, "killed_at").read_text())
+        assert dead is None and survivor["error_at"] is not None, survivor
+        runs.append({**survivor, "killed_at": killed_at,
+                     "detection_s": survivor["error_at"] - killed_at})  # fmt: skip
+    detection = [run["detection_s"] for run in runs]
+    results = {
+        "date": datetime.date.today().isoformat(), "machine": _machine(),
+        "torch": torch.__version__, "backend": "gloo (loopback)", "world_size": 2,
+        "mode": "acco", "engine_timeout_s": 30, "killed_before_round": KILL_BEFORE_ROUND,
+        "detection_s": detection, "detection_s_median": statistics.median(detection),
+        "runs": runs,
+    }  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"SIGKILL of rank 1 -> ACCOCommunicationError on rank 0, {args.repeats} runs (gloo):")
+    for run in runs:
+        print(f"  {run['detection_s'] * 1e3:7.1f} ms (raised in round {run['round']}): "
+              f"{run['message'][:90]}")  # fmt: skip
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

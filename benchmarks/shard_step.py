@@ -1,0 +1,85 @@
+"""Time of the shard optimizer's step: torch.optim.AdamW for-loop vs foreach vs fused, on CPU.
+
+    python -m benchmarks.shard_step            # a few seconds, one process, one thread
+
+The engine steps one flat fp32 tensor per parameter group: this rank's master shard
+(``acco_hooks/_buffers.py``, ``build_shard``). On the testbed that is torchtitan's llama3 debug
+model (6,163,712 parameters, one group) over N = 2 ranks: 3,081,856 elements. This times
+``AdamW.step()`` on such a shard, with the debug configs' hyperparameters
+(``torchtitan_configs/debug_cpu_acco.toml``), for each ``[optimizer] implementation``:
+``for-loop`` (``foreach=False``), ``foreach`` and ``fused``. One thread, as each testbed rank
+has one core. The implementations are interleaved step by step, so that the machine's load
+falls on all of them alike; each is warmed up first. Reports the median of the timed steps.
+
+Writes ``docs/results/shard_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+from benchmarks.throughput import ROOT, _machine
+
+RESULTS = ROOT / "docs" / "results" / "shard_step.json"
+PARAMS, WORLD_SIZE = 6_163_712, 2  # torchtitan llama3 debugmodel; ranks on the testbed
+HYPER = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+IMPLEMENTATIONS = {  # torchtitan's [optimizer] implementation -> AdamW keywords
+    "for-loop": {"foreach": False, "fused": False},
+    "foreach": {"foreach": True, "fused": False},
+    "fused": {"foreach": False, "fused": True},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    numel = -(-PARAMS // WORLD_SIZE)  # the engine's shard_numel: ceil(Φ / N)
+    generator = torch.Generator().manual_seed(0)
+    optimizers = {}
+    for name, kwargs in IMPLEMENTATIONS.items():
+        shard = torch.randn(numel, generator=generator).mul_(0.02)
+        shard.grad = torch.randn(numel, generator=generator).mul_(1e-3)
+        optimizers[name] = torch.optim.AdamW([shard], **HYPER, **kwargs)
+    samples: dict[str, list[float]] = {name: [] for name in optimizers}
+    for index in range(args.warmup + args.steps):
+        for name, optimizer in optimizers.items():
+            start = time.perf_counter()
+            optimizer.step()
+            elapsed = time.perf_counter() - start
+            if index >= args.warmup:
+                samples[name].append(elapsed)
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    results = {
+        "date": datetime.date.today().isoformat(), "machine": _machine(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "shard": {"numel": numel, "dtype": "float32", "model_params": PARAMS,
+                  "world_size": WORLD_SIZE},
+        "optimizer": "torch.optim.AdamW", "hyperparameters": HYPER,
+        "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "median_step_s": medians,
+        "relative_to_for_loop": {name: m / medians["for-loop"] for name, m in medians.items()},
+        "step_s_all": samples,
+    }  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"AdamW.step() on a flat fp32 shard of {numel:,} elements, 1 thread, "
+          f"median of {args.steps} steps ({torch.__version__})")  # fmt: skip
+    print(f"{'implementation':<16}{'median':>12}{'min':>12}{'max':>12}{'vs for-loop':>14}")
+    for name, times in samples.items():
+        relative = results["relative_to_for_loop"][name]
+        print(f"{name:<16}{medians[name] * 1e3:>9.1f} ms{min(times) * 1e3:>9.1f} ms"
+              f"{max(times) * 1e3:>9.1f} ms{relative:>13.2f}x")  # fmt: skip
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
