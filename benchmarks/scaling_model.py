@@ -1,112 +1,288 @@
-"""A model of round time vs model size, world size and link bandwidth, fitted to the testbed.
+"""ACCO's per-token speedup on paper: the law, fitted to the testbed, applied to Llama-3 8B.
 
-    python -m benchmarks.scaling_model      # reads docs/results/throughput.json
+    python -m benchmarks.scaling_model      # reads docs/results/law_sweep.json
 
-Model (per data-parallel rank, one round of k micro-batches):
+Per token at equal tokens per optimizer update (``acco_hooks.advisor``, ``benchmarks.law_sweep``),
+with K the compute of one round of k micro-batches and C one round's communication::
 
-    T_comm = alpha + (N-1)/N * P * (b_reduce + b_gather) / (eta * B)     ring reduce-scatter + all-gather
-    T_comp = k * t_microbatch
-    T_ddp  = T_comp + T_comm                                             synchronous ZeRO-1
-    T_acco = max(T_comp, T_comm) + delta * min(T_comp, T_comm)           overlapped
+    C       = alpha + (N-1)/N * P * (b_reduce + b_gather) * 8 / (eta * B)   ring RS + all-gather
+    K       = k * t_microbatch
+    ZeRO-1  = 2K + C                                  one synchronous update over 2k micro-batches
+    ACCO    = 2 * (max(K, C) + delta * min(K, C))     two overlapped rounds of k micro-batches
+    S       = (2K + C) / (2 * (max(K, C) + delta * min(K, C)))
 
-with P the parameters a rank holds, B its share of the link, eta the link efficiency and alpha
-the fixed cost of a round end (the shard step, copies, latency). eta and alpha are fitted to the
-communication-only times measured at each cap, delta (the part of the shorter side that is not
-hidden) to the measured ACCO round times.
+delta = 0 is the ideal overlap (the law, at most 1.5 at C = K, 1 at C = 2K, below 1 beyond);
+delta > 0 is the part of the shorter side that the overlap does not hide. With P the parameters
+a rank communicates, B its share of the link, eta the link efficiency and alpha the fixed cost
+of a round end.
 
-Prediction for Llama-3 8B on H100 nodes, TP 8 inside a node (NVLink), ACCO across nodes. The
-assumptions are stated in the output: P = 8.03e9 / 8 per GPU; the node's NIC bandwidth split
-evenly between its 8 GPUs; bf16 on the wire both ways; per node and round 2 micro-batches of
-4 x 8192 tokens (the llama3_8b_acco.toml config); 989 TFLOP/s dense bf16 per GPU at 40 % MFU;
-FLOPs per token 6P + 12 L d T (torchtitan's formula); eta, alpha and delta as fitted on the
-testbed (a CPU testbed: on GPUs the shard step is faster and delta should be smaller).
+Fit, on the law sweep (2 ranks, debug model, ``docs/results/law_sweep.json``): eta and alpha by
+linear least squares of the communication-only time C against the line-rate time at the 5 caps;
+delta by least squares over every ACCO run (5 caps x the repeats) of
+T_acco - max(K, C) = delta * min(K, C), i.e. delta = sum(x y) / sum(x^2). The residuals of both
+fits are written next to them.
+
+Prediction for Llama-3 8B on H100 nodes: tensor parallel inside a node (NVLink), ACCO across
+nodes, one data-parallel rank per node and TP rank. For each link (per node) and node count, the
+speedup at the config's k (``torchtitan_configs/llama3_8b_acco.toml``) and at the k that
+maximises S (the peak is at K = C for any delta < 1/2: k* is floor or ceil of C / t_microbatch).
 Writes docs/results/scaling.json and docs/figures/scaling.png.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-THROUGHPUT = ROOT / "docs" / "results" / "throughput.json"
+LAW_SWEEP = ROOT / "docs" / "results" / "law_sweep.json"
+CONFIG = ROOT / "torchtitan_configs" / "llama3_8b_acco.toml"
 OUT = ROOT / "docs" / "results" / "scaling.json"
 FIGURE = ROOT / "docs" / "figures" / "scaling.png"
 
-DEBUG_PARAMS = 6_163_712
-H100 = {"peak_flops": 989e12, "mfu": 0.40}
-LLAMA3_8B = {"params": 8.03e9, "layers": 32, "dim": 4096, "seq_len": 8192}
+# The testbed (benchmarks.comm_only, gloo ring of acco_hooks.collectives): 2 ranks, the debug
+# model's 6,163,712 fp32 parameters, fp32 reduce-scatter then fp32 all-gather, each moving
+# (N-1)/N of the buffer per rank (24,654,848 bytes of comm buffer, see throughput.json).
+TESTBED = {"ranks": 2, "params": 6_163_712, "reduce_bytes": 4, "gather_bytes": 4}
+
+# Llama-3 8B as torchtitan builds it (llama3_args["8B"], counted on the meta device).
+LLAMA3_8B = {"params": 8_030_261_248, "embedding_params": 525_336_576, "layers": 32, "dim": 4096}
+H100 = {"peak_flops": 989e12, "mfu": 0.40, "gpus_per_node": 8}
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+LINKS = (  # (name, Gbit/s per node)
+    ("cross-site 10 GbE", 10),
+    ("cross-site 25 GbE", 25),
+    ("100 GbE", 100),
+    ("200 GbE", 200),
+    ("8 x 400G InfiniBand", 3200),
+)
+NODES = (4, 8, 32)
 
 
 def rate_bits(rate: str) -> float:
-    return float(rate.removesuffix("gbit")) * 1e9 if rate.endswith("gbit") else float(rate.removesuffix("mbit")) * 1e6
+    """A tbf rate string ("1400mbit", "1gbit", "85kbit") in bits per second."""
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(suffix):
+            return float(rate.removesuffix(suffix)) * scale
+    raise ValueError(f"not a tbf rate: {rate!r}")
 
 
-def fit(results: dict) -> dict:
-    """eta, alpha from comm-only times; delta from ACCO round times (least squares)."""
-    n, bytes_per_elt = 2, 4 + 4  # fp32 reduce and gather on the testbed
-    rows = [(r, row) for r, row in results["rates"].items() if r != "none"]
-    xs = [(n - 1) / n * DEBUG_PARAMS * bytes_per_elt * 8 / rate_bits(r) for r, _ in rows]  # s at line rate
-    ys = [row["comm_only_s"] for _, row in rows]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    alpha = mean_y - slope * mean_x
-    compute = results["compute_only_s"]
-    deltas = [
-        (row["acco"]["round_s"] - max(compute, row["comm_only_s"])) / min(compute, row["comm_only_s"])
-        for _, row in rows
+def wire_seconds(ranks: int, params: float, bytes_per_param: int, bits_per_s: float) -> float:
+    """Ring reduce-scatter + all-gather at line rate: (N-1)/N of the buffer each way, per rank."""
+    return (ranks - 1) / ranks * params * bytes_per_param * 8 / bits_per_s
+
+
+def _rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+def fit(sweep: dict) -> dict:
+    """eta, alpha from the comm-only C per cap; delta from every ACCO run; with residuals."""
+    rates = [(rate, row) for rate, row in sweep["rates"].items() if rate != "none"]
+    wire = TESTBED["reduce_bytes"] + TESTBED["gather_bytes"]
+    xs = [wire_seconds(TESTBED["ranks"], TESTBED["params"], wire, rate_bits(r)) for r, _ in rates]
+    cs = [row["comm_C_s"] for _, row in rates]
+    mean_x, mean_c = sum(xs) / len(xs), sum(cs) / len(cs)
+    slope = sum((x - mean_x) * (c - mean_c) for x, c in zip(xs, cs)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    alpha = mean_c - slope * mean_x
+    comm_residuals = [c - (alpha + slope * x) for x, c in zip(xs, cs)]
+
+    compute = sweep["compute_K_s"]
+    runs = [(row["comm_C_s"], t) for _, row in rates for t in row["acco_round_s"]]
+    x_d = [min(compute, c) for c, _ in runs]
+    y_d = [t - max(compute, c) for c, t in runs]
+    delta = sum(x * y for x, y in zip(x_d, y_d)) / sum(x * x for x in x_d)
+    delta_residuals = [y - delta * x for x, y in zip(x_d, y_d)]
+    constant = sum(y_d) / len(y_d)  # the other shape: a fixed cost per round, for comparison
+
+    ddp_residuals = [
+        t - (2 * compute + row["comm_C_s"]) for _, row in rates for t in row["ddp_round_s"]
     ]
-    return {"eta": 1 / slope, "alpha_s": max(alpha, 0.0), "delta": max(0.0, sum(deltas) / len(deltas)),
-            "compute_only_s": compute}  # fmt: skip
+    return {
+        "source": str(LAW_SWEEP.relative_to(ROOT)),
+        "testbed": sweep.get("machine", ""),
+        "testbed_wire": TESTBED,
+        "compute_K_s": compute,
+        "k": sweep.get("k"),
+        "eta": 1 / slope,
+        "alpha_s": alpha,
+        "comm_fit": {"caps": [r for r, _ in rates], "line_rate_s": xs, "measured_C_s": cs,
+                     "residual_s": comm_residuals, "residual_rms_s": _rms(comm_residuals),
+                     "residual_max_abs_s": max(map(abs, comm_residuals))},  # fmt: skip
+        "delta": delta,
+        "delta_fit": {"runs": len(runs), "model": "T_acco - max(K, C) = delta * min(K, C)",
+                      "residual_rms_s": _rms(delta_residuals),
+                      "residual_max_abs_s": max(map(abs, delta_residuals)),
+                      "residual_s": delta_residuals,
+                      "constant_overhead_s": constant,
+                      "constant_overhead_residual_rms_s": _rms([y - constant for y in y_d])},
+        "ddp_check": {"model": "T_ddp(2k) - (2K + C), not fitted",
+                      "residual_mean_s": sum(ddp_residuals) / len(ddp_residuals),
+                      "residual_rms_s": _rms(ddp_residuals),
+                      "residual_max_abs_s": max(map(abs, ddp_residuals))},  # fmt: skip
+    }
 
 
-def predict(fitted: dict, nodes: int, gbit_per_node: float, microbatches: int = 2) -> dict:
-    gpus_per_node, tokens = 8, 4 * LLAMA3_8B["seq_len"]
-    params_per_gpu = LLAMA3_8B["params"] / gpus_per_node
-    link = gbit_per_node * 1e9 / gpus_per_node  # bits/s per GPU
-    comm = fitted["alpha_s"] + (nodes - 1) / nodes * params_per_gpu * (2 + 2) * 8 / (fitted["eta"] * link)
-    flops_per_token = 6 * LLAMA3_8B["params"] + 12 * LLAMA3_8B["layers"] * LLAMA3_8B["dim"] * LLAMA3_8B["seq_len"]
-    per_gpu_flops = H100["peak_flops"] * H100["mfu"]
-    microbatch_s = tokens * flops_per_token / gpus_per_node / per_gpu_flops
-    compute = microbatches * microbatch_s
-    ddp = compute + comm
-    acco = max(compute, comm) + fitted["delta"] * min(compute, comm)
-    hide = max(1, -(-int(comm * 1000) // int(microbatch_s * 1000)))  # micro-batches to cover comm
-    return {"nodes": nodes, "gbit_per_node": gbit_per_node, "compute_s": compute, "comm_s": comm,
-            "ddp_round_s": ddp, "acco_round_s": acco, "speedup": ddp / acco,
-            "microbatches_to_hide_comm": hide}  # fmt: skip
+def setup(config: pathlib.Path = CONFIG) -> dict:
+    """The 8B run's shape, read from the torchtitan config, and the compute of one micro-batch."""
+    cfg = tomllib.loads(config.read_text())
+    training, par, acco = cfg["training"], cfg["parallelism"], cfg["acco"]
+    tp = par["tensor_parallel_degree"]
+    gpus = H100["gpus_per_node"]
+    # torchtitan's get_dense_model_nparams_and_flops: 6 (P - embedding) + 12 L d T.
+    flops_per_token = 6 * (LLAMA3_8B["params"] - LLAMA3_8B["embedding_params"]) + (
+        12 * LLAMA3_8B["layers"] * LLAMA3_8B["dim"] * training["seq_len"]
+    )
+    tokens = training["local_batch_size"] * training["seq_len"]  # per node (one rank per TP group)
+    microbatch_s = tokens * flops_per_token / (tp * H100["peak_flops"] * H100["mfu"])
+    return {
+        "config": str(config.relative_to(ROOT)),
+        "tensor_parallel": tp,
+        "gpus_per_node": gpus,
+        "params_per_gpu": LLAMA3_8B["params"] / tp,
+        "reduce_bytes": BYTES[acco.get("reduce_dtype", "float32")],
+        "gather_bytes": BYTES[training.get("dtype", "float32")],
+        "k": acco["accumulation_steps"],
+        "tokens_per_microbatch_per_node": tokens,
+        "flops_per_token": flops_per_token,
+        "microbatch_s": microbatch_s,
+    }
 
 
-def main() -> None:
-    results = json.loads(THROUGHPUT.read_text())
-    fitted = fit(results)
-    print(f"fitted on the testbed: eta={fitted['eta']:.3f} alpha={fitted['alpha_s']*1e3:.0f} ms "
-          f"delta={fitted['delta']:.3f}")  # fmt: skip
-    predictions = [predict(fitted, nodes, gbit) for gbit in (100, 200, 400) for nodes in (4, 8, 16, 32)]
-    print(f"{'nodes':>5} {'Gbit/s':>6} {'compute':>8} {'comm':>6} {'ddp':>6} {'acco':>6} {'S':>5} {'k to hide':>9}")
-    for p in predictions:
-        print(f"{p['nodes']:>5} {p['gbit_per_node']:>6.0f} {p['compute_s']:>8.2f} {p['comm_s']:>6.2f} "
-              f"{p['ddp_round_s']:>6.2f} {p['acco_round_s']:>6.2f} {p['speedup']:>5.2f} "
-              f"{p['microbatches_to_hide_comm']:>9}")  # fmt: skip
-    OUT.write_text(json.dumps({"fitted": fitted, "assumptions": __doc__.split("Prediction for")[1],
-                               "predictions": predictions}, indent=1) + "\n")  # fmt: skip
+def speedup(compute_s: float, comm_s: float, delta: float) -> float:
+    """Per token: ZeRO-1 over 2k micro-batches against two ACCO rounds of k."""
+    acco = max(compute_s, comm_s) + delta * min(compute_s, comm_s)
+    return (2 * compute_s + comm_s) / (2 * acco)
+
+
+def best_k(comm_s: float, microbatch_s: float, delta: float) -> int:
+    """The k that maximises S: the peak is at K = C (for delta < 1/2), so floor or ceil."""
+    ratio = comm_s / microbatch_s
+    candidates = {max(1, math.floor(ratio)), max(1, math.ceil(ratio))}
+    return max(sorted(candidates), key=lambda k: speedup(k * microbatch_s, comm_s, delta))
+
+
+def predict(fitted: dict, run: dict, nodes: int, gbit_per_node: float, name: str = "") -> dict:
+    per_gpu_link = gbit_per_node * 1e9 / run["gpus_per_node"]  # the NICs shared evenly
+    wire = run["reduce_bytes"] + run["gather_bytes"]
+    line_rate_s = wire_seconds(nodes, run["params_per_gpu"], wire, per_gpu_link)
+    comm = fitted["alpha_s"] + line_rate_s / fitted["eta"]
+    t, k = run["microbatch_s"], run["k"]
+    compute = k * t
+    k_star = best_k(comm, t, fitted["delta"])
+    tokens_per_update = 2 * run["tokens_per_microbatch_per_node"] * nodes
+    return {
+        "link": name, "gbit_per_node": gbit_per_node, "nodes": nodes,
+        "microbatch_s": t, "comm_C_s": comm,
+        "k": k, "compute_K_s": compute, "C_over_K": comm / compute,
+        "zero1_update_s": 2 * compute + comm,
+        "acco_two_rounds_s": 2 * (max(compute, comm) + fitted["delta"] * min(compute, comm)),
+        "S_fitted_delta": speedup(compute, comm, fitted["delta"]),
+        "S_ideal": speedup(compute, comm, 0.0),
+        "tokens_per_update": k * tokens_per_update,
+        "k_star": k_star, "C_over_K_at_k_star": comm / (k_star * t),
+        "S_fitted_delta_at_k_star": speedup(k_star * t, comm, fitted["delta"]),
+        "S_ideal_at_k_star": speedup(k_star * t, comm, 0.0),
+        "tokens_per_update_at_k_star": k_star * tokens_per_update,
+    }  # fmt: skip
+
+
+def plot(fitted: dict, run: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for gbit in (100, 200, 400):
-        rows = [p for p in predictions if p["gbit_per_node"] == gbit]
-        ax.plot([p["nodes"] for p in rows], [p["speedup"] for p in rows], "o-", label=f"{gbit} Gbit/s per node")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("H100 nodes (TP 8 inside, ACCO across)")
-    ax.set_ylabel("predicted speedup ACCO / ZeRO-1 per round")
-    ax.set_title("Llama-3 8B, 2 micro-batches of 4x8192 tokens per node and round (model)", fontsize=9)
-    ax.legend()
+    grid = [10 * (3200 / 10) ** (i / 200) for i in range(201)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    colors = {4: "tab:blue", 8: "tab:orange", 32: "tab:green"}
+    for ax, at_best in zip(axes, (False, True)):
+        for nodes in NODES:
+            rows = [predict(fitted, run, nodes, gbit) for gbit in grid]
+            key = "_at_k_star" if at_best else ""
+            ax.plot(grid, [r["S_fitted_delta" + key] for r in rows], "-", color=colors[nodes],
+                    label=f"{nodes} nodes, fitted δ = {fitted['delta']:.2f}")  # fmt: skip
+            ax.plot(grid, [r["S_ideal" + key] for r in rows], "--", color=colors[nodes],
+                    linewidth=0.9, label=f"{nodes} nodes, ideal overlap δ = 0")  # fmt: skip
+        for _, gbit in LINKS:
+            ax.axvline(gbit, color="lightgray", linewidth=0.6, zorder=0)
+        ax.axhline(1.0, color="black", linewidth=0.9)
+        ax.axhline(1.5, color="gray", linewidth=0.6, linestyle=":")
+        ax.set_xscale("log")
+        ticks = [gbit for _, gbit in LINKS]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link bandwidth per node, Gbit/s (log scale)")
+        ax.set_title(
+            "k* micro-batches per round, k* ≈ C / t_microbatch (best k)" if at_best
+            else f"k = {run['k']} micro-batches per round (llama3_8b_acco.toml)",
+            fontsize=9,
+        )  # fmt: skip
+    axes[0].set_ylabel("per-token speedup S, ACCO(k) / sync ZeRO-1(2k)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(
+        "Llama-3 8B, TP 8 in a node, ACCO across nodes, H100 at 40 % MFU — MODEL, not a "
+        "measurement; fitted on a 2-core CPU testbed (docs/results/scaling.json)",
+        fontsize=9,
+    )
     fig.tight_layout()
+    FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=110)
-    print(f"wrote {OUT} and {FIGURE}")
+
+
+def main() -> None:
+    fitted = fit(json.loads(LAW_SWEEP.read_text()))
+    run = setup()
+    cf, df = fitted["comm_fit"], fitted["delta_fit"]
+    print(f"fit on {fitted['source']}: eta = {fitted['eta']:.3f}, "
+          f"alpha = {fitted['alpha_s'] * 1e3:.1f} ms "
+          f"(residual RMS {cf['residual_rms_s'] * 1e3:.1f} ms, "
+          f"max {cf['residual_max_abs_s'] * 1e3:.1f} ms over {len(cf['caps'])} caps); "
+          f"delta = {fitted['delta']:.3f} (residual RMS "
+          f"{df['residual_rms_s'] * 1e3:.1f} ms, max {df['residual_max_abs_s'] * 1e3:.1f} ms over "
+          f"{df['runs']} acco runs; a constant {df['constant_overhead_s'] * 1e3:.0f} ms per round "
+          f"instead: RMS {df['constant_overhead_residual_rms_s'] * 1e3:.1f} ms)")  # fmt: skip
+    print(f"8B: t_microbatch = {run['microbatch_s']:.3f} s "
+          f"({run['tokens_per_microbatch_per_node']} tokens "
+          f"per node, {run['flops_per_token'] / 1e9:.2f} GFLOP/token), k = {run['k']}")  # fmt: skip
+    rows = [predict(fitted, run, nodes, gbit, name) for name, gbit in LINKS for nodes in NODES]
+    print(f"{'link':>20} {'Gb/s':>5} {'nodes':>5} {'K':>6} {'C':>6} {'C/K':>5} {'S δ=0':>6} "
+          f"{'S δfit':>6} {'k*':>4} {'S* δ=0':>6} {'S* δfit':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['link']:>20} {r['gbit_per_node']:>5} {r['nodes']:>5} {r['compute_K_s']:>6.2f} "
+              f"{r['comm_C_s']:>6.2f} {r['C_over_K']:>5.2f} {r['S_ideal']:>6.3f} "
+              f"{r['S_fitted_delta']:>6.3f} {r['k_star']:>4} {r['S_ideal_at_k_star']:>6.3f} "
+              f"{r['S_fitted_delta_at_k_star']:>7.3f}")  # fmt: skip
+    assumptions = [
+        "A MODEL, not a measurement: eta, alpha and delta come from a 2-core CPU testbed (gloo, "
+        "tbf-capped veth); nothing here ran on an H100.",
+        f"Llama-3 8B, {LLAMA3_8B['params']} parameters, TP {run['tensor_parallel']} inside a node "
+        f"(NVLink), ACCO across nodes: {run['params_per_gpu']:.4g} parameters per GPU on the wire.",
+        f"bytes on the wire per parameter: reduce {run['reduce_bytes']} + gather "
+        f"{run['gather_bytes']} (bf16 both ways, {run['config']}).",
+        "each node's link bandwidth shared evenly by its 8 GPUs (8 x 400G IB: one NIC per GPU).",
+        f"a micro-batch is {run['tokens_per_microbatch_per_node']} tokens per node "
+        f"(local_batch_size x seq_len); k = {run['k']} micro-batches per ACCO round "
+        "([acco] accumulation_steps); the ZeRO-1 baseline uses 2k per update (equal tokens).",
+        f"989 TFLOP/s dense bf16 per GPU at 40 % MFU; torchtitan's FLOPs per token "
+        f"6 (P - embedding) + 12 L d T = {run['flops_per_token']:.4g}.",
+        "alpha (fixed cost of a round end) is the testbed's; on GPUs the shard step is faster, "
+        "and NCCL over IB/RoCE has its own efficiency: eta is the testbed's too.",
+        "delta = 0 is the ideal overlap (the law); fitted delta is the CPU testbed's, where "
+        "compute and communication share a core: pessimistic for GPUs.",
+        "raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
+        "update); whether the larger batch converges as well is not modelled.",
+    ]
+    OUT.write_text(json.dumps({"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted,
+                               "setup": run, "assumptions": assumptions, "rows": rows},
+                              indent=1) + "\n")  # fmt: skip
+    plot(fitted, run)
+    print(f"wrote {OUT.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
