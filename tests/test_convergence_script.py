@@ -1,4 +1,6 @@
-"""benchmarks/convergence: log parsing, step -> tokens, final-loss statistic, plots, smoke runs."""
+"""benchmarks/convergence: log parsing (training and held-out lines), step -> tokens, the runs'
+settings (batch per arm, validation frequency), final-loss and held-out statistics, plots,
+smoke runs."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ grad_norm: -1.0000  memory:  0.80GiB(3.39%)  tps: 610  tflops: 0.02  mfu: 0.01%
 [default0]:some other line with step: in it
 [default0]:[titan] 2026-11-21 10:41:03,148 - root - INFO - step:  2  loss:  8.14143  \
 grad_norm:  1.0760  memory:  0.85GiB(3.62%)  tps: 1,044  tflops: 0.04  mfu: 0.01%
+[default0]:[titan] 2026-11-21 10:41:03,400 - root - INFO - validate step:  2  loss:  7.9876  \
+memory:  0.85GiB(3.62%)  tps: 9,120
+[default1]:[titan] 2026-11-21 10:41:03,401 - root - INFO - validate step:  2  loss:  7.9876  \
+memory:  0.85GiB(3.62%)  tps: 9,100
 [default1]:[titan] 2026-11-21 10:41:03,150 - root - INFO - step:  2  loss:  8.14143  \
 grad_norm:  1.0760  memory:  0.86GiB(3.67%)  tps: 12,041  tflops: 0.04  mfu: 0.01%
 """
@@ -35,12 +41,17 @@ def test_parse_log_splits_ranks_and_reads_thousands() -> None:
     assert parsed[1]["tps"] == [610.0, 12041.0]
     assert parsed[0]["ts"][1] - parsed[0]["ts"][0] == pytest.approx(0.245, abs=1e-6)
     assert parsed[0]["start"][0] == pytest.approx(parsed[0]["ts"][0] - 1.403, abs=1e-6)
+    # held-out lines are kept apart from the training steps
+    assert parsed[0]["heldout_step"] == [2] and parsed[0]["heldout_loss"] == [7.9876]
+    assert parsed[0]["heldout_ts"][0] - parsed[0]["ts"][1] == pytest.approx(0.252, abs=1e-6)
+    assert parsed[1]["heldout_step"] == [2]
 
 
 def test_parse_log_without_torchrun_prefix() -> None:
     plain = "\n".join(line.split("]:", 1)[1] for line in LOG.splitlines() if "default0" in line)
     parsed = run.parse_log(plain)
     assert list(parsed) == [0] and parsed[0]["step"] == [1, 2]
+    assert parsed[0]["heldout_step"] == [2]
 
 
 def test_steps_and_tokens_per_mode() -> None:
@@ -69,8 +80,51 @@ def test_steps_and_tokens_per_mode() -> None:
 def test_overrides_after_double_dash_and_managed_ones_refused() -> None:
     own, overrides = run.split_overrides(["--updates", "2", "--", "--training.seq_len", "64"])
     assert own == ["--updates", "2"] and overrides == ("--training.seq_len", "64")
-    with pytest.raises(SystemExit):
-        run.split_overrides(["--", "--training.steps=5"])
+    for managed in ("--training.steps=5", "--validation.freq", "--experimental.custom_import"):
+        with pytest.raises(SystemExit):
+            run.split_overrides(["--", managed, "1"])
+
+
+def _planned(*argv: str) -> dict[str, run.RunSpec]:
+    args, overrides = run.parse_args(list(argv))
+    return {spec.arm: spec for spec in run.plan(args, overrides)}
+
+
+def test_plan_validates_every_n_updates_on_the_training_batch_shape() -> None:
+    specs = _planned("--updates", "50", "--seeds", "0", "--heldout-every", "25",
+                     "--", "--training.seq_len", "64")  # fmt: skip
+    for mode, freq in (("ddp", "25"), ("acco", "50"), ("dpu", "25")):
+        overrides = specs[mode].overrides
+        assert "--validation.enable" in overrides
+        assert run.override_value(overrides, "--validation.freq") == freq  # acco: 2 rounds/update
+        assert run.override_value(overrides, "--validation.steps") == "8"
+        assert run.override_value(overrides, "--validation.dataset") == "stdlib_validation"
+        assert run.override_value(overrides, "--validation.seq_len") == "64"
+        assert run.override_value(overrides, "--validation.local_batch_size") == "4"
+    assert run.updates_after("acco", 50) == 25 and run.updates_after("ddp", 50) == 50
+    assert "--validation.enable" not in _planned("--updates", "2", "--heldout-every", "0")[
+        "ddp"].overrides  # fmt: skip
+    with pytest.raises(SystemExit):  # the last update would not be validated
+        run.parse_args(["--updates", "30", "--heldout-every", "25"])
+
+
+def test_plan_heterogeneous_equal_tokens_per_update() -> None:
+    specs = _planned("--heterogeneous", "--updates", "4", "--heldout-every", "2")
+    ddp, acco = specs["ddp"], specs["acco_until_ready"]
+    # ddp: 5 micro-batches of 4 sequences per rank per update; acco: 1 per rank per round
+    assert run.override_value(ddp.overrides, "--training.global_batch_size") == "40"
+    assert run.override_value(acco.overrides, "--training.global_batch_size") == "8"
+    assert "--acco.accumulate_until_ready" in acco.overrides
+    assert ddp.slow_factor == acco.slow_factor == 4.0
+    specs = _planned("--heterogeneous", "--updates", "4", "--heldout-every", "2",
+                     "--ddp-microbatches-per-rank", "3", "--slow-factor", "2")  # fmt: skip
+    assert run.override_value(specs["ddp"].overrides, "--training.global_batch_size") == "24"
+    assert specs["ddp"].slow_factor == 2.0
+    env = run.run_env(specs["ddp"], pathlib.Path("/tmp/x"), 1)
+    assert env[run.SLOW_FACTOR_ENV] == "2" and env[run.STATS_DIR_ENV] == "/tmp/x/stats"
+    args, _ = run.parse_args(["--heterogeneous"])
+    assert args.out == run.DEFAULT_OUT["heterogeneous"]
+    assert run.parse_args([])[0].out == run.DEFAULT_OUT["convergence"]
 
 
 def test_curves_from_stats_weights_by_tokens() -> None:
@@ -119,51 +173,115 @@ def test_smooth_and_band() -> None:
     assert hi.tolist() == [6.0, 4.0, 2.0]
 
 
-def _synthetic_results() -> dict:
+def _heldout(record: dict, mode: str, every_steps: int, loss_of_tokens) -> None:
+    """Held-out fields as run.make_record writes them: step 1 and every ``every_steps``."""
+    steps = [1] + [s for s in record["step"] if s % every_steps == 0]
+    tokens_at = dict(zip(record["step"], record["tokens"]))
+    record.update({
+        "heldout_step": steps, "heldout_updates": [run.updates_after(mode, s) for s in steps],
+        "heldout_tokens": [tokens_at[s] for s in steps],
+        "heldout_loss": [loss_of_tokens(tokens_at[s]) for s in steps],
+        "heldout_time_s": [record["time_s"][s - 1] for s in steps],
+    })  # fmt: skip
+
+
+def _synthetic_results(seeds: int = 3) -> dict:
+    """Held-out loss = f(tokens) + a per-mode offset + a per-seed offset: the paired gap to ddp
+    is the mode's offset exactly. Heterogeneous: acco_until_ready 0.1 below ddp per token."""
     runs = {}
     for mode, offset in (("ddp", 0.0), ("acco", 0.02), ("dpu", 0.05)):
         steps = 2 * 40 if mode == "acco" else 40
         per_step = 1024 if mode == "acco" else 2048
-        for seed in range(3):
+        for seed in range(seeds):
             loss = [8.0 * math.exp(-s / steps) + offset + 0.01 * seed for s in range(1, steps + 1)]
-            runs[f"convergence/{mode}/seed{seed}"] = {
+            record = runs[f"convergence/{mode}/seed{seed}"] = {
                 "experiment": "convergence", "arm": mode, "mode": mode, "seed": seed,
                 "updates": 40, "complete": True, "step": list(range(1, steps + 1)),
                 "loss": loss, "tokens": [s * per_step for s in range(1, steps + 1)],
                 "time_s": [0.5 * s for s in range(1, steps + 1)],
             }  # fmt: skip
-    for arm, fast in (("acco_until_ready", 5), ("ddp", 4)):
-        steps = 80 if arm != "ddp" else 40
-        mbs = {"0": [fast] * steps, "1": [2 if arm != "ddp" else 4] * steps}
-        tokens = [s * 512 * (fast + int(mbs["1"][0])) for s in range(1, steps + 1)]
-        runs[f"heterogeneous/{arm}/seed0"] = {
-            "experiment": "heterogeneous", "arm": arm, "mode": arm[:4], "seed": 0, "updates": 40,
-            "complete": True, "slow_seconds": 0.3, "step": list(range(1, steps + 1)),
-            "loss": [8.0 - 0.01 * s for s in range(steps)], "tokens": tokens,
-            "time_s": [1.0 * s for s in range(1, steps + 1)], "microbatches": mbs,
-            "rank_tokens": {r: [512 * m for m in v] for r, v in mbs.items()},
-        }  # fmt: skip
-        runs[f"heterogeneous/{arm}/seed0"]["summary"] = run.summarize(
-            runs[f"heterogeneous/{arm}/seed0"])
+            _heldout(record, mode, run.steps_for(mode, 10),
+                     lambda t, c=offset + 0.01 * seed: 7.0 * math.exp(-t / 81920) + c)
+    for seed in range(seeds):
+        for arm, fast in (("acco_until_ready", 5), ("ddp", 4)):
+            steps = 80 if arm != "ddp" else 40
+            mbs = {"0": [fast] * steps, "1": [2 if arm != "ddp" else 4] * steps}
+            tokens = [s * 512 * (fast + int(mbs["1"][0])) for s in range(1, steps + 1)]
+            record = runs[f"heterogeneous/{arm}/seed{seed}"] = {
+                "experiment": "heterogeneous", "arm": arm, "mode": arm[:4], "seed": seed,
+                "updates": 40, "complete": True, "slow_factor": 4.0,
+                "microbatches_per_round_nominal": 1 if arm != "ddp" else 4,
+                "step": list(range(1, steps + 1)), "loss": [8.0 - 0.01 * s for s in range(steps)],
+                "tokens": tokens, "time_s": [(1.0 + 0.1 * seed) * s for s in range(1, steps + 1)],
+                "microbatches": mbs,
+                "rank_tokens": {r: [512 * m for m in v] for r, v in mbs.items()},
+            }  # fmt: skip
+            _heldout(record, record["mode"], 20 if arm != "ddp" else 10,
+                     lambda t, c=0.0 if arm == "ddp" else -0.1: 8.0 - t / 1e5 + c)
+            record["summary"] = run.summarize(record)
     runs["convergence/ddp/seed9"] = {"experiment": "convergence", "complete": False, "loss": []}
     return {"version": 1, "runs": runs}
+
+
+def test_heldout_statistics() -> None:
+    grouped = plot.group_runs(_synthetic_results()["runs"], "convergence")
+    rows = {row["arm"]: row for row in plot.heldout_table(grouped)}
+    assert rows["ddp"]["seeds"] == [0, 1, 2] and rows["ddp"]["updates"] == 40
+    assert rows["acco"]["tokens"] == rows["ddp"]["tokens"] == 40 * 2048
+    assert rows["acco"]["std"] == pytest.approx(0.01)  # the seeds' offsets 0, .01, .02
+    assert rows["acco"]["paired_gap_mean"] == pytest.approx(0.02)
+    assert rows["acco"]["paired_gap_std"] == pytest.approx(0.0, abs=1e-12)  # paired: no seed noise
+    assert rows["dpu"]["paired_gap_to_ddp"]["2"] == pytest.approx(0.05)
+    tokens, mean, std = plot.heldout_mean(grouped["acco"])
+    assert tokens.tolist() == [1024, 20480, 40960, 61440, 81920] and len(mean) == len(std) == 5
+    # gaps at the token counts both have; acco's step-1 point (half an update) has no partner
+    ddp_x, ddp_y = plot.heldout_curve(grouped["ddp"][0])
+    x, gap = plot.gap_at(ddp_x, ddp_y, *plot.heldout_curve(grouped["acco"][0]), exact=True)
+    assert x.tolist() == [20480, 40960, 61440, 81920] and gap == pytest.approx([0.02] * 4)
+    comparison = plot.hetero_comparison(plot.group_runs(_synthetic_results()["runs"],
+                                                        "heterogeneous"))  # fmt: skip
+    seed0 = comparison["per_seed"]["0"]
+    assert seed0["equal_tokens"] == 40 * 4096  # ddp's last: acco ran further
+    assert seed0["gap_at_equal_tokens"] == pytest.approx(-0.1)
+    assert seed0["tokens_per_s_ratio"] == pytest.approx(3584 / 4096)
+    assert comparison["tokens_per_s_ratio_std"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_plot_on_synthetic_json(tmp_path: pathlib.Path, capsys) -> None:
     results = tmp_path / "results.json"
     results.write_text(json.dumps(_synthetic_results()))
-    assert plot.main(["--results", str(results), "--out-dir", str(tmp_path / "fig")]) == 0
+    missing = str(tmp_path / "missing.json")
+    assert plot.main(["--results", str(results), missing, "--out-dir", str(tmp_path / "fig")]) == 0
     out = capsys.readouterr().out
     for name in ("convergence.png", "heterogeneous.png"):
         assert (tmp_path / "fig" / name).stat().st_size > 10_000
     assert "acco" in out and "dpu" in out and "+0.00%" in out
+    assert "+0.0200 ± 0.0000" in out  # acco's paired held-out gap to ddp
     assert "rank0: 400 (5.00/step" in out and "rank1: 160 (2.00/step" in out
+    assert "tokens/s acco_until_ready / ddp: 0.88 ± 0.00" in out
+    summary = json.loads(results.read_text())["summary"]
+    acco = next(r for r in summary["convergence"]["heldout_final_update"] if r["arm"] == "acco")
+    assert acco["paired_gap_mean"] == pytest.approx(0.02)
+    assert summary["heterogeneous"]["vs_ddp"]["gap_at_equal_tokens_mean"] == pytest.approx(-0.1)
     grouped = plot.load_runs(results, "convergence")
     assert list(grouped) == ["ddp", "acco", "dpu"] and len(grouped["ddp"]) == 3  # seed9 left out
 
 
+def test_plot_without_heldout_data(tmp_path: pathlib.Path) -> None:
+    """A results file from before the held-out loss (docs/results/convergence.json) still plots."""
+    results = _synthetic_results(seeds=1)
+    for record in results["runs"].values():
+        for key in [k for k in record if k.startswith("heldout_")]:
+            del record[key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(results))
+    argv = ["--results", str(path), "--out-dir", str(tmp_path), "--no-write-summary"]
+    assert plot.main(argv) == 0
+    assert (tmp_path / "convergence.png").exists() and "summary" not in json.loads(path.read_text())
+
+
 def _run_args(tmp_path: pathlib.Path, *extra: str) -> list[str]:
-    return ["--updates", "2", "--seeds", "0", "--print-every", "0",
+    return ["--updates", "2", "--seeds", "0", "--print-every", "0", "--heldout-every", "1",
             "--out", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "work"), *extra,
             "--", "--training.seq_len", "64", "--training.local_batch_size", "2"]  # fmt: skip
 
@@ -174,6 +292,9 @@ def test_smoke_run_one_mode_one_seed(tmp_path: pathlib.Path, capsys) -> None:
     assert record["complete"] and record["step"] == [1, 2] and record["steps"] == 2
     assert record["tokens"] == [16 * 64, 2 * 16 * 64]
     assert all(0 < v < 20 for v in record["loss"])
+    assert record["heldout_step"] == record["heldout_updates"] == [1, 2]
+    assert record["heldout_tokens"] == record["tokens"]
+    assert all(0 < v < 20 for v in record["heldout_loss"])
     assert sorted(record["tps"]) == ["0", "1"] and record["wall_s"] > 0
     assert record["time_s"][0] > 0 and record["summary"]["tokens_per_s"] > 0
     capsys.readouterr()
@@ -183,14 +304,19 @@ def test_smoke_run_one_mode_one_seed(tmp_path: pathlib.Path, capsys) -> None:
 
 def test_smoke_heterogeneous_counts_microbatches(tmp_path: pathlib.Path) -> None:
     args = _run_args(tmp_path, "--heterogeneous", "--arms", "acco_until_ready",
-                     "--slow-seconds", "0.05", "--log-freq", "1")  # fmt: skip
+                     "--slow-factor", "2", "--log-freq", "1")  # fmt: skip
     args[1] = "1"  # one update: two rounds
     assert run.main(args) == 0
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
     record = runs["heterogeneous/acco_until_ready/seed0"]
     assert record["complete"] and record["step"] == [1, 2]
     assert sorted(record["microbatches"]) == ["0", "1"]
-    assert all(m >= 2 for counts in record["microbatches"].values() for m in counts)
+    assert record["microbatches_per_round_nominal"] == 1  # the rest is accumulate_until_ready's
+    assert all(m >= 1 for counts in record["microbatches"].values() for m in counts)
+    # validated after round 1 and after the update (round 2), at the tokens actually processed
+    assert record["heldout_step"] == [1, 2] and record["heldout_updates"] == [0, 1]
+    assert record["heldout_tokens"] == record["tokens"]
+    assert record["slow_factor"] == 2.0
     # the loss rebuilt from the per-micro-batch logs is what torchtitan logged
     assert record["step_logged"] == [1, 2]
     assert record["loss"] == pytest.approx(record["loss_logged"], abs=1e-4)

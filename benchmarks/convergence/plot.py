@@ -1,27 +1,39 @@
-"""Plot and tabulate the results of ``benchmarks/convergence/run.py``.
+"""Plot and summarise the results of ``benchmarks/convergence/run.py``.
 
 What it shows
-    ``docs/figures/convergence.png``: training loss vs tokens seen (all ranks) per mode: the mean
-    over seeds as a line and the min-max over seeds as a band, after a trailing moving average
-    over ``--smooth-tokens`` tokens (the same token span for every mode; 0 turns it off; the
-    title says which). Right panel: the second half of training, zoomed in.
-    ``docs/figures/heterogeneous.png`` (if the JSON has heterogeneous runs): loss vs tokens
-    processed, loss vs training time, and the micro-batches each rank ran per step.
+    ``docs/figures/convergence.png``: left, training loss vs tokens seen (all ranks) per mode,
+    the mean over seeds as a line and the min-max over seeds as a band, after a trailing moving
+    average over ``--smooth-tokens`` tokens (0 turns it off); middle, the held-out loss
+    (``stdlib_validation``, the same batches at every validation) vs tokens, every seed as a
+    thin line and the mean ± sample std over seeds as error bars; right, the paired held-out
+    gap to ddp (mode − ddp, same seed) at the token counts both validated at.
+    ``docs/figures/heterogeneous.png``: held-out loss vs tokens processed (all ranks, actual
+    tokens) and vs training time, every seed; tokens/s of each arm per seed; the micro-batches
+    each rank ran per round.
 
-    Printed tables: per mode the final loss = mean of the (unsmoothed) logged loss over the last
-    ``--tail`` (5 %) of steps of each run, then mean ± sample std over seeds, and the relative
-    gap of the mean to ddp's; for heterogeneous runs also tokens/s (all ranks and per rank) and
-    micro-batches per rank.
+    Printed, and written into each results file as its top-level ``"summary"`` (recomputed at
+    every call):
+
+    * convergence: per mode the held-out loss after the final update, mean ± sample std over
+      seeds, and the paired gap to ddp (``acco − ddp``, ``dpu − ddp`` per seed, then mean ±
+      std over seeds); also the training loss over the last ``--tail`` (5 %) of steps;
+    * heterogeneous: tokens/s per arm and seed, the ratio ``acco_until_ready / ddp`` per seed
+      and its mean ± std, micro-batches per round per rank, and the held-out gap at equal
+      tokens: both curves interpolated (linearly) at the fewer of the two arms' final token
+      counts, ``acco_until_ready − ddp`` per seed.
 
 Reproduce::
 
-    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2
-    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2
-    python -m benchmarks.convergence.plot  # --results docs/results/convergence.json
+    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2 -- --training.seq_len 64
+    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2 \\
+        -- --training.seq_len 64
+    python -m benchmarks.convergence.plot  # both default results files, figures in docs/figures
 
-Assumptions: only runs marked ``complete`` are used. Seeds of one mode are put on a common
-x grid (their own tokens; linear interpolation where runs differ, as in heterogeneous runs
-where the fast rank's extra micro-batches make tokens per step vary) cut to the shortest run.
+Assumptions: only runs marked ``complete`` are used. Training-loss bands put the seeds of a mode
+on a common x grid (their own tokens, linear interpolation) cut to the shortest run. Held-out
+points of different seeds of one mode are matched by step (the same token counts in convergence
+runs). A results file without held-out data (the earlier ``docs/results/convergence.json``)
+still gives the training-loss panels and tables.
 """
 
 from __future__ import annotations
@@ -40,17 +52,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_RESULTS = "docs/results/convergence.json"
+DEFAULT_RESULTS = ("docs/results/convergence_heldout.json", "docs/results/heterogeneous.json")
 DEFAULT_FIGURES = "docs/figures"
 COLORS = {"ddp": "#264653", "acco": "#e76f51", "dpu": "#2a9d8f", "acco_until_ready": "#e76f51",
           "dpu_until_ready": "#2a9d8f"}  # fmt: skip
 ORDER = ("ddp", "acco", "dpu", "acco_until_ready", "dpu_until_ready")
+HETERO_ARM = "acco_until_ready"  # compared with ddp in the heterogeneous summary
+
+Runs = dict[str, list[dict[str, Any]]]  # arm -> complete records, by seed
 
 
-def load_runs(path: pathlib.Path, experiment: str) -> dict[str, list[dict[str, Any]]]:
+def read_results(path: pathlib.Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def group_runs(runs: dict[str, dict[str, Any]], experiment: str) -> Runs:
     """Complete runs of ``experiment``, grouped by arm (mode), in a stable order."""
-    runs = json.loads(path.read_text(encoding="utf-8")).get("runs", {})
-    grouped: dict[str, list[dict[str, Any]]] = {}
+    grouped: Runs = {}
     for record in runs.values():
         if record.get("experiment") == experiment and record.get("complete") and record["loss"]:
             grouped.setdefault(record["arm"], []).append(record)
@@ -58,6 +76,14 @@ def load_runs(path: pathlib.Path, experiment: str) -> dict[str, list[dict[str, A
         records.sort(key=lambda r: r["seed"])
     rank = {arm: i for i, arm in enumerate(ORDER)}
     return dict(sorted(grouped.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
+
+
+def load_runs(path: pathlib.Path, experiment: str) -> Runs:
+    """Complete runs of ``experiment`` in the results file ``path``."""
+    return group_runs(read_results(path).get("runs", {}), experiment)
+
+
+# ----------------------------------------------------------------------------- statistics
 
 
 def final_loss(losses: Sequence[float], tail: float = 0.05) -> float:
@@ -69,8 +95,10 @@ def final_loss(losses: Sequence[float], tail: float = 0.05) -> float:
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
+    """Mean and sample standard deviation (0 for a single value; NaN for none)."""
     arr = np.asarray(values, dtype=float)
+    if len(arr) == 0:
+        return math.nan, math.nan
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
@@ -105,8 +133,55 @@ def band(records: list[dict[str, Any]], x_key: str, smooth_tokens: int
     return grid, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
-def final_table(grouped: dict[str, list[dict[str, Any]]], tail: float) -> list[dict[str, Any]]:
-    """Per arm: seeds, final loss mean ± std, relative gap of the mean to ddp's (in %)."""
+def heldout_curve(record: dict[str, Any], x_key: str = "heldout_tokens"
+                  ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """x (``heldout_tokens`` or ``heldout_time_s``) and held-out loss of one run."""
+    points = [(x, y) for x, y in zip(record.get(x_key, []), record.get("heldout_loss", []))
+              if x is not None]  # fmt: skip
+    x, y = zip(*points) if points else ((), ())
+    return np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+
+
+def has_heldout(grouped: Runs) -> bool:
+    return any(r.get("heldout_loss") for records in grouped.values() for r in records)
+
+
+def heldout_mean(records: list[dict[str, Any]]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """Tokens, mean and sample std of the held-out loss over seeds, at the steps all share."""
+    shared = set.intersection(*(set(r["heldout_step"]) for r in records))
+    rows = []
+    for record in records:
+        by_step = dict(zip(record["heldout_step"],
+                           zip(record["heldout_tokens"], record["heldout_loss"])))  # fmt: skip
+        rows.append([by_step[s] for s in sorted(shared)])
+    if not shared:
+        return np.array([]), np.array([]), np.array([])
+    arr = np.asarray(rows, dtype=float)  # seeds x steps x (tokens, loss)
+    std = arr[:, :, 1].std(axis=0, ddof=1) if len(records) > 1 else np.zeros(len(shared))
+    return arr[:, :, 0].mean(axis=0), arr[:, :, 1].mean(axis=0), std
+
+
+def gap_at(x_ref: np.ndarray, y_ref: np.ndarray, x: np.ndarray, y: np.ndarray,
+           exact: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """``y - y_ref`` at the points of ``x_ref``: those ``x`` also has (``exact``), or all
+    within the range of ``x``, ``y`` interpolated linearly."""
+    if not len(x) or not len(x_ref):
+        return np.array([]), np.array([])
+    if exact:
+        keep = np.isin(x_ref, x)
+    else:
+        keep = (x_ref >= x.min()) & (x_ref <= x.max())
+    order = np.argsort(x)
+    return x_ref[keep], np.interp(x_ref[keep], x[order], y[order]) - y_ref[keep]
+
+
+def by_seed(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["seed"]: r for r in records}
+
+
+def final_table(grouped: Runs, tail: float) -> list[dict[str, Any]]:
+    """Per arm: seeds, final training loss mean ± std, relative gap of the mean to ddp's (%)."""
     rows = []
     for arm, records in grouped.items():
         mean, std = mean_std([final_loss(r["loss"], tail) for r in records])
@@ -118,19 +193,34 @@ def final_table(grouped: dict[str, list[dict[str, Any]]], tail: float) -> list[d
     return rows
 
 
-def print_final_table(title: str, rows: list[dict[str, Any]], tail: float) -> None:
-    print(f"{title}: final loss = mean of the last {tail:.0%} of steps; mean ± sample std over "
-          "seeds; gap = (mean - ddp mean) / ddp mean")  # fmt: skip
-    print(f"  {'mode':<18}{'seeds':<10}{'updates':>8}{'tokens':>12}{'final loss':>20}{'gap':>10}")
-    for r in rows:
-        seeds = ",".join(map(str, r["seeds"]))
-        loss = f"{r['mean']:.4f} ± {r['std']:.4f}"
-        print(f"  {r['arm']:<18}{seeds:<10}{r['updates']:>8}{r['tokens']:>12,}{loss:>20}"
-              f"{r['gap_pct']:>+9.2f}%")  # fmt: skip
+def heldout_table(grouped: Runs) -> list[dict[str, Any]]:
+    """Per arm: held-out loss after the final update per seed, mean ± std, and the paired gap
+    to ddp of the same seed (per seed, mean ± std, mean relative to ddp's mean in %)."""
+    ddp = by_seed(grouped.get("ddp", []))
+    ddp_mean = mean_std([r["heldout_loss"][-1] for r in ddp.values() if r.get("heldout_loss")])[0]
+    rows = []
+    for arm, records in grouped.items():
+        final = {r["seed"]: float(r["heldout_loss"][-1]) for r in records if r.get("heldout_loss")}
+        if not final:
+            continue
+        gaps = {seed: final[seed] - float(ddp[seed]["heldout_loss"][-1])
+                for seed in final if seed in ddp and ddp[seed].get("heldout_loss")}  # fmt: skip
+        mean, std = mean_std(list(final.values()))
+        gap_mean, gap_std = mean_std(list(gaps.values()))
+        last = records[0]
+        rows.append({
+            "arm": arm, "seeds": sorted(final), "updates": last["heldout_updates"][-1],
+            "tokens": last["heldout_tokens"][-1], "per_seed": {str(s): v for s, v in final.items()},
+            "mean": mean, "std": std,
+            "paired_gap_to_ddp": {str(s): v for s, v in gaps.items()},
+            "paired_gap_mean": gap_mean, "paired_gap_std": gap_std,
+            "paired_gap_pct": 100 * gap_mean / ddp_mean if ddp_mean == ddp_mean else math.nan,
+        })  # fmt: skip
+    return rows
 
 
-def hetero_table(grouped: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per arm, means over seeds: train time, tokens/s (all, per rank), micro-batches per rank."""
+def hetero_table(grouped: Runs) -> list[dict[str, Any]]:
+    """Per arm: tokens/s per seed and mean ± std, train time, micro-batches per round per rank."""
     rows = []
     for arm, records in grouped.items():
         summaries = [r["summary"] for r in records]
@@ -139,9 +229,14 @@ def hetero_table(grouped: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any
         def avg(key: str) -> float:
             return float(np.mean([s.get(key, math.nan) for s in summaries]))
 
+        tps = {str(r["seed"]): r["summary"].get("tokens_per_s", math.nan) for r in records}
+        tps_mean, tps_std = mean_std(list(tps.values()))
         rows.append({
-            "arm": arm, "seeds": len(records), "slow_s": records[0].get("slow_seconds", 0.0),
-            "train_s": avg("train_s"), "tokens_per_s": avg("tokens_per_s"),
+            "arm": arm, "seeds": [r["seed"] for r in records],
+            "slow_factor": records[0].get("slow_factor", math.nan),
+            "nominal_per_round": records[0].get("microbatches_per_round_nominal"),
+            "updates": records[0]["updates"], "train_s": avg("train_s"), "tokens": avg("tokens"),
+            "tokens_per_s": tps_mean, "tokens_per_s_std": tps_std, "tokens_per_s_per_seed": tps,
             "rank_tps": {rk: avg(f"tokens_per_s_rank{rk}") for rk in ranks},
             "microbatches": {rk: avg(f"microbatches_rank{rk}") for rk in ranks},
             "per_step": {rk: avg(f"microbatches_per_step_rank{rk}") for rk in ranks},
@@ -149,16 +244,108 @@ def hetero_table(grouped: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any
     return rows
 
 
-def print_hetero_table(rows: list[dict[str, Any]]) -> None:
-    print("heterogeneous (means over seeds): tokens/s = tokens of all ranks / training time; "
-          "micro-batches per rank: total (per step)")  # fmt: skip
+def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
+    """``arm`` against ddp, per seed: tokens/s ratio, held-out gap at equal tokens.
+
+    Equal tokens: T* = the fewer of the two runs' final held-out token counts; both held-out
+    curves are interpolated linearly at T*, the gap is ``arm − ddp``. ``gap_final_update``:
+    the two runs' held-out losses after their last update (their tokens may differ).
+    """
+    ours, ddp = by_seed(grouped.get(arm, [])), by_seed(grouped.get("ddp", []))
+    per_seed: dict[str, dict[str, float]] = {}
+    for seed in sorted(set(ours) & set(ddp)):
+        a, d = ours[seed], ddp[seed]
+        row = {"tokens_per_s_ratio": a["summary"]["tokens_per_s"] / d["summary"]["tokens_per_s"]}
+        xa, ya = heldout_curve(a)
+        xd, yd = heldout_curve(d)
+        if len(xa) and len(xd):
+            tokens = min(xa[-1], xd[-1])
+            row.update({
+                "equal_tokens": float(tokens),
+                "heldout_at_equal_tokens": float(np.interp(tokens, xa, ya)),
+                "heldout_ddp_at_equal_tokens": float(np.interp(tokens, xd, yd)),
+                "gap_final_update": float(ya[-1] - yd[-1]),
+                "tokens_final": float(xa[-1]), "tokens_final_ddp": float(xd[-1]),
+            })  # fmt: skip
+            row["gap_at_equal_tokens"] = (row["heldout_at_equal_tokens"]
+                                          - row["heldout_ddp_at_equal_tokens"])  # fmt: skip
+        per_seed[str(seed)] = row
+    out: dict[str, Any] = {"arm": arm, "per_seed": per_seed}
+    for key in ("tokens_per_s_ratio", "gap_at_equal_tokens", "gap_final_update"):
+        values = [row[key] for row in per_seed.values() if key in row]
+        out[key + "_mean"], out[key + "_std"] = mean_std(values)
+    return out
+
+
+def convergence_summary(grouped: Runs, tail: float) -> dict[str, Any]:
+    return {"heldout_final_update": heldout_table(grouped),
+            "train_loss_final": final_table(grouped, tail), "train_loss_tail": tail}
+
+
+def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
+    return {"arms": hetero_table(grouped), "vs_ddp": hetero_comparison(grouped)}
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def print_final_table(title: str, rows: list[dict[str, Any]], tail: float) -> None:
+    print(f"{title}: final training loss = mean of the last {tail:.0%} of steps; mean ± sample "
+          "std over seeds; gap = (mean - ddp mean) / ddp mean")  # fmt: skip
+    print(f"  {'mode':<18}{'seeds':<10}{'updates':>8}{'tokens':>12}{'final loss':>20}{'gap':>10}")
+    for r in rows:
+        seeds = ",".join(map(str, r["seeds"]))
+        loss = f"{r['mean']:.4f} ± {r['std']:.4f}"
+        print(f"  {r['arm']:<18}{seeds:<10}{r['updates']:>8}{r['tokens']:>12,}{loss:>20}"
+              f"{r['gap_pct']:>+9.2f}%")  # fmt: skip
+
+
+def print_heldout_table(rows: list[dict[str, Any]]) -> None:
+    print("convergence: held-out loss after the final update, mean ± sample std over seeds; "
+          "paired gap = mode - ddp with the same seed, mean ± std over seeds (and per seed)")
+    print(f"  {'mode':<8}{'seeds':<8}{'updates':>8}{'tokens':>11}{'held-out loss':>20}"
+          f"{'paired gap to ddp':>26}  per seed")  # fmt: skip
+    for r in rows:
+        seeds = ",".join(map(str, r["seeds"]))
+        loss = f"{r['mean']:.4f} ± {r['std']:.4f}"
+        gap = (f"{r['paired_gap_mean']:+.4f} ± {r['paired_gap_std']:.4f} "
+               f"({r['paired_gap_pct']:+.2f}%)")  # fmt: skip
+        per_seed = " ".join(f"{v:+.4f}" for v in r["paired_gap_to_ddp"].values())
+        print(f"  {r['arm']:<8}{seeds:<8}{r['updates']:>8}{r['tokens']:>11,}{loss:>20}{gap:>26}"
+              f"  {per_seed}")  # fmt: skip
+
+
+def print_hetero_table(rows: list[dict[str, Any]], comparison: dict[str, Any]) -> None:
+    print("heterogeneous: tokens/s = actual tokens of all ranks / training time (mean ± std "
+          "over seeds); micro-batches per rank: total (per round)")  # fmt: skip
     for r in rows:
         ranks = " ".join(
             f"rank{rk}: {r['microbatches'][rk]:.0f} ({r['per_step'][rk]:.2f}/step, "
             f"{r['rank_tps'][rk]:.0f} tok/s)" for rk in r["microbatches"]
         )  # fmt: skip
-        print(f"  {r['arm']:<18} slow={r['slow_s']:.2f}s seeds={r['seeds']} "
-              f"train={r['train_s']:.1f}s tokens/s={r['tokens_per_s']:.0f}  {ranks}")  # fmt: skip
+        print(f"  {r['arm']:<18} slow x{r['slow_factor']:g} seeds={len(r['seeds'])} "
+              f"train={r['train_s']:.1f}s tokens={r['tokens']:,.0f} "
+              f"tokens/s={r['tokens_per_s']:.0f} ± {r['tokens_per_s_std']:.0f}  {ranks}")
+    arm = comparison["arm"]
+    if not comparison["per_seed"]:
+        return
+    per_seed = " ".join(f"seed{s}: {v['tokens_per_s_ratio']:.2f}"
+                        for s, v in comparison["per_seed"].items())  # fmt: skip
+    print(f"  tokens/s {arm} / ddp: {comparison['tokens_per_s_ratio_mean']:.2f} ± "
+          f"{comparison['tokens_per_s_ratio_std']:.2f}  ({per_seed})")
+    if not math.isnan(comparison["gap_at_equal_tokens_mean"]):
+        per_seed = " ".join(
+            f"seed{s}: {v['gap_at_equal_tokens']:+.4f} at {v['equal_tokens']:,.0f}"
+            for s, v in comparison["per_seed"].items() if "gap_at_equal_tokens" in v
+        )  # fmt: skip
+        print(f"  held-out {arm} - ddp at equal tokens: "
+              f"{comparison['gap_at_equal_tokens_mean']:+.4f} ± "
+              f"{comparison['gap_at_equal_tokens_std']:.4f}  ({per_seed}); after the final "
+              f"update: {comparison['gap_final_update_mean']:+.4f} ± "
+              f"{comparison['gap_final_update_std']:.4f}")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- figures
 
 
 def _smooth_label(smooth_tokens: int) -> str:
@@ -167,7 +354,7 @@ def _smooth_label(smooth_tokens: int) -> str:
     return f"trailing moving average over {smooth_tokens:,} tokens"
 
 
-def _plot_bands(ax: plt.Axes, grouped: dict, x_key: str, smooth_tokens: int, scale: float) -> None:
+def _plot_bands(ax: plt.Axes, grouped: Runs, x_key: str, smooth_tokens: int, scale: float) -> None:
     for arm, records in grouped.items():
         x, mean, lo, hi = band(records, x_key, smooth_tokens)
         color = COLORS.get(arm)
@@ -175,21 +362,69 @@ def _plot_bands(ax: plt.Axes, grouped: dict, x_key: str, smooth_tokens: int, sca
         ax.fill_between(x / scale, lo, hi, color=color, alpha=0.25, lw=0)
 
 
-def plot_convergence(grouped: dict, out: pathlib.Path, smooth_tokens: int) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+def _plot_heldout_seeds(ax: plt.Axes, grouped: Runs, x_key: str, scale: float) -> None:
+    """Every seed's held-out curve, one colour per arm, a marker per validation."""
+    for arm, records in grouped.items():
+        for i, record in enumerate(records):
+            x, y = heldout_curve(record, x_key)
+            ax.plot(x / scale, y, color=COLORS.get(arm), lw=1.0, alpha=0.7, marker=".", ms=4,
+                    label=f"{arm}, seeds: {len(records)}" if i == 0 else None)  # fmt: skip
+
+
+def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
+    heldout = has_heldout(grouped)
+    fig, axes = plt.subplots(1, 3 if heldout else 2, figsize=(18 if heldout else 12, 4.8))
+    _plot_bands(axes[0], grouped, "tokens", smooth_tokens, 1e6)
+    axes[0].set_ylabel("training loss")
+    axes[0].set_title(f"training loss ({_smooth_label(smooth_tokens)})", fontsize=10)
+    axes[0].legend(title="line: mean, band: min–max over seeds", fontsize=8)
+    if heldout:
+        for arm, records in grouped.items():
+            x, mean, std = heldout_mean(records)
+            color = COLORS.get(arm)
+            for record in records:
+                xs, ys = heldout_curve(record)
+                axes[1].plot(xs / 1e6, ys, color=color, lw=0.8, alpha=0.45)
+            axes[1].errorbar(x / 1e6, mean, yerr=std, color=color, lw=1.6, capsize=3,
+                             marker="o", ms=3, label=f"{arm} (mean ± std, {len(records)} seeds)")
+        axes[1].set_ylabel("held-out loss (stdlib_validation)")
+        axes[1].set_title("held-out loss: thin lines = seeds", fontsize=10)
+        axes[1].legend(fontsize=8)
+        ddp = by_seed(grouped.get("ddp", []))
+        for arm, records in grouped.items():
+            if arm == "ddp":
+                continue
+            gaps = []
+            for record in records:
+                if record["seed"] not in ddp:
+                    continue
+                xd, yd = heldout_curve(ddp[record["seed"]])
+                x, gap = gap_at(xd, yd, *heldout_curve(record), exact=True)
+                axes[2].plot(x / 1e6, gap, color=COLORS.get(arm), lw=0.8, alpha=0.45, marker=".")
+                gaps.append(dict(zip(x.tolist(), gap.tolist())))
+            shared = sorted(set.intersection(*(set(g) for g in gaps))) if gaps else []
+            if shared:
+                values = np.asarray([[g[t] for t in shared] for g in gaps])
+                std = values.std(axis=0, ddof=1) if len(gaps) > 1 else np.zeros(len(shared))
+                axes[2].errorbar(np.asarray(shared) / 1e6, values.mean(axis=0), yerr=std,
+                                 color=COLORS.get(arm), lw=1.6, capsize=3, marker="o", ms=3,
+                                 label=f"{arm} − ddp (mean ± std, {len(gaps)} seeds)")
+        axes[2].axhline(0.0, color=COLORS["ddp"], lw=1, ls="--")
+        axes[2].set_ylabel("held-out loss − ddp's, same seed")
+        axes[2].set_title("paired gap to ddp: thin lines = seeds", fontsize=10)
+        axes[2].legend(fontsize=8)
+    else:  # an older results file: the training loss's second half, zoomed in
+        _plot_bands(axes[1], grouped, "tokens", smooth_tokens, 1e6)
+        end = min(min(r["tokens"][-1] for r in records) for records in grouped.values()) / 1e6
+        axes[1].set_xlim(end / 2, end)
+        axes[1].set_ylim(*_tail_ylim(grouped, smooth_tokens))
+        axes[1].set_ylabel("training loss")
+        axes[1].set_title("second half (zoom)", fontsize=10)
     for ax in axes:
-        _plot_bands(ax, grouped, "tokens", smooth_tokens, 1e6)
         ax.set_xlabel("tokens seen, all ranks (millions)")
-        ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
-    end = min(min(r["tokens"][-1] for r in records) for records in grouped.values()) / 1e6
-    axes[1].set_xlim(end / 2, end)
-    axes[1].set_ylim(*_tail_ylim(grouped, smooth_tokens))
-    axes[1].set_title("second half (zoom)")
-    axes[0].legend(title="line: mean, band: min–max over seeds")
     updates = "/".join(map(str, sorted({r["updates"] for rs in grouped.values() for r in rs})))
-    fig.suptitle(f"ACCO / DPU / DDP, llama3 debug model, 2 CPU ranks, {updates} updates — "
-                 f"{_smooth_label(smooth_tokens)}")  # fmt: skip
+    fig.suptitle(f"ACCO / DPU / DDP, llama3 debug model, 2 CPU ranks, {updates} updates")
     _save(fig, out)
 
 
@@ -200,7 +435,7 @@ def _save(fig, out: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _tail_ylim(grouped: dict, smooth_tokens: int) -> tuple[float, float]:
+def _tail_ylim(grouped: Runs, smooth_tokens: int) -> tuple[float, float]:
     lows, highs = [], []
     for records in grouped.values():
         x, _, lo, hi = band(records, "tokens", smooth_tokens)
@@ -211,60 +446,126 @@ def _tail_ylim(grouped: dict, smooth_tokens: int) -> tuple[float, float]:
     return min(lows) - pad, max(highs) + pad
 
 
-def plot_heterogeneous(grouped: dict, out: pathlib.Path, smooth_tokens: int) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    _plot_bands(axes[0], grouped, "tokens", smooth_tokens, 1e6)
-    axes[0].set_xlabel("tokens processed, all ranks (millions)")
-    _plot_bands(axes[1], grouped, "time_s", smooth_tokens, 1.0)
-    axes[1].set_xlabel("training time (s)")
-    for ax in axes[:2]:
-        ax.set_ylabel("training loss")
+def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
+    """Held-out (or, without it, training) loss vs tokens and time; tokens/s; micro-batches."""
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (ax_tokens, ax_time), (ax_tps, ax_mb) = axes
+    if has_heldout(grouped):
+        _plot_heldout_seeds(ax_tokens, grouped, "heldout_tokens", 1e6)
+        _plot_heldout_seeds(ax_time, grouped, "heldout_time_s", 1.0)
+        ylabel = "held-out loss (stdlib_validation)"
+    else:
+        _plot_bands(ax_tokens, grouped, "tokens", smooth_tokens, 1e6)
+        _plot_bands(ax_time, grouped, "time_s", smooth_tokens, 1.0)
+        ylabel = f"training loss ({_smooth_label(smooth_tokens)})"
+    ax_tokens.set_xlabel("tokens processed, all ranks (millions)")
+    ax_time.set_xlabel("training time (s)")
+    for ax in (ax_tokens, ax_time):
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0].legend(title="line: mean, band: min–max over seeds")
+        ax.legend(fontsize=8)
+    comparison = hetero_comparison(grouped)
+    gap = comparison["gap_at_equal_tokens_mean"]
+    if not math.isnan(gap):
+        ax_tokens.set_title(f"{HETERO_ARM} − ddp at equal tokens: {gap:+.4f} ± "
+                            f"{comparison['gap_at_equal_tokens_std']:.4f}", fontsize=10)
     rows = hetero_table(grouped)
+    seeds = sorted({s for r in rows for s in r["tokens_per_s_per_seed"]}, key=int)
+    width = 0.8 / max(len(rows), 1)
+    for i, r in enumerate(rows):
+        values = [r["tokens_per_s_per_seed"].get(s, 0.0) for s in seeds]
+        bars = ax_tps.bar(np.arange(len(seeds)) + i * width, values, width,
+                          color=COLORS.get(r["arm"]), label=r["arm"])  # fmt: skip
+        ax_tps.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax_tps.set_xticks(np.arange(len(seeds)) + width * (len(rows) - 1) / 2)
+    ax_tps.set_xticklabels([f"seed {s}" for s in seeds])
+    ax_tps.set_ylabel("tokens/s, all ranks")
+    ax_tps.legend(fontsize=8)
+    if comparison["per_seed"]:
+        factor = float(rows[0]["slow_factor"])
+        ax_tps.set_title(f"{HETERO_ARM} / ddp: {comparison['tokens_per_s_ratio_mean']:.2f}× ± "
+                         f"{comparison['tokens_per_s_ratio_std']:.2f} (compute-bound ceiling "
+                         f"(factor + 1) / 2 = {(factor + 1) / 2:.2f}×)", fontsize=10)  # fmt: skip
     ranks = sorted({rk for r in rows for rk in r["per_step"]}, key=int)
     width = 0.8 / max(len(ranks), 1)
     for i, rk in enumerate(ranks):
         values = [r["per_step"].get(rk, 0.0) for r in rows]
-        bars = axes[2].bar(np.arange(len(rows)) + i * width, values, width, label=f"rank {rk}")
-        axes[2].bar_label(bars, fmt="%.2f", fontsize=8)
-    axes[2].set_xticks(np.arange(len(rows)) + width * (len(ranks) - 1) / 2)
-    axes[2].set_xticklabels([f"{r['arm']}\n{r['tokens_per_s']:.0f} tok/s" for r in rows])
-    axes[2].set_ylabel("micro-batches per step (round)")
-    axes[2].legend()
-    slow = "/".join(f"{s:g}" for s in sorted({r["slow_s"] for r in rows}))
-    fig.suptitle(f"rank 1 sleeps {slow} s per micro-batch, same real updates — "
-                 f"{_smooth_label(smooth_tokens)}")  # fmt: skip
+        bars = ax_mb.bar(np.arange(len(rows)) + i * width, values, width, label=f"rank {rk}")
+        ax_mb.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax_mb.set_xticks(np.arange(len(rows)) + width * (len(ranks) - 1) / 2)
+    ax_mb.set_xticklabels([f"{r['arm']}\n({r['nominal_per_round']} nominal per rank)"
+                           for r in rows])  # fmt: skip
+    ax_mb.set_ylabel("micro-batches per step (round), mean over seeds")
+    ax_mb.legend(fontsize=8)
+    slow = "/".join(f"{r['slow_factor']:g}" for r in rows[:1])
+    updates = "/".join(map(str, sorted({r["updates"] for r in rows})))
+    fig.suptitle(f"rank 1 {slow}× slower per micro-batch, {updates} real updates per arm, "
+                 "2 CPU ranks")  # fmt: skip
     _save(fig, out)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _resolve(path: str) -> pathlib.Path:
+    p = pathlib.Path(path)
+    return p if p.is_absolute() else REPO / p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence.plot",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
-    parser.add_argument("--results", default=DEFAULT_RESULTS, help="JSON written by run.py")
+    parser.add_argument("--results", nargs="+", default=list(DEFAULT_RESULTS),
+                        help="JSON files written by run.py (missing ones are skipped)")
     parser.add_argument("--out-dir", default=DEFAULT_FIGURES, help="where the PNGs go")
     parser.add_argument("--smooth-tokens", type=int, default=32768,
-                        help="moving-average span in tokens (0: none)")
-    parser.add_argument("--tail", type=float, default=0.05, help="final-loss fraction of steps")
+                        help="training-loss moving-average span in tokens (0: none)")
+    parser.add_argument("--tail", type=float, default=0.05,
+                        help="final training loss: fraction of steps averaged")
+    parser.add_argument("--no-write-summary", action="store_true",
+                        help="print only; do not write the 'summary' key into the results files")
     args = parser.parse_args(argv)
-    results = pathlib.Path(args.results)
-    results = results if results.is_absolute() else REPO / results
-    out_dir = pathlib.Path(args.out_dir)
-    out_dir = out_dir if out_dir.is_absolute() else REPO / out_dir
-    convergence = load_runs(results, "convergence")
-    heterogeneous = load_runs(results, "heterogeneous")
-    if not convergence and not heterogeneous:
-        print(f"no complete runs in {results}", file=sys.stderr)
+    out_dir = _resolve(args.out_dir)
+    files = {path: read_results(path) for path in map(_resolve, args.results) if path.exists()}
+    for missing in (p for p in map(_resolve, args.results) if p not in files):
+        print(f"skipped {missing}: no such file", file=sys.stderr)
+    summaries: dict[pathlib.Path, dict[str, Any]] = {path: {} for path in files}
+    done = 0
+    for experiment in ("convergence", "heterogeneous"):
+        runs, sources = {}, []
+        for path, results in files.items():  # a run in a later file replaces an earlier one
+            found = {k: v for k, v in results.get("runs", {}).items()
+                     if v.get("experiment") == experiment}  # fmt: skip
+            runs.update(found)
+            sources += [path] if found else []
+        grouped = group_runs(runs, experiment)
+        if not grouped:
+            continue
+        done += 1
+        png = out_dir / f"{experiment}.png"
+        if experiment == "convergence":
+            plot_convergence(grouped, png, args.smooth_tokens)
+            summary = convergence_summary(grouped, args.tail)
+            if summary["heldout_final_update"]:
+                print_heldout_table(summary["heldout_final_update"])
+            print_final_table("convergence", summary["train_loss_final"], args.tail)
+        else:
+            plot_heterogeneous(grouped, png, args.smooth_tokens)
+            summary = heterogeneous_summary(grouped)
+            print_hetero_table(summary["arms"], summary["vs_ddp"])
+        print(f"wrote {png}")
+        for path in sources:
+            summaries[path][experiment] = summary
+    if not done:
+        print(f"no complete runs in {', '.join(map(str, files)) or args.results}", file=sys.stderr)
         return 1
-    if convergence:
-        plot_convergence(convergence, out_dir / "convergence.png", args.smooth_tokens)
-        print_final_table("convergence", final_table(convergence, args.tail), args.tail)
-        print(f"wrote {out_dir / 'convergence.png'}")
-    if heterogeneous:
-        plot_heterogeneous(heterogeneous, out_dir / "heterogeneous.png", args.smooth_tokens)
-        print_final_table("heterogeneous", final_table(heterogeneous, args.tail), args.tail)
-        print_hetero_table(hetero_table(heterogeneous))
-        print(f"wrote {out_dir / 'heterogeneous.png'}")
+    if not args.no_write_summary:
+        from benchmarks.convergence.run import save_results
+
+        for path, summary in summaries.items():
+            if summary:
+                save_results(path, {**files[path], "summary": summary})
+                print(f"summary written into {path}")
     return 0
 
 

@@ -1,49 +1,79 @@
-"""Convergence of ACCO vs DPU vs DDP per token, and ACCO on heterogeneous ranks (torchtitan, CPU).
+"""Convergence of ACCO vs DPU vs DDP per token, and ACCO with one rank 4x slower (torchtitan, CPU).
 
 What it measures
     Convergence (default): for each mode (``ddp``, ``acco``, ``dpu``) and seed, one run of
     ``train_titan.py`` on 2 gloo CPU processes with ``torchtitan_configs/debug_cpu_<mode>.toml``
     (llama3 debug model, embedded ``stdlib`` dataset). Every run makes ``--updates`` real
     optimizer updates: ``2 x updates`` rounds (torchtitan steps) for ``acco``, ``updates``
-    steps for ``ddp``/``dpu``. Per logged step it records the loss (global token average, as
-    printed by torchtitan), the tokens seen so far by all ranks (step x global_batch_size x
-    seq_len, read from the TOML and the overrides), each rank's tokens/s (``tps``) and the
-    time since training started (from the log timestamps), plus the run's wall time.
+    steps for ``ddp``/``dpu``. Per logged step it records the training loss (global token
+    average, as printed by torchtitan), the tokens seen so far by all ranks (step x
+    global_batch_size x seq_len, read from the TOML and the overrides), each rank's tokens/s
+    (``tps``) and the time since training started (from the log timestamps), plus the run's
+    wall time.
 
-    Heterogeneous (``--heterogeneous``): global rank 1 sleeps ``--slow-seconds`` before each
-    of its micro-batches (``benchmarks/convergence/slow_rank.py``, loaded with
-    ``--experimental.custom_import``). Arms (``--arms``): ``acco_until_ready`` (``acco`` with
-    ``[acco] accumulate_until_ready = true``: the fast rank keeps computing micro-batches while
-    it waits) against ``ddp``, with the same number of real updates. Every rank logs each
-    micro-batch (step, tokens, token-summed loss, time: the slow_rank module's JSONL files);
-    from them come the per-step loss, the tokens actually processed by all ranks, the time and
-    the micro-batches of each rank. torchtitan logs only the first and last step
-    (``--metrics.log_freq``, see ``--log-freq``): each logged step all-reduces the loss, which
-    would put the ranks back in step every round and hide what accumulate_until_ready does.
+    Held-out loss, in every run of both experiments: torchtitan's validator on the held-out
+    ``stdlib_validation`` split (every 20th stdlib file, never trained on) at step 1 and every
+    ``--heldout-every`` real updates (``validation.freq`` = that many steps, twice as many for
+    acco), ``--heldout-steps`` batches per rank of the training ``local_batch_size`` x
+    ``seq_len``. The slow_rank hooks rewind the validation data before each validation, so
+    every validation of every run scores the same batches. ``ACCOTrainer`` validates the real
+    parameters θ (the update in flight included, not the estimate θ̃). The validator averages
+    the loss over the ranks and logs ``validate step: S  loss: L``; rank 0's lines give
+    ``heldout_step``, ``heldout_updates`` (real updates in θ), ``heldout_tokens`` (tokens seen
+    by all ranks by then) and ``heldout_loss``. torchtitan validates at step 1 and at multiples
+    of the frequency, not at the last step: ``--updates`` must be a multiple of
+    ``--heldout-every`` so that the final model is validated.
+
+    Heterogeneous (``--heterogeneous``): global rank 1 is ``--slow-factor`` (4) times slower:
+    after each of its forward+backward passes it sleeps ``factor - 1`` times its own compute
+    (``benchmarks/convergence/slow_rank.py``). Arms (``--arms``): ``acco_until_ready`` (``acco``
+    with ``[acco] accumulate_until_ready = true`` and one micro-batch per rank per round at
+    least: the fast rank keeps computing while the slow one finishes, ~1 slow + 4 fast per
+    round at factor 4, ~10 per update) against ``ddp`` with ``--ddp-microbatches-per-rank``
+    (5) per rank per update, i.e. about the same tokens per update, for the same number of
+    real updates. Every rank logs each micro-batch (step, tokens, token-summed loss, compute
+    time, time: the slow_rank module's JSONL files); from them come the per-step loss, the
+    tokens actually processed by all ranks (also for ``heldout_tokens``), the time, the
+    micro-batches of each rank per round and the global tokens/s. torchtitan logs only the
+    first and last step (``--metrics.log_freq``, see ``--log-freq``): each logged step
+    all-reduces the loss, which would put the ranks back in step every round and hide what
+    accumulate_until_ready does. A validation does the same (it all-reduces, and ACCO waits
+    for the update in flight): the round after it starts in step, which costs the fast rank
+    about one round's extra micro-batches per validation, ~1-2 % of them at the default
+    ``--heldout-every 25`` (50 rounds); validate rarely. Compute-bound, the tokens/s ratio
+    acco_until_ready / ddp is at most (factor + 1) / 2 = 2.5.
 
 Reproduce (from the repository root, nothing else running; measured on the 2-core dev box at
-the TOMLs' sizes: ~0.8-0.9 s per update for ddp/dpu, ~1.1-1.5 s for acco, plus ~12 s start-up
-per run, i.e. roughly 45-60 min for the 9 convergence runs)::
+seq_len 64, steady state: ddp ~0.23 s per update, dpu ~0.2 s, acco ~0.33 s, ~0.2 s per
+validation, ~9 s start-up and shutdown per run, i.e. ~15 min for the 9 convergence runs;
+heterogeneous: acco_until_ready ~0.82 s per update, ddp ~1.67 s, ~13 min per seed, ~40 min
+for 3 seeds, tokens/s ratio ~2.2 in steady state; at the TOMLs' seq_len 128 both take about
+twice as long and the ratio is ~2.3: the CPU work of the overlapped communication weighs less
+against the compute)::
 
-    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2
-    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2
+    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2 -- --training.seq_len 64
+    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2 \\
+        -- --training.seq_len 64
     python -m benchmarks.convergence.plot
 
 Extra torchtitan overrides go after ``--`` and are applied to every run, e.g.
-``python -m benchmarks.convergence.run --updates 2 -- --training.seq_len 64``.
-Results go to ``docs/results/convergence.json`` (``--out``), rewritten atomically after every
-run; a run already there with the same settings is skipped unless ``--force``. Raw logs stay
-in ``outputs/convergence/<experiment>/<arm>/seed<N>/console.log`` (``--workdir``).
+``python -m benchmarks.convergence.run --updates 2 --heldout-every 1 -- --training.seq_len 64``.
+Results go to ``docs/results/convergence_heldout.json`` (heterogeneous:
+``docs/results/heterogeneous.json``; ``--out``), rewritten atomically after every run; a run
+already there with the same settings is skipped unless ``--force``. Raw logs stay in
+``outputs/convergence/<experiment>/<arm>/seed<N>/console.log`` (``--workdir``).
 
 Assumptions
     * The three TOMLs share model, data, optimizer and LR schedule; ``acco`` uses half the
       global batch per round (two rounds make one update), so x = tokens is comparable.
       ``--batch-per-update B`` overrides this: ``acco`` gets B/2 per round, the others B.
     * ``--debug.seed`` changes the model initialisation only: torchtitan's data loader does not
-      shuffle, so every seed sees the same token stream.
+      shuffle, so every seed sees the same token stream (and the same held-out batches).
     * Each run is alone on the machine: wall times and tokens/s are only meaningful without
       other CPU load. ``OMP_NUM_THREADS=1`` (``--omp-threads``) for every rank.
-    * ``tps`` is torchtitan's per-rank tokens/s of the interval since the previous log line.
+    * ``tps`` is torchtitan's per-rank tokens/s of the interval since the previous log line;
+      the line after a validation reads 0 (the validator resets torchtitan's token counter).
+    * Training time (``time_s``, tokens/s) includes the validations.
 """
 
 from __future__ import annotations
@@ -68,10 +98,12 @@ from typing import Any, Iterable, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
 CONFIG_TEMPLATE = "torchtitan_configs/debug_cpu_{mode}.toml"
-DEFAULT_OUT = "docs/results/convergence.json"
+DEFAULT_OUT = {"convergence": "docs/results/convergence_heldout.json",
+               "heterogeneous": "docs/results/heterogeneous.json"}
 DEFAULT_WORKDIR = "outputs/convergence"
-SLOW_MODULE = "benchmarks.convergence.slow_rank"
-SLOW_S_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_S", "ACCO_BENCH_STATS_DIR"
+HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # slow rank, micro-batch logs, fixed held-out
+SLOW_FACTOR_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_STATS_DIR"
+HELDOUT_DATASET = "stdlib_validation"
 # arm -> (acco.mode, extra overrides) for --heterogeneous
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "acco_until_ready": ("acco", ("--acco.accumulate_until_ready",)),  # a tyro flag: no value
@@ -81,7 +113,8 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp": ("ddp", ()),
 }
 MANAGED = ("--training.steps", "--debug.seed", "--job.dump_folder", "--job.config_file",
-           "--metrics.disable_color_printing")  # fmt: skip
+           "--metrics.disable_color_printing", "--experimental.custom_import",
+           "--validation.enable", "--validation.freq", "--validation.steps")  # fmt: skip
 
 # "[default1]:[titan] 2026-11-21 10:41:02,903 - root - INFO - step:  1  loss:  8.13211
 #  grad_norm:  1.0413  memory: ...  tps: 1,044  tflops: ..."
@@ -89,6 +122,11 @@ _PREFIX = r"^(?:\[default(?P<rank>\d+)\]:)?.*?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\
 STEP_RE = re.compile(
     _PREFIX + r".*?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
     r"\s+grad_norm:\s*(?P<grad_norm>-?[\d.]+|nan|inf).*?tps:\s*(?P<tps>[\d,]+)"
+)
+# "[default0]:[titan] 2026-11-21 10:41:09,120 - root - INFO - validate step: 50  loss:  5.1234
+#  memory:  0.80GiB(3.39%)  tps: 9,120" (torchtitan's MetricsProcessor.log_validation)
+HELDOUT_RE = re.compile(
+    _PREFIX + r".*?validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
 )
 START_RE = re.compile(_PREFIX + r".*Training starts at step")
 
@@ -116,7 +154,9 @@ class RunSpec:
     seed: int
     updates: int
     overrides: tuple[str, ...]
-    slow_seconds: float = 0.0
+    heldout_every: int = 0  # real updates between validations; 0: none
+    heldout_steps: int = 0  # validation batches per rank
+    slow_factor: float = 1.0  # heterogeneous: rank 1's time per micro-batch / its compute
 
     @property
     def key(self) -> str:
@@ -131,14 +171,18 @@ def _timestamp(text: str) -> float:
 
 
 def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
-    """Per rank, the logged steps: {rank: {"step", "loss", "grad_norm", "tps", "ts"}}.
+    """Per rank, the logged steps and validations.
 
-    Lines come from ``torchrun --tee 3`` (prefixed ``[default<local rank>]:``) or, without a
-    prefix, are all counted as rank 0. A step logged twice by one rank keeps the last line.
-    ``ts`` is the UNIX time of the line; ``start`` (a one-element list, if found) the time of
-    torchtitan's "Training starts" line.
+    Returns ``{rank: {"step", "loss", "grad_norm", "tps", "ts", "heldout_step",
+    "heldout_loss", "heldout_ts"}}``: training lines, then torchtitan's "validate step" lines
+    (the held-out loss, already averaged over all ranks by the validator). Lines come from
+    ``torchrun --tee 3`` (prefixed ``[default<local rank>]:``) or, without a prefix, are all
+    counted as rank 0. A step logged twice by one rank keeps the last line. ``ts`` is the UNIX
+    time of the line; ``start`` (a one-element list, if found) the time of torchtitan's
+    "Training starts" line.
     """
     per_rank: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    heldout: dict[int, dict[int, tuple[float, float]]] = {}
     starts: dict[int, float] = {}
     for line in text.splitlines():
         match = STEP_RE.search(line)
@@ -148,15 +192,27 @@ def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
                    float(match["tps"].replace(",", "")), _timestamp(match["ts"]))  # fmt: skip
             per_rank.setdefault(rank, {})[int(match["step"])] = row
             continue
+        match = HELDOUT_RE.search(line)
+        if match:
+            rank = int(match["rank"] or 0)
+            heldout.setdefault(rank, {})[int(match["step"])] = (float(match["loss"]),
+                                                               _timestamp(match["ts"]))
+            continue
         match = START_RE.search(line)
         if match:
             starts.setdefault(int(match["rank"] or 0), _timestamp(match["ts"]))
     parsed: dict[int, dict[str, list[float]]] = {}
-    for rank, rows in sorted(per_rank.items()):
+    for rank in sorted(set(per_rank) | set(heldout)):
+        rows = per_rank.get(rank, {})
         steps = sorted(rows)
-        columns = list(zip(*(rows[s] for s in steps)))
+        columns = list(zip(*(rows[s] for s in steps))) or [[], [], [], []]
         parsed[rank] = {"step": steps, "loss": list(columns[0]), "grad_norm": list(columns[1]),
                         "tps": list(columns[2]), "ts": list(columns[3])}  # fmt: skip
+        validations = heldout.get(rank, {})
+        heldout_steps = sorted(validations)
+        parsed[rank]["heldout_step"] = heldout_steps
+        parsed[rank]["heldout_loss"] = [validations[s][0] for s in heldout_steps]
+        parsed[rank]["heldout_ts"] = [validations[s][1] for s in heldout_steps]
         if rank in starts:
             parsed[rank]["start"] = [starts[rank]]
     return parsed
@@ -236,6 +292,11 @@ def steps_for(mode: str, updates: int) -> int:
     return 2 * updates if mode == "acco" else updates
 
 
+def updates_after(mode: str, step: int) -> int:
+    """Real updates in the real parameters θ after ``step`` steps (``acco_hooks.real_updates``)."""
+    return step // 2 if mode == "acco" else step
+
+
 def override_value(overrides: Sequence[str], name: str) -> str | None:
     """The last value given to ``--name`` in ``overrides`` (``--name V`` or ``--name=V``)."""
     value = None
@@ -283,21 +344,44 @@ def mode_overrides(mode: str, batch_per_update: int | None) -> tuple[str, ...]:
     return ("--training.global_batch_size", str(size))
 
 
+def microbatch_overrides(microbatches_per_rank: int, settings: BatchSettings,
+                         nproc: int) -> tuple[str, ...]:  # fmt: skip
+    """``--training.global_batch_size`` for ``microbatches_per_rank`` micro-batches per round."""
+    size = microbatches_per_rank * settings.local_batch_size * nproc
+    return ("--training.global_batch_size", str(size))
+
+
+def heldout_overrides(mode: str, every: int, steps: int, settings: BatchSettings
+                      ) -> tuple[str, ...]:  # fmt: skip
+    """torchtitan validation on ``stdlib_validation`` every ``every`` real updates.
+
+    ``validation.freq`` counts steps, so it is ``2 x every`` for acco. Each validation runs
+    ``steps`` batches per rank of the training ``local_batch_size`` x ``seq_len`` (the
+    slow_rank hooks make them the same batches every time). torchtitan validates at step 1 and
+    at every multiple of ``freq``; not at the last step unless it is a multiple.
+    """
+    if every <= 0:
+        return ()
+    return ("--validation.enable", "--validation.dataset", HELDOUT_DATASET,
+            "--validation.freq", str(steps_for(mode, every)), "--validation.steps", str(steps),
+            "--validation.local_batch_size", str(settings.local_batch_size),
+            "--validation.seq_len", str(settings.seq_len))  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- running
 
 
 def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Path,
                   nproc: int) -> list[str]:  # fmt: skip
-    overrides = list(spec.overrides)
-    if spec.experiment == "heterogeneous":
-        overrides += ["--experimental.custom_import", SLOW_MODULE]
+    """torchrun + train_titan.py for ``spec``; every run imports the slow_rank hooks."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
         str(REPO / "train_titan.py"), "--job.config_file", str(config_path),
         "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
         "--training.steps", str(steps_for(spec.mode, spec.updates)),
-        "--debug.seed", str(spec.seed), *overrides,
+        "--debug.seed", str(spec.seed), "--experimental.custom_import", HOOKS_MODULE,
+        *spec.overrides,
     ]  # fmt: skip
 
 
@@ -329,11 +413,18 @@ def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_e
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
+                if print_every <= 0:
+                    continue
                 match = STEP_RE.search(line)
-                if match and int(match["rank"] or 0) == 0 and print_every > 0:
+                if match and int(match["rank"] or 0) == 0:
                     if int(match["step"]) % print_every == 0:
                         text = line[line.index("step:") :].split("memory:")[0]
                         print(f"    {text.strip()}  tps: {match['tps']}", flush=True)
+                    continue
+                match = HELDOUT_RE.search(line)
+                if match and int(match["rank"] or 0) == 0:
+                    print(f"    held-out after step {match['step']}: loss {match['loss']}",
+                          flush=True)  # fmt: skip
             return proc.wait()
         finally:
             if watchdog:
@@ -343,7 +434,11 @@ def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_e
 
 
 def summarize(record: dict[str, Any]) -> dict[str, float]:
-    """Throughput of a run: global tokens/s over the training time (from training start)."""
+    """Throughput of a run: global tokens/s over the training time (from training start).
+
+    The training time includes the validations (a few forward passes every ``heldout_every``
+    updates). ``heldout_loss_final``: the held-out loss after the last update.
+    """
     tokens, time_s = record["tokens"], record["time_s"]
     if not tokens or not time_s or time_s[-1] <= 0:
         return {}
@@ -351,9 +446,15 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
                "tokens_per_s": tokens[-1] / time_s[-1]}  # fmt: skip
     if len(tokens) > 2 and time_s[-1] > time_s[0]:  # without step 1 (warm-up)
         summary["tokens_per_s_after_step1"] = (tokens[-1] - tokens[0]) / (time_s[-1] - time_s[0])
+    if record.get("heldout_loss"):
+        summary["heldout_loss_final"] = float(record["heldout_loss"][-1])
+        summary["heldout_tokens_final"] = float(record["heldout_tokens"][-1] or 0)
     for rank, tps in record.get("tps", {}).items():
+        # a training line logged right after a validation reads 0: the validator resets
+        # torchtitan's token counter
+        tps = [v for v in tps[1:] or tps if v > 0]
         if tps:
-            summary[f"mean_logged_tps_rank{rank}"] = sum(tps[1:] or tps) / len(tps[1:] or tps)
+            summary[f"mean_logged_tps_rank{rank}"] = sum(tps) / len(tps)
     for rank, counts in record.get("microbatches", {}).items():
         rank_tokens = sum(record["rank_tokens"][rank])
         summary[f"microbatches_rank{rank}"] = float(sum(counts))
@@ -369,7 +470,10 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
 
     Without stats: the logged steps, tokens = step x global batch x seq_len. With stats
     (heterogeneous): every step, from the per-micro-batch logs of all ranks; the logged
-    loss/steps stay as ``loss_logged``/``step_logged``.
+    loss/steps stay as ``loss_logged``/``step_logged``. Held-out loss (rank 0's "validate step"
+    lines): ``heldout_step``, ``heldout_updates`` (real updates in θ at that step),
+    ``heldout_tokens`` (tokens seen by all ranks by then: from the stats where there are some),
+    ``heldout_loss`` and ``heldout_time_s`` (when the validation was logged).
     """
     ranks = sorted(parsed)
     main = parsed[ranks[0]] if ranks else {"step": [], "loss": [], "ts": []}
@@ -390,7 +494,18 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
         record["step_logged"], record["loss_logged"] = record["step"], record["loss"]
         record.update(curves_from_stats(stats, t0))
         record["tokens_nominal"] = tokens_per_step_list(record["step"], settings)
-    record["complete"] = returncode == 0 and record["step"][-1:] == [expected]
+    heldout_steps = main.get("heldout_step", [])
+    tokens_at = dict(zip(record["step"], record["tokens"]))
+    record.update({
+        "heldout_step": heldout_steps,
+        "heldout_updates": [updates_after(spec.mode, s) for s in heldout_steps],
+        "heldout_tokens": [tokens_at.get(s) for s in heldout_steps] if stats
+        else tokens_per_step_list(heldout_steps, settings),
+        "heldout_loss": main.get("heldout_loss", []),
+        "heldout_time_s": [round(t - (t0 or 0.0), 3) for t in main.get("heldout_ts", [])],
+    })  # fmt: skip
+    record["complete"] = (returncode == 0 and record["step"][-1:] == [expected]
+                          and (spec.heldout_every <= 0 or heldout_steps[-1:] == [expected]))
     record["summary"] = summarize(record)
     return record
 
@@ -399,7 +514,7 @@ def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str,
     """The variables this script sets for a run (on top of the current environment)."""
     env = {"OMP_NUM_THREADS": str(omp_threads), "LOG_RANK": "all"}  # each rank's tps
     if spec.experiment == "heterogeneous":
-        env[SLOW_S_ENV] = str(spec.slow_seconds)
+        env[SLOW_FACTOR_ENV] = f"{spec.slow_factor:g}"
         env[STATS_DIR_ENV] = str(run_dir / "stats")
     return env
 
@@ -414,7 +529,7 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     cmd = build_command(spec, config_path, run_dir, args.nproc)
     own_env = run_env(spec, run_dir, args.omp_threads)
-    env = {k: v for k, v in os.environ.items() if k not in (SLOW_S_ENV, STATS_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV)}
     env.update(own_env)
     shown = " ".join(f"{k}={v}" for k, v in own_env.items())
     (run_dir / "command.txt").write_text(f"{shown} {' '.join(cmd)}\n", encoding="utf-8")
@@ -424,6 +539,8 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     parsed = parse_log((run_dir / "console.log").read_text(encoding="utf-8", errors="replace"))
     stats = read_stats(run_dir / "stats") if spec.experiment == "heterogeneous" else {}
     record = make_record(spec, settings, parsed, stats, returncode, round(wall_s, 2))
+    record["microbatches_per_round_nominal"] = settings.global_batch_size // (
+        settings.local_batch_size * args.nproc)
     record["command"] = cmd
     record["log"] = str(run_dir / "console.log")
     return record
@@ -447,27 +564,42 @@ def save_results(path: pathlib.Path, results: dict[str, Any]) -> None:
 
 
 def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
+    """Whether ``record`` was run as ``spec`` would run (the overrides hold the batch sizes)."""
     return (record.get("updates") == spec.updates
             and record.get("overrides") == list(spec.overrides)
-            and float(record.get("slow_seconds", 0.0)) == spec.slow_seconds)  # fmt: skip
+            and float(record.get("slow_factor", 1.0)) == spec.slow_factor)  # fmt: skip
 
 
 def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
-    """The runs asked for, in the order they run (seed-major: a partial result covers modes)."""
+    """The runs asked for, in the order they run (seed-major: a partial result covers modes).
+
+    Convergence: each mode's TOML batch (or ``--batch-per-update``). Heterogeneous: the
+    ``ddp`` arm runs ``--ddp-microbatches-per-rank`` micro-batches per rank per update, every
+    other arm the minimum of one per rank per round (``accumulate_until_ready`` adds the fast
+    rank's extra ones). Every run validates every ``--heldout-every`` real updates.
+    """
     specs = []
     for seed in args.seeds:
-        if args.heterogeneous:
-            for arm in args.arms:
-                mode, extra = ARMS[arm]
+        arms = args.arms if args.heterogeneous else args.modes
+        for arm in arms:
+            mode, extra = ARMS[arm] if args.heterogeneous else (arm, ())
+            _, config = load_config(mode, args.config_template)
+            if args.heterogeneous:
                 log_freq = args.log_freq or steps_for(mode, args.updates)
-                extra += ("--metrics.log_freq", str(log_freq))
-                specs.append(RunSpec("heterogeneous", arm, mode, seed, args.updates,
-                                     extra + mode_overrides(mode, args.batch_per_update)
-                                     + overrides, args.slow_seconds))  # fmt: skip
-        else:
-            for mode in args.modes:
-                specs.append(RunSpec("convergence", mode, mode, seed, args.updates,
-                                     mode_overrides(mode, args.batch_per_update) + overrides))
+                per_rank = args.ddp_microbatches_per_rank if arm == "ddp" else 1
+                settings = batch_settings(config, overrides, args.nproc)
+                extra += ("--metrics.log_freq", str(log_freq),
+                          *microbatch_overrides(per_rank, settings, args.nproc))  # fmt: skip
+            else:
+                extra = mode_overrides(mode, args.batch_per_update)
+            settings = batch_settings(config, extra + overrides, args.nproc)
+            heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
+            specs.append(RunSpec(
+                "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed,
+                args.updates, extra + heldout + overrides,
+                heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
+                slow_factor=args.slow_factor if args.heterogeneous else 1.0,
+            ))  # fmt: skip
     return specs
 
 
@@ -488,8 +620,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.convergence.run",
         description="Run ddp/acco/dpu x seeds through train_titan.py (2 CPU ranks) and record "
-        "loss per token; --heterogeneous: rank 1 slowed, acco_until_ready vs ddp. torchtitan "
-        "overrides for every run go after '--'.",
+        "training and held-out loss per token; --heterogeneous: rank 1 N times slower, "
+        "acco_until_ready vs ddp at equal tokens per update. torchtitan overrides for every "
+        "run go after '--'.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--updates", type=int, default=300,
@@ -502,15 +635,28 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
                         help="run the heterogeneous experiment (rank 1 slowed) instead")
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),
                         default=["acco_until_ready", "ddp"], help="heterogeneous arms")
-    parser.add_argument("--slow-seconds", type=float, default=0.3,
-                        help="heterogeneous: sleep of rank 1 per micro-batch")
+    parser.add_argument("--slow-factor", type=float, default=4.0,
+                        help="heterogeneous: rank 1's time per micro-batch / its own compute "
+                        "(it sleeps factor - 1 times its measured forward+backward)")
+    parser.add_argument("--ddp-microbatches-per-rank", type=int, default=5,
+                        help="heterogeneous: micro-batches per rank per update of the ddp arm; "
+                        "5 = the 1 slow + 4 fast per round x 2 rounds of acco_until_ready "
+                        "with --slow-factor 4 (equal tokens per update)")
+    parser.add_argument("--heldout-every", type=int, default=25,
+                        help="validate on stdlib_validation every N real updates (and at step "
+                        "1); --updates must be a multiple, so that the last update is validated; "
+                        "0: no validation")
+    parser.add_argument("--heldout-steps", type=int, default=8,
+                        help="validation batches per rank (local_batch_size x seq_len of training)")
     parser.add_argument("--log-freq", type=int, default=0,
                         help="heterogeneous: torchtitan metrics.log_freq; 0: first and last step "
                         "only (each logged step all-reduces the loss, a sync of all ranks); the "
                         "per-step losses come from slow_rank's per-micro-batch logs")
     parser.add_argument("--batch-per-update", type=int, default=None,
                         help="sequences per real update (acco: half per round); default: TOMLs")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON (relative to the repo)")
+    parser.add_argument("--out", default=None, help="results JSON (relative to the repo); "
+                        f"default: {DEFAULT_OUT['convergence']}, with --heterogeneous "
+                        f"{DEFAULT_OUT['heterogeneous']}")
     parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="logs and dump folders")
     parser.add_argument("--config-template", default=CONFIG_TEMPLATE)
     parser.add_argument("--nproc", type=int, default=2, help="processes (data-parallel ranks)")
@@ -523,6 +669,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     args = parser.parse_args(own)
     if args.updates < 1:
         parser.error("--updates must be >= 1")
+    if args.heldout_every < 0 or args.heldout_steps < 1:
+        parser.error("--heldout-every must be >= 0 and --heldout-steps >= 1")
+    if args.heldout_every and args.updates % args.heldout_every:
+        parser.error(f"--updates {args.updates} must be a multiple of --heldout-every "
+                     f"{args.heldout_every}: torchtitan validates every freq steps, not at the "
+                     "last one")  # fmt: skip
+    if args.slow_factor < 1 or args.ddp_microbatches_per_rank < 1:
+        parser.error("--slow-factor and --ddp-microbatches-per-rank must be >= 1")
+    if args.heterogeneous and args.batch_per_update is not None:
+        parser.error("--batch-per-update is for convergence runs; --heterogeneous sets the "
+                     "batch per arm (see --ddp-microbatches-per-rank)")  # fmt: skip
+    if args.out is None:
+        args.out = DEFAULT_OUT["heterogeneous" if args.heterogeneous else "convergence"]
     return args, overrides
 
 
@@ -542,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[{i}/{len(specs)}] {spec.key}: in {out.name}, skipped", flush=True)
                 continue
             raise SystemExit(f"{spec.key} is in {out} with other settings (updates/overrides/"
-                             "slow seconds): pass --force to replace it, or another --out")
+                             "slow factor): pass --force to replace it, or another --out")
         if args.dry_run:
             config_path, _ = load_config(spec.mode, args.config_template)
             run_dir = pathlib.Path(args.workdir) / spec.key
@@ -559,7 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"    rc={record['returncode']} complete={record['complete']} "
               f"wall={record['wall_s']:.1f}s train={s.get('train_s', math.nan):.1f}s "
               f"tokens={s.get('tokens', 0):.0f} tokens/s={s.get('tokens_per_s', math.nan):.0f} "
-              f"last loss={last:.4f}", flush=True)  # fmt: skip
+              f"last loss={last:.4f} "
+              f"held-out={s.get('heldout_loss_final', math.nan):.4f}", flush=True)  # fmt: skip
         if not record["complete"]:
             failed += 1
             print(f"    FAILED: see {record['log']}", flush=True)
