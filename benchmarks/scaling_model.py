@@ -93,15 +93,19 @@ def fit(sweep: dict) -> dict:
     comm_residuals = [c - (alpha + slope * x) for x, c in zip(xs, cs)]
 
     compute = sweep["compute_K_s"]
-    runs = [(row["comm_C_s"], t) for _, row in rates for t in row["acco_round_s"]]
-    x_d = [min(compute, c) for c, _ in runs]
-    y_d = [t - max(compute, c) for c, t in runs]
+    # A cap re-measured on its own carries the K its runs were compared with.
+    runs = [(row.get("compute_K_s", compute), row["comm_C_s"], t)
+            for _, row in rates for t in row["acco_round_s"]]  # fmt: skip
+    x_d = [min(k, c) for k, c, _ in runs]
+    y_d = [t - max(k, c) for k, c, t in runs]
     delta = sum(x * y for x, y in zip(x_d, y_d)) / sum(x * x for x in x_d)
     delta_residuals = [y - delta * x for x, y in zip(x_d, y_d)]
     constant = sum(y_d) / len(y_d)  # the other shape: a fixed cost per round, for comparison
 
     ddp_residuals = [
-        t - (2 * compute + row["comm_C_s"]) for _, row in rates for t in row["ddp_round_s"]
+        t - (2 * row.get("compute_K_s", compute) + row["comm_C_s"])
+        for _, row in rates
+        for t in row["ddp_round_s"]
     ]
     return {
         "source": str(LAW_SWEEP.relative_to(ROOT)),
