@@ -121,6 +121,9 @@ class ACCOTrainer(Trainer):
             engine.flush()  # the final model (and a model-only last checkpoint) holds θ
         if self.metrics_processor.should_log(self.step):
             self._start_metrics(lr, loss_sum, tokens)
+        if self.step == self.job_config.training.steps:
+            # Now, not after torchtitan's shutdown (which sleeps): the last step's tps is right.
+            self._log_pending_metrics()
 
     def _start_metrics(self, lr: float, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
         """Launch this step's metric all-reduces over the loss mesh; log them next step."""
