@@ -1,23 +1,35 @@
-"""Throughput of ACCO, DPU, synchronous ZeRO-1 and torchtitan's DDP/FSDP on a capped link.
+"""Per-token throughput of ACCO against the synchronous baselines users run, on a capped link.
 
-    sudo python -m benchmarks.throughput                  # ~15 min on 2 cores
+    sudo python -m benchmarks.throughput                  # ~20 min on 2 cores
     python -m benchmarks.throughput --plot-only           # redraw from the JSON
 
 Two ranks, one per network namespace and per core, joined by a veth pair capped with tbf
 (``benchmarks/netbed.py``). Every run trains torchtitan's llama3 debug model (6.2M parameters)
-through ``train_titan.py`` on the embedded data, with the same micro-batches per round (local
-batch 4 x 128 tokens, ``--microbatches`` per rank). The round time is the median over steps 3..N
-of the per-step time torchtitan itself measures (tokens per rank / its ``tps``).
+through ``train_titan.py`` on the embedded data, local batch 4 x 128 tokens per micro-batch.
 
-Also measured:
-- compute only: one process, no communication, the same micro-batches;
-- communication only: ``benchmarks/comm_only.py``, one engine round end (reduce-scatter + AdamW
-  step of the shard + all-gather) with no compute.
+**Per token, at equal tokens per optimizer update.** An ACCO update spans two rounds of k
+micro-batches per rank (``--microbatches``); every other arm makes one update of 2k
+micro-batches per rank in one step:
 
-Reported per cap: overlap efficiency E = max(compute, comm) / acco round time (1.0 is the
-physical limit) and speedup S = ddp round time / acco round time. The engine's modes use the
-same collectives (a send/recv ring on gloo); torchtitan's DDP and FSDP use gloo's own
-all-reduce / reduce-scatter / all-gather.
+- ``acco`` (k per round; its update time is two rounds), and ``dpu`` (2k per round: the
+  delayed update spans one round);
+- ``ddp``: the engine's synchronous ZeRO-1, the same collectives as acco, waited for;
+- ``titan_ddp``: torchtitan's own DDP with its gradient accumulation, which all-reduces every
+  micro-batch;
+- ``titan_ddp_no_sync``: the same DDP, synchronising only the update's last micro-batch
+  (``no_sync`` accumulation, ``benchmarks/titan_no_sync.py``), as a hand-written loop does;
+- ``titan_fsdp``: torchtitan's FSDP2 (reduce-scatter per micro-batch, all-gather per forward
+  and backward).
+
+The time per update is the median over steps >= 3 of torchtitan's own per-step time (tokens
+per rank / its ``tps``), times two for acco. Arms that communicate every micro-batch are run
+only at the caps in ``--per-microbatch-rates`` (at 50 Mbit/s they take over a minute per
+update). Also measured: compute only (one process, k micro-batches, no communication) and
+communication only (``benchmarks/comm_only.py``: one engine round end, no compute).
+
+Reported per cap: per-token speedup S = T_baseline(update) / T_acco(update) for every
+baseline, and ACCO's overlap efficiency E = max(compute, comm) / acco round time (per round,
+1.0 is the physical limit).
 
 Writes ``docs/results/throughput.json`` and ``docs/figures/throughput.png``.
 """
@@ -38,13 +50,17 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "throughput.json"
 FIGURE = ROOT / "docs" / "figures" / "throughput.png"
-MODES = {  # name -> (config, extra overrides)
-    "acco": ("debug_cpu_acco.toml", ("--acco.mode", "acco")),
-    "dpu": ("debug_cpu_acco.toml", ("--acco.mode", "dpu")),
-    "ddp": ("debug_cpu_acco.toml", ("--acco.mode", "ddp")),
-    "titan_ddp": ("debug_cpu_titan_ddp.toml", ()),
-    "titan_fsdp": ("debug_cpu_titan_fsdp.toml", ()),
+MODES = {  # name -> (config, extra overrides, micro-batches per step in units of k)
+    "acco": ("debug_cpu_acco.toml", ("--acco.mode", "acco"), 1),
+    "dpu": ("debug_cpu_acco.toml", ("--acco.mode", "dpu"), 2),
+    "ddp": ("debug_cpu_acco.toml", ("--acco.mode", "ddp"), 2),
+    "titan_ddp_no_sync": ("debug_cpu_titan_ddp.toml",
+                          ("--experimental.custom_import", "benchmarks.titan_no_sync"), 2),
+    "titan_ddp": ("debug_cpu_titan_ddp.toml", (), 2),
+    "titan_fsdp": ("debug_cpu_titan_fsdp.toml", (), 2),
 }
+PER_MICROBATCH_SYNC = ("titan_ddp", "titan_fsdp")  # communicate on every micro-batch
+BASELINES = ("ddp", "titan_ddp_no_sync", "titan_ddp", "titan_fsdp", "dpu")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 LOCAL_BATCH, SEQ_LEN = 4, 128
 
@@ -89,25 +105,29 @@ def main_args(description: str, rates: str, rates_help: str) -> argparse.Namespa
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per round per rank")
     parser.add_argument("--repeats", type=int, default=3, help="runs per cap (law_sweep)")
+    parser.add_argument("--per-microbatch-rates", default="none,1gbit,200mbit",
+                        help="throughput: caps at which titan_ddp and titan_fsdp also run")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     args.rates = args.rates.split(",")
+    args.per_microbatch_rates = args.per_microbatch_rates.split(",")
     return args
 
 
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import run_two_ranks, two_host_link
 
-    tokens_per_rank = LOCAL_BATCH * SEQ_LEN * args.microbatches
+    k = args.microbatches
     results: dict = {
         "date": datetime.date.today().isoformat(), "machine": _machine(),
         "model": "torchtitan llama3 debugmodel (6.16M parameters)",
-        "microbatches_per_round": args.microbatches, "local_batch": LOCAL_BATCH,
-        "seq_len": SEQ_LEN, "rounds": args.rounds, "rates": {},
+        "microbatches_per_round": k, "microbatches_per_update": 2 * k,
+        "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
+        "tokens_per_update_per_rank": 2 * k * LOCAL_BATCH * SEQ_LEN, "rates": {},
     }  # fmt: skip
-
-    results["compute_only_s"] = compute_only_round_s(args.rounds, args.microbatches)
-    print(f"compute only: {results['compute_only_s']:.3f} s/round", flush=True)
+    results["compute_only_s"] = compute_only_round_s(args.rounds, k)
+    print(f"compute only: {results['compute_only_s']:.3f} s per {k} micro-batches", flush=True)
+    update_steps = max(4, args.rounds // 2 + 1)  # the 2k arms: half as many, longer steps
 
     with two_host_link() as link:
         for rate in args.rates:
@@ -118,20 +138,28 @@ def measure(args: argparse.Namespace) -> dict:
             comm = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
             row["comm_only_s"] = statistics.median(comm["comm_s"])
             row["engine_memory_bytes"] = comm["memory_bytes"]
-            for mode, (config, extra) in MODES.items():
-                cmd = titan_args(config, extra, args.rounds, args.microbatches, 2,
-                                 f"/tmp/acco_bench/{mode}")  # fmt: skip
+            for mode, (config, extra, units) in MODES.items():
+                if mode in PER_MICROBATCH_SYNC and rate not in args.per_microbatch_rates:
+                    continue
+                micro = units * k
+                steps = args.rounds if units == 1 else update_steps
+                cmd = titan_args(config, extra, steps, micro, 2, f"/tmp/acco_bench/{mode}")
                 status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
                 if status:
                     raise RuntimeError(f"{mode} at {rate} failed:\n{out[-3000:]}\n{out1[-3000:]}")
-                row[mode] = parse_steps(out, tokens_per_rank)
-                row[mode]["tokens_per_s"] = 2 * tokens_per_rank / row[mode]["round_s"]
-                print(f"{rate:>8} {mode:>10}: {row[mode]['round_s']:.3f} s/round", flush=True)
-            compute, comm_s, acco = results["compute_only_s"], row["comm_only_s"], row["acco"]["round_s"]
-            row["overlap_efficiency_E"] = max(compute, comm_s) / acco
-            row["speedup_S"] = row["ddp"]["round_s"] / acco
-            print(f"{rate:>8}: compute {compute:.3f} comm {comm_s:.3f} -> E={row['overlap_efficiency_E']:.3f} "
-                  f"S={row['speedup_S']:.3f}", flush=True)  # fmt: skip
+                row[mode] = parse_steps(out, LOCAL_BATCH * SEQ_LEN * micro)
+                row[mode]["microbatches_per_step"] = micro
+                row[mode]["update_s"] = row[mode]["round_s"] * (2 // units)
+                row[mode]["tokens_per_s"] = 2 * results["tokens_per_update_per_rank"] / row[mode]["update_s"]
+                print(f"{rate:>8} {mode:>18}: {row[mode]['update_s']:.3f} s/update", flush=True)
+            compute, comm_s = results["compute_only_s"], row["comm_only_s"]
+            acco = row["acco"]
+            row["overlap_efficiency_E"] = max(compute, comm_s) / acco["round_s"]
+            row["speedup_per_token"] = {b: row[b]["update_s"] / acco["update_s"]
+                                        for b in BASELINES if b in row}  # fmt: skip
+            shown = " ".join(f"{b}={v:.2f}" for b, v in row["speedup_per_token"].items())
+            print(f"{rate:>8}: compute {compute:.3f} comm {comm_s:.3f} E={row['overlap_efficiency_E']:.3f}"
+                  f" per-token S over {shown}", flush=True)  # fmt: skip
             results["rates"][rate] = row
             _save(results)  # a later failure keeps what was measured
     return results
@@ -155,28 +183,33 @@ def plot(results: dict) -> None:
     import matplotlib.pyplot as plt
 
     rates = list(results["rates"])
-    modes = list(MODES)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1.3]})
+    modes = [m for m in MODES if any(m in results["rates"][r] for r in rates)]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.4), gridspec_kw={"width_ratios": [3, 1.6]})
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        values = [results["rates"][r][mode]["round_s"] for r in rates]
-        ax.bar([x + i * width for x in range(len(rates))], values, width, label=mode)
-    for x, r in enumerate(rates):
-        row = results["rates"][r]
-        ax.hlines(row["comm_only_s"], x - 0.1, x + 0.9, colors="black", linestyles="dotted")
-    ax.axhline(results["compute_only_s"], color="gray", linestyle="--", label="compute only")
-    ax.plot([], [], "k:", label="communication only (engine)")
+        rows = [(x, results["rates"][r][mode]) for x, r in enumerate(rates) if mode in results["rates"][r]]
+        scale = [row["update_s"] / row["round_s"] for _, row in rows]  # 2 for acco's two rounds
+        medians = [row["update_s"] for _, row in rows]
+        spread = [[m - f * min(row["round_s_all"]) for m, f, (_, row) in zip(medians, scale, rows)],
+                  [f * max(row["round_s_all"]) - m for m, f, (_, row) in zip(medians, scale, rows)]]  # fmt: skip
+        ax.bar([x + i * width for x, _ in rows], medians, width, yerr=spread, capsize=2, label=mode)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rates))], [f"cap {r}" for r in rates])
-    ax.set_yscale("log")
-    ax.set_ylabel("seconds per round (same micro-batches, log scale)")
-    ax.set_title(f"{results['model']}, 2 ranks, {results['microbatches_per_round']} "
-                 f"micro-batches/round/rank", fontsize=9)  # fmt: skip
+    ax.set_ylabel(f"s per update ({results['microbatches_per_update']} micro-batches per rank)")
+    ax.set_title(f"{results['model']}, 2 ranks, equal tokens per update (acco: 2 rounds of "
+                 f"{results['microbatches_per_round']})\nbars: median step time; whiskers: "
+                 "fastest and slowest measured step", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)
-    ax2.plot(rates, [results["rates"][r]["overlap_efficiency_E"] for r in rates], "o-", label="E")
-    ax2.plot(rates, [results["rates"][r]["speedup_S"] for r in rates], "s-", label="S = ddp / acco")
+    for j, baseline in enumerate(BASELINES):
+        xs = [x for x, r in enumerate(rates) if baseline in results["rates"][r]["speedup_per_token"]]
+        ys = [results["rates"][rates[x]]["speedup_per_token"][baseline] for x in xs]
+        ax2.plot(xs, ys, "o-", label=f"over {baseline}")
     ax2.axhline(1.0, color="gray", linewidth=0.8)
-    ax2.set_title("overlap efficiency and speedup", fontsize=9)
-    ax2.legend(fontsize=8)
+    ax2.set_xticks(range(len(rates)), rates)
+    ax2.set_xlabel("link cap per host")
+    ax2.set_ylabel("per-token speedup of acco")
+    ax2.set_title("S = T_update(baseline) / T_update(acco)\n(> 1: acco is faster per token)",
+                  fontsize=9)  # fmt: skip
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=110)

@@ -259,3 +259,18 @@ def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     )  # fmt: skip
     assert sorted(plain) == list(range(1, 7))
     assert validating == plain
+
+
+def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None:
+    """benchmarks/titan_no_sync.py (the per-token benchmark's DDP + no_sync arm) changes only
+    when gradients are synchronised: the losses and gradient norms are torchtitan DDP's."""
+    common = ("--training.steps", "3", "--training.global_batch_size", "8", *FAST)
+    plain_norms: dict = {}
+    no_sync_norms: dict = {}
+    plain = run_titan(2, "debug_cpu_titan_ddp.toml", *common, dump=tmp_path / "plain",
+                      grad_norms=plain_norms)  # fmt: skip
+    no_sync = run_titan(2, "debug_cpu_titan_ddp.toml", *common, "--experimental.custom_import",
+                        "benchmarks.titan_no_sync", dump=tmp_path / "no_sync",
+                        grad_norms=no_sync_norms)  # fmt: skip
+    assert no_sync == plain and no_sync_norms == plain_norms
+    assert sorted(plain) == [1, 2, 3]

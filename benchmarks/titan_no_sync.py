@@ -1,0 +1,50 @@
+"""DDP with ``no_sync`` accumulation in torchtitan: the baseline users build by hand today.
+
+torchtitan 0.2.2's DDP path (``replicate``, composable DDP) all-reduces every micro-batch's
+gradients. The usual hand-written loop syncs only the last micro-batch of an update
+(``with model.no_sync():`` around the others). This module, loaded with
+``--experimental.custom_import benchmarks.titan_no_sync``, does that to torchtitan's DDP
+trainer: before each micro-batch it calls ``set_requires_gradient_sync`` (composable DDP's
+``no_sync``) on every model part, with ``True`` only for the last micro-batch of the step.
+Everything else (model, data, unsharded AdamW, loss scaling) stays torchtitan's.
+
+Assumptions: torchtitan 0.2.2's ``Trainer.train_step`` calls ``forward_backward_step`` exactly
+``gradient_accumulation_steps`` times per step (no pipeline parallelism), and the model parts
+were wrapped with ``replicate``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer
+
+_PATCHED = "_acco_bench_no_sync_patched"
+
+
+def install() -> None:
+    """Patch ``Trainer.forward_backward_step`` once per process."""
+    original = Trainer.forward_backward_step
+    if getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def forward_backward_step(self: Trainer, **kwargs: Any) -> Any:
+        step, index = getattr(self, "_acco_bench_microbatch", (None, 0))
+        index = index + 1 if step == self.step else 1
+        self._acco_bench_microbatch = (self.step, index)
+        sync = index == self.gradient_accumulation_steps  # the update's last micro-batch
+        if self.step == 1 and index == 1:
+            logger.info(f"no_sync accumulation: DDP syncs gradients on micro-batch "
+                        f"{self.gradient_accumulation_steps} of each step only")  # fmt: skip
+        for part in self.model_parts:
+            part.set_requires_gradient_sync(sync)
+        return original(self, **kwargs)
+
+    setattr(forward_backward_step, _PATCHED, True)
+    Trainer.forward_backward_step = forward_backward_step
+
+
+install()
