@@ -84,6 +84,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import re
 import shutil
 import signal
@@ -112,8 +113,8 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dpu": ("dpu", ("--acco.no_accumulate_until_ready",)),
     "ddp": ("ddp", ()),
 }
-MANAGED = ("--training.steps", "--debug.seed", "--job.dump_folder", "--job.config_file",
-           "--metrics.disable_color_printing", "--experimental.custom_import",
+MANAGED = ("--training.dataset_path", "--training.steps", "--debug.seed", "--job.dump_folder",
+           "--job.config_file", "--metrics.disable_color_printing", "--experimental.custom_import",
            "--validation.enable", "--validation.freq", "--validation.steps")  # fmt: skip
 
 # "[default1]:[titan] 2026-11-21 10:41:02,903 - root - INFO - step:  1  loss:  8.13211
@@ -570,6 +571,38 @@ def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
             and float(record.get("slow_factor", 1.0)) == spec.slow_factor)  # fmt: skip
 
 
+SHUFFLED_DATASET_DIR = "outputs/stdlib/dataset_shuffled"
+
+
+def shuffled_dataset(seed: int = 0) -> pathlib.Path:
+    """The stdlib training documents in a seeded random order; ``validation.jsonl`` unchanged.
+
+    torchtitan hands each rank a contiguous slice of the training set (``split_dataset_by_node``
+    on a map-style dataset) and the stdlib files are sorted by path, so unshuffled, rank 0
+    trains on the first half of the library and rank 1 on the second. Two ranks would then
+    see different distributions; with ``accumulate_until_ready`` the fast rank contributes
+    most micro-batches and its half would dominate every update. Shuffled, both slices are
+    samples of the same corpus, as in real data-parallel training.
+    """
+    from acco_hooks.titan.stdlib_data import DEFAULT_DATASET_DIR, build_stdlib_dataset
+
+    source = build_stdlib_dataset(REPO / DEFAULT_DATASET_DIR)
+    out = REPO / SHUFFLED_DATASET_DIR
+    marker = out / ".shuffled"
+    if marker.is_file() and marker.read_text() == str(seed):
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    lines = (source / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    random.Random(seed).shuffle(lines)
+    out.mkdir(parents=True)
+    (out / "train.jsonl").write_text("".join(lines), encoding="utf-8")
+    shutil.copyfile(source / "validation.jsonl", out / "validation.jsonl")
+    # The same documents as the source build, so train_titan.py accepts the directory as one
+    shutil.copyfile(source / ".complete", out / ".complete")
+    marker.write_text(str(seed))  # last: a killed build is rebuilt
+    return out
+
+
 def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
     """The runs asked for, in the order they run (seed-major: a partial result covers modes).
 
@@ -594,9 +627,11 @@ def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
                 extra = mode_overrides(mode, args.batch_per_update)
             settings = batch_settings(config, extra + overrides, args.nproc)
             heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
+            data = (("--training.dataset_path", str(shuffled_dataset().relative_to(REPO)))
+                    if args.shuffle_data else ())  # fmt: skip
             specs.append(RunSpec(
                 "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed,
-                args.updates, extra + heldout + overrides,
+                args.updates, extra + heldout + data + overrides,
                 heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
                 slow_factor=args.slow_factor if args.heterogeneous else 1.0,
             ))  # fmt: skip
@@ -646,6 +681,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
                         help="validate on stdlib_validation every N real updates (and at step "
                         "1); --updates must be a multiple, so that the last update is validated; "
                         "0: no validation")
+    parser.add_argument("--shuffle-data", action=argparse.BooleanOptionalAction, default=True,
+                        help="train on the stdlib documents in a seeded random order, so every "
+                        "rank's slice samples the same corpus (see shuffled_dataset)")
     parser.add_argument("--heldout-steps", type=int, default=8,
                         help="validation batches per rank (local_batch_size x seq_len of training)")
     parser.add_argument("--log-freq", type=int, default=0,
