@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 
+import numpy as np
 import pytest
 
 from benchmarks.convergence import plot, run
@@ -321,3 +322,10 @@ def test_smoke_heterogeneous_counts_microbatches(tmp_path: pathlib.Path) -> None
     assert record["step_logged"] == [1, 2]
     assert record["loss"] == pytest.approx(record["loss_logged"], abs=1e-4)
     assert record["tokens"][-1] == sum(sum(v) for v in record["rank_tokens"].values())
+
+
+def test_first_crossing_interpolates_between_validations() -> None:
+    x, loss = np.array([0.0, 10.0, 20.0]), np.array([8.0, 6.0, 5.0])
+    assert plot.first_crossing(x, loss, 7.0) == pytest.approx(5.0)
+    assert plot.first_crossing(x, loss, 5.5) == pytest.approx(15.0)
+    assert math.isnan(plot.first_crossing(x, loss, 4.0))  # never reached

@@ -277,13 +277,57 @@ def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
     return out
 
 
+def first_crossing(x: np.ndarray, loss: np.ndarray, level: float) -> float:
+    """Where a held-out curve first reaches ``level`` (linear between validations), or NaN."""
+    below = np.flatnonzero(loss <= level)
+    if not len(below) or below[0] == 0:
+        return math.nan
+    i = below[0]
+    fraction = (loss[i - 1] - level) / (loss[i - 1] - loss[i])
+    return float(x[i - 1] + fraction * (x[i] - x[i - 1]))
+
+
+def time_to_heldout(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
+    """Speed at equal loss: training time and tokens for each arm to reach held-out losses.
+
+    The levels are the ones every run of both arms reaches: from the highest final held-out
+    loss down in steps of 0.1, up to 4 levels. ``speedup`` is ddp's time / ``arm``'s, per seed.
+    """
+    ours, ddp = by_seed(grouped.get(arm, [])), by_seed(grouped.get("ddp", []))
+    seeds = sorted(set(ours) & set(ddp))
+    runs = [ours[s] for s in seeds] + [ddp[s] for s in seeds]
+    if not seeds or not all(r.get("heldout_loss") for r in runs):
+        return {}
+    reached = max(min(r["heldout_loss"]) for r in runs)
+    levels = [round(math.ceil(reached * 10) / 10 + 0.1 * i, 1) for i in range(4)]
+    out: dict[str, Any] = {"arm": arm, "levels": {}}
+    for level in levels:
+        row: dict[str, Any] = {"per_seed": {}}
+        for seed in seeds:
+            times, tokens = [], []
+            for record in (ours[seed], ddp[seed]):
+                loss = np.asarray(record["heldout_loss"])
+                times.append(first_crossing(np.asarray(record["heldout_time_s"]), loss, level))
+                tokens.append(first_crossing(np.asarray(record["heldout_tokens"]), loss, level))
+            row["per_seed"][str(seed)] = {"time_s": times[0], "time_s_ddp": times[1],
+                                          "tokens": tokens[0], "tokens_ddp": tokens[1],
+                                          "speedup": times[1] / times[0],
+                                          "tokens_ratio": tokens[0] / tokens[1]}  # fmt: skip
+        for key in ("speedup", "tokens_ratio"):
+            row[key + "_mean"], row[key + "_std"] = mean_std(
+                [v[key] for v in row["per_seed"].values()])
+        out["levels"][f"{level:.1f}"] = row
+    return out
+
+
 def convergence_summary(grouped: Runs, tail: float) -> dict[str, Any]:
     return {"heldout_final_update": heldout_table(grouped),
             "train_loss_final": final_table(grouped, tail), "train_loss_tail": tail}
 
 
 def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
-    return {"arms": hetero_table(grouped), "vs_ddp": hetero_comparison(grouped)}
+    return {"arms": hetero_table(grouped), "vs_ddp": hetero_comparison(grouped),
+            "time_to_heldout": time_to_heldout(grouped)}
 
 
 # ----------------------------------------------------------------------------- printing
@@ -343,6 +387,13 @@ def print_hetero_table(rows: list[dict[str, Any]], comparison: dict[str, Any]) -
               f"{comparison['gap_at_equal_tokens_std']:.4f}  ({per_seed}); after the final "
               f"update: {comparison['gap_final_update_mean']:+.4f} ± "
               f"{comparison['gap_final_update_std']:.4f}")  # fmt: skip
+
+
+def print_time_to_heldout(comparison: dict[str, Any]) -> None:
+    for level, row in comparison.get("levels", {}).items():
+        print(f"  to held-out {level}: ddp time / {comparison['arm']} time = "
+              f"{row['speedup_mean']:.2f} ± {row['speedup_std']:.2f}; {comparison['arm']} needs "
+              f"{row['tokens_ratio_mean']:.2f} ± {row['tokens_ratio_std']:.2f}x ddp's tokens")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -553,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_heterogeneous(grouped, png, args.smooth_tokens)
             summary = heterogeneous_summary(grouped)
             print_hetero_table(summary["arms"], summary["vs_ddp"])
+            print_time_to_heldout(summary["time_to_heldout"])
         print(f"wrote {png}")
         for path in sources:
             summaries[path][experiment] = summary
