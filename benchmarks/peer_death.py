@@ -35,6 +35,10 @@ KILL_BEFORE_ROUND = 5
 
 
 def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
+    """One rank of the scenario; rank 0 returns when and how the error reached it.
+
+    ``tests/test_failures.py`` runs it too, for the error's message.
+    """
     from acco_hooks import ACCOCommunicationError, ACCOOptimizer
     from tests.scenario import make_model, microbatch_loss
 
@@ -48,7 +52,7 @@ def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
             microbatch_loss(model, rank, r, 0).backward()
             opt.step()
     except ACCOCommunicationError as exc:
-        return {"error_at": time.time(), "round": r, "message": str(exc).splitlines()[0]}
+        return {"error_at": time.time(), "round": r, "message": str(exc)}
     return {"error_at": None, "round": r, "message": "no error"}
 
 
@@ -81,7 +85,7 @@ def main() -> None:
     print(f"SIGKILL of rank 1 -> ACCOCommunicationError on rank 0, {args.repeats} runs (gloo):")
     for run in runs:
         print(f"  {run['detection_s'] * 1e3:7.1f} ms (raised in round {run['round']}): "
-              f"{run['message'][:90]}")  # fmt: skip
+              f"{run['message'].splitlines()[0][:90]}")  # fmt: skip
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import warnings
 
 import pytest
@@ -51,28 +49,14 @@ def test_worker_exception_reaches_every_rank() -> None:
     assert "restart from the last complete checkpoint" in messages[0]
 
 
-def killed_peer_run(rank: int, world_size: int) -> str:
-    from acco_hooks import ACCOCommunicationError, ACCOOptimizer
-    from tests.scenario import make_model, microbatch_loss
-
-    model = make_model()
-    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", lr=1e-2, timeout=30)
-    try:
-        for r in range(50):
-            if rank == 1 and r == 5:
-                os.kill(os.getpid(), signal.SIGKILL)  # dies with round 4's communication in flight
-            microbatch_loss(model, rank, r, 0).backward()
-            opt.step()
-    except ACCOCommunicationError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_killed_rank_makes_the_survivor_fail_clearly() -> None:
-    survivor, dead = run_distributed("tests.test_failures:killed_peer_run", 2, may_die=(1,))
+def test_killed_rank_makes_the_survivor_fail_clearly(tmp_path) -> None:
+    # benchmarks/peer_death.py's scenario: rank 1 SIGKILLs itself with round 4's communication
+    # in flight (the benchmark times the same run).
+    survivor, dead = run_distributed("benchmarks.peer_death:killed_peer_run", 2, str(tmp_path),
+                                     may_die=(1,))  # fmt: skip
     assert dead is None
-    assert survivor.startswith("acco_hooks: the communication of round")
-    assert "restart from the last complete checkpoint" in survivor
+    assert survivor["message"].startswith("acco_hooks: the communication of round")
+    assert "restart from the last complete checkpoint" in survivor["message"]
 
 
 @pytest.mark.parametrize("mode, nan_round, skipped", [("ddp", 4, 1), ("acco", 6, 2), ("acco", 7, 1)])
