@@ -1,4 +1,4 @@
-"""The ACCO train spec: a model's own spec with the engine in place of data parallelism.
+"""torchtitan 0.2.2: the ACCO train spec: a model's own spec with the engine in place of data parallelism.
 
 Two things of a torchtitan train spec change:
 
@@ -13,16 +13,14 @@ Two things of a torchtitan train spec change:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
+from acco_hooks.titan._container import TRAINER_BEING_BUILT, building
 from acco_hooks.titan.components import (
     ACCOOptimizersContainer,
     build_acco_lr_schedulers,
@@ -34,31 +32,15 @@ __all__ = ["acco_train_spec", "building", "ensure_acco_train_spec",
            "parallelize_without_data_parallel"]  # fmt: skip
 
 
-# The trainer whose __init__ is running. torchtitan calls a spec's builders with
-# (model_parts, optimizer_config, parallel_dims) only; the engine also needs [acco] and the
-# round size, which the trainer being built holds.
-_TRAINER_BEING_BUILT: contextvars.ContextVar[Any] = contextvars.ContextVar("acco_trainer")
-
-
-@contextlib.contextmanager
-def building(trainer: Any) -> Iterator[None]:
-    """While the block runs, this spec's builders read ``trainer``'s config and round size."""
-    token = _TRAINER_BEING_BUILT.set(trainer)
-    try:
-        yield
-    finally:
-        _TRAINER_BEING_BUILT.reset(token)
-
-
 def _build_optimizers(model_parts, optimizer_config, parallel_dims) -> ACCOOptimizersContainer:
-    trainer = _TRAINER_BEING_BUILT.get()
+    trainer = TRAINER_BEING_BUILT.get()
     steps = trainer.job_config.acco.accumulation_steps or trainer.gradient_accumulation_steps
     return build_acco_optimizers(model_parts, optimizer_config, parallel_dims,
                                  trainer.job_config, steps)  # fmt: skip
 
 
 def _build_lr_schedulers(optimizers, lr_scheduler_config, training_steps):
-    mode = _TRAINER_BEING_BUILT.get().job_config.acco.mode
+    mode = TRAINER_BEING_BUILT.get().job_config.acco.mode
     return build_acco_lr_schedulers(optimizers, lr_scheduler_config, training_steps, mode)
 
 
