@@ -89,7 +89,13 @@ class ACCOTrainerLoop:
             def validate_real_parameters(*args: Any, **kwargs: Any) -> Any:
                 # θ, not the estimate θ̃, without applying the update in flight early
                 with self.optimizers.engine.real_weights():
-                    return validate(*args, **kwargs)
+                    result = validate(*args, **kwargs)
+                    # FSDP2 keeps a module unsharded after a forward it does not reshard after
+                    # (the root's, by default) until a backward: without this the next training
+                    # forward would reuse θ's unsharded copy instead of gathering θ̃.
+                    for module in self._fsdp_modules:
+                        module.reshard()
+                    return result
 
             self.validator.validate = validate_real_parameters
         logger.info(
