@@ -12,16 +12,23 @@ from __future__ import annotations
 import platform
 import re
 
-__all__ = ["SUPPORTED_VERSIONS", "UnsupportedVersionError", "check_supported_versions"]
+__all__ = ["SUPPORTED_VERSIONS", "TORCHTITAN_RELEASES", "UnsupportedVersionError",
+           "check_supported_versions"]
 
 # name -> (lowest supported, highest supported or None, the fix to print)
 SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
     "python": ("3.11", None, "create the virtual environment with python3.11 or newer"),
     "torch": ("2.13", None, "pip install 'torch==2.13.0' (scripts/setup.sh does it)"),
     # torchtitan changes its config and trainer APIs between releases (0.3.0 replaced the TOML
-    # job configs): only the release the integration is tested against is accepted.
-    "torchtitan": ("0.2.2", "0.2.2", "pip install 'torchtitan==0.2.2' (scripts/setup.sh does it)"),
-}
+    # job configs): only the releases the integration is tested against are accepted, each
+    # with the lowest torch CI runs it on (TORCHTITAN_RELEASES).
+    "torchtitan": ("0.2.2", "0.3.0",
+                   "pip install 'torchtitan==0.2.2' (scripts/setup.sh does it), or "
+                   "ACCO_TITAN=0.3.0 bash scripts/setup.sh for torchtitan 0.3.0 with torch 2.14"),
+}  # fmt: skip
+
+# torchtitan release -> the lowest torch it is tested with (CI: 2.13.0 and 2.14.1)
+TORCHTITAN_RELEASES: dict[str, str] = {"0.2.2": "2.13", "0.3.0": "2.14"}
 
 
 class UnsupportedVersionError(RuntimeError):
@@ -44,6 +51,14 @@ def _within(version: str, low: str, high: str | None) -> bool:
     return high is None or release[: len(_release(high))] <= _release(high)
 
 
+def _titan_release(version: str) -> str | None:
+    """The supported torchtitan release ``version`` is (post releases count), else None."""
+    for release in TORCHTITAN_RELEASES:
+        if _release(version)[:3] == _release(release):
+            return release
+    return None
+
+
 def check_supported_versions(**installed: str | None) -> None:
     """Raise :class:`UnsupportedVersionError` if any given version is outside its range.
 
@@ -63,10 +78,23 @@ def check_supported_versions(**installed: str | None) -> None:
         UnsupportedVersionError: acco_hooks does not support the installed torch 2.6.0 ...
     """
     problems = []
+    torch = installed.get("torch")
     for name, version in installed.items():
         if version is None:
             continue
         low, high, fix = SUPPORTED_VERSIONS[name]
+        if name == "torchtitan":
+            release = _titan_release(version)
+            if release is None:
+                wanted = " or ".join(f"=={r}" for r in TORCHTITAN_RELEASES)
+                problems.append(f"{name} {version} (supported: {name}{wanted}); fix: {fix}")
+            elif torch is not None and not _within(torch, TORCHTITAN_RELEASES[release], None):
+                floor = TORCHTITAN_RELEASES[release]
+                problems.append(
+                    f"torch {torch} with torchtitan {version} (supported: torch>={floor} with "
+                    f"torchtitan=={release}); fix: {fix}"
+                )
+            continue
         if not _within(version, low, high):
             wanted = f"=={low}" if high == low else f">={low}" + (f",<={high}" if high else "")
             problems.append(f"{name} {version} (supported: {name}{wanted}); fix: {fix}")

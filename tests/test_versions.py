@@ -23,7 +23,9 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
 
     def expected(name: str) -> SpecifierSet:
         low, high, _ = SUPPORTED_VERSIONS[name]
-        return SpecifierSet(f"=={low}" if low == high else f">={low}")
+        if low == high:
+            return SpecifierSet(f"=={low}")
+        return SpecifierSet(f">={low}" + (f",<={high}" if high else ""))
 
     assert SpecifierSet(project["requires-python"]) == expected("python")
     assert requirements["torch"].specifier == expected("torch")
@@ -33,17 +35,33 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
 @pytest.mark.parametrize(
     ("name", "version"),
     [("python", "3.11.7"), ("python", "3.13.0"), ("torch", "2.13.0+cpu"), ("torch", "2.13.0"),
-     ("torch", "2.14.0.dev20261101+cu128"), ("torchtitan", "0.2.2")],
+     ("torch", "2.14.0.dev20261101+cu128"), ("torchtitan", "0.2.2"), ("torchtitan", "0.3.0")],
 )  # fmt: skip
 def test_supported_versions_pass(name: str, version: str) -> None:
     check_supported_versions(**{name: version})
+
+
+@pytest.mark.parametrize(("torch", "torchtitan"), [("2.13.0", "0.2.2"), ("2.14.1", "0.2.2"),
+                                                   ("2.14.1+cu128", "0.3.0")])  # fmt: skip
+def test_tested_torch_and_torchtitan_pairs_pass(torch: str, torchtitan: str) -> None:
+    check_supported_versions(torch=torch, torchtitan=torchtitan)
+
+
+def test_torchtitan_030_on_torch_213_is_refused_naming_the_pair() -> None:
+    with pytest.raises(UnsupportedVersionError) as error:
+        check_supported_versions(torch="2.13.0", torchtitan="0.3.0")
+    assert "torch 2.13.0 with torchtitan 0.3.0 (supported: torch>=2.14 with torchtitan==0.3.0)" in (
+        str(error.value)
+    )
+    assert "ACCO_TITAN=0.3.0 bash scripts/setup.sh" in str(error.value)
 
 
 @pytest.mark.parametrize(
     ("name", "version", "fix"),
     [("python", "3.10.13", "python3.11"), ("torch", "2.6.0", "pip install 'torch==2.13.0'"),
      ("torch", "2.12.1+cu126", "pip install 'torch==2.13.0'"),
-     ("torchtitan", "0.3.0", "pip install 'torchtitan==0.2.2'"),
+     ("torchtitan", "0.3.1", "pip install 'torchtitan==0.2.2'"),
+     ("torchtitan", "0.2.3", "ACCO_TITAN=0.3.0 bash scripts/setup.sh"),
      ("torchtitan", "0.2.1", "pip install 'torchtitan==0.2.2'")],
 )  # fmt: skip
 def test_unsupported_version_is_refused_naming_version_range_and_fix(
@@ -58,8 +76,8 @@ def test_unsupported_version_is_refused_naming_version_range_and_fix(
 
 
 def test_every_unsupported_version_is_named_in_one_error() -> None:
-    with pytest.raises(UnsupportedVersionError, match=r"torch 2\.6\.0.*; and torchtitan 0\.3\.0"):
-        check_supported_versions(python="3.11.7", torch="2.6.0", torchtitan="0.3.0")
+    with pytest.raises(UnsupportedVersionError, match=r"torch 2\.6\.0.*; and torchtitan 0\.3\.1"):
+        check_supported_versions(python="3.11.7", torch="2.6.0", torchtitan="0.3.1")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -75,10 +93,11 @@ def test_import_refuses_an_unsupported_torch() -> None:
     )
 
 
+@pytest.mark.titan
 def test_train_titan_refuses_an_unsupported_torchtitan_before_any_process_group() -> None:
     code = (
         "import sys, runpy, torchtitan, torch.distributed as dist\n"
-        "torchtitan.__version__ = '0.3.0'\n"
+        "torchtitan.__version__ = '0.3.1'\n"
         "sys.argv = ['train_titan.py', '--job.config_file', "
         "'torchtitan_configs/debug_cpu_acco.toml']\n"
         "try:\n"
@@ -88,10 +107,11 @@ def test_train_titan_refuses_an_unsupported_torchtitan_before_any_process_group(
     )
     proc = _run(code)
     assert proc.returncode != 0
-    assert "installed torchtitan 0.3.0 (supported: torchtitan==0.2.2)" in proc.stderr
+    assert "installed torchtitan 0.3.1 (supported: torchtitan==0.2.2 or ==0.3.0)" in proc.stderr
     assert "process group formed: False" in proc.stdout
 
 
+@pytest.mark.titan
 def test_the_installed_versions_are_supported() -> None:
     import torch
     import torchtitan
