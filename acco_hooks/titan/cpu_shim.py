@@ -1,10 +1,10 @@
-"""Run torchtitan 0.2.2's own Trainer on CPU (gloo) when the machine has no accelerator.
+"""Run torchtitan's own Trainer (0.2.2 or 0.3.0) on CPU (gloo) when the machine has no accelerator.
 
 This is CPU scaffolding, shipped in the package because the README's main job needs it:
 ``train_titan.py`` imports it when no accelerator is present, so that the first command runs on
 any machine. On a GPU machine importing it logs one line and patches nothing.
 
-torchtitan 0.2.2 has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda"`` and
+torchtitan has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda"`` and
 ``torch.cuda`` at import time and several modules copy those names, so the Trainer calls
 ``torch.cuda.set_device`` and asks for NCCL. :func:`install` (run on import, idempotent):
 
@@ -15,16 +15,21 @@ torchtitan 0.2.2 has no CPU device option: ``torchtitan/tools/utils.py`` picks `
    mesh becomes a ``cpu`` mesh and the backend gloo.
 2. makes FSDP2 work on gloo: torchtitan sets FSDP's gradient divide factor to 1 (it divides the
    loss by the global token count), which FSDP2 sends as ``PREMUL_SUM``, which gloo rejects.
-   ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (through ``apply_fsdp`` and
-   a wrapped ``get_train_spec``) gives a plain ``SUM``: the value NCCL's ``PREMUL_SUM(1.0)``
-   gives.
+   ``set_force_sum_reduction_for_comms(True)`` on every FSDP module (0.2.2: through
+   ``apply_fsdp`` and a wrapped ``get_train_spec``; 0.3.0: through
+   ``disable_fsdp_gradient_division``, which every parallelize function calls) gives a plain
+   ``SUM``: the value NCCL's ``PREMUL_SUM(1.0)`` gives.
 3. quiets what only a CPU run warns about (the peak-FLOPs lookup, DTensor's CPU-mesh RNG and
    CPU autocast notices, torchrun's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). MFU is meaningless on
    CPU; FSDP's sharded init draws other weights than an unsharded run (start both from one
    seed checkpoint to compare them).
 
-With torchtitan's own entry point: ``-m torchtitan.train --experimental.custom_import
-acco_hooks.titan.cpu_shim ...``.
+4. (0.3.0) replaces FlexAttention's call by SDPA over the block mask's own ``mask_mod``,
+   evaluated densely (:func:`dense_mask_attention`): torch has no FlexAttention backward on
+   CPU. Same attention pattern, another kernel.
+
+With torchtitan's own entry point: 0.2.2 ``-m torchtitan.train --experimental.custom_import
+acco_hooks.titan.cpu_shim ...``; 0.3.0 ``--module acco_hooks.titan`` installs it on import.
 """
 from __future__ import annotations
 
@@ -40,7 +45,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CPU_DEVICE_MODULE", "force_sum_reduction_for_comms", "install", "is_installed"]
+from acco_hooks.titan import TITAN_030
+
+__all__ = ["CPU_DEVICE_MODULE", "dense_mask_attention", "force_sum_reduction_for_comms", "install",
+           "is_installed"]
 
 _MARK = "_acco_cpu_shim"  # attribute set on everything this module creates or wraps
 
@@ -173,6 +181,49 @@ def _wrap_get_train_spec(get_train_spec: Callable) -> Callable:
     return wrapper
 
 
+# --------------------------------------------------------------------------- attention (0.3.0)
+def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux,
+                         kernel_options):
+    """FlexAttention's call, computed by SDPA over the block mask's dense boolean mask.
+
+    torch has no FlexAttention backward on CPU (eager or compiled). The mask is the block
+    mask's own ``mask_mod`` evaluated at every (batch, head, query, key) index, so the
+    attention pattern is exactly the one FlexAttention would use; only the kernel differs.
+    """
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    if score_mod is not None or (return_aux is not None and (return_aux.lse or
+                                                             return_aux.max_scores)):
+        raise NotImplementedError(
+            "acco cpu_shim: the CPU attention replacement supports mask_mod only (no "
+            "score_mod, no returned log-sum-exp); run this model on a GPU"
+        )
+    batch, heads, q_len, _ = q.shape
+    kv_len = k.shape[-2]
+    device = q.device
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+    mask = block_mask.mask_mod(b, h, q_idx, kv_idx)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.expand(batch, heads, q_len, kv_len), scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+    return out, AuxOutput(lse=None, max_scores=None)
+
+
+def _install_cpu_attention() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import torchtitan.models.common.attention as tt_attention
+    import torchtitan.models.common.decoder as tt_decoder
+
+    tt_attention.FlexAttention.compiled_flex_attn = staticmethod(dense_mask_attention)
+    # eager: the compiled builder would run inductor once per process for nothing on CPU
+    tt_decoder.create_attention_mask = create_block_mask
+
+
 # --------------------------------------------------------------------------- install
 _installed = False
 
@@ -217,10 +268,17 @@ def install() -> None:
         tt_utils.get_device_info = get_device_info
 
     # import the known copiers now so they are patched even if nothing imported them yet
+    if TITAN_030:
+        import torchtitan.distributed.parallel_dims  # noqa: F401
+        import torchtitan.distributed.utils  # noqa: F401
+        import torchtitan.tools.profiler  # noqa: F401
+        import torchtitan.trainer  # noqa: F401  (imports the rest of the training stack)
+    else:
+        import torchtitan.distributed.parallel_dims  # noqa: F401
+        import torchtitan.distributed.utils  # noqa: F401
+        import torchtitan.tools.profiling  # noqa: F401
+
     import torchtitan.components.metrics as tt_metrics
-    import torchtitan.distributed.parallel_dims  # noqa: F401
-    import torchtitan.distributed.utils  # noqa: F401
-    import torchtitan.tools.profiling  # noqa: F401
 
     patched = []
     for mod_name, mod in list(sys.modules.items()):
@@ -244,11 +302,21 @@ def install() -> None:
         init.__defaults__ = ("cpu:0",)
 
     # 2. FSDP2 on gloo: force ReduceOp.SUM (see the module docstring)
-    import torchtitan.models.llama3.infra.parallelize as llama3_par
-    import torchtitan.protocols.train_spec as train_spec_mod
+    if TITAN_030:
+        import torchtitan.distributed.fsdp as tt_fsdp
 
-    llama3_par.apply_fsdp = _with_force_sum(llama3_par.apply_fsdp, model_arg=True)
-    train_spec_mod.get_train_spec = _wrap_get_train_spec(train_spec_mod.get_train_spec)
+        # called by every parallelize function once FSDP is applied (a module global there)
+        tt_fsdp.disable_fsdp_gradient_division = _with_force_sum(
+            tt_fsdp.disable_fsdp_gradient_division, model_arg=True
+        )
+        # 4. attention: FlexAttention has no CPU backward (see the module docstring)
+        _install_cpu_attention()
+    else:
+        import torchtitan.models.llama3.infra.parallelize as llama3_par
+        import torchtitan.protocols.train_spec as train_spec_mod
+
+        llama3_par.apply_fsdp = _with_force_sum(llama3_par.apply_fsdp, model_arg=True)
+        train_spec_mod.get_train_spec = _wrap_get_train_spec(train_spec_mod.get_train_spec)
 
     # 3. CPU-only noise (see the module docstring)
     tt_utils.get_peak_flops = _a100_peak_flops
