@@ -3,7 +3,10 @@
     torchrun --nproc_per_node=N train_titan.py --job.config_file torchtitan_configs/llama3_8b_acco.toml
 
 Reads a torchtitan TOML job config extended with an ``[acco]`` section (no
-``custom_config_module`` line needed); CLI overrides such as ``--acco.mode dpu`` work. With
+``custom_config_module`` line needed); CLI overrides such as ``--acco.mode dpu`` work. The
+installed torchtitan decides the path: 0.2.2 reads the TOML itself; 0.3.0 (which has no TOML
+configs) gets it translated into a ``Trainer.Config`` by ``acco_hooks.titan.toml_compat``,
+which refuses any key without a 0.3.0 meaning before anything is built. With
 ``[acco] enable = true`` the run uses ``ACCOTrainer``; without it, torchtitan's own
 ``Trainer`` (the native DDP/FSDP baselines). With no CUDA device the run goes to the CPU with
 gloo (``acco_hooks.titan.cpu_shim``). With ``--training.dataset stdlib`` the embedded corpus and
@@ -23,49 +26,29 @@ import warnings
 import torch
 
 # First: a Python, torch or torchtitan outside the tested versions fails here, with the fix.
-import acco_hooks.titan  # noqa: F401, I001
+from acco_hooks.titan import TITAN_030  # noqa: I001
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         import acco_hooks.titan.cpu_shim  # noqa: F401  (before torchtitan reads its device)
 
-    from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger, logger
-    from torchtitan.train import Trainer
-
-    from acco_hooks.titan import stdlib_data
-    from acco_hooks.titan.config import JobConfig, validate_acco_config
-    from acco_hooks.titan.trainer import ACCOTrainer
-
-    class _ConfigManager(ConfigManager):
-        def _validate_config(self) -> None:
-            # torchtitan warns about a missing hf_assets_path here: build the embedded corpus's
-            # tokenizer first, so that a first run has it like any later one.
-            config = self.config
-            if config.training.dataset in (
-                stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME
-            ):  # fmt: skip
-                dataset_dir = config.training.dataset_path or stdlib_data.DEFAULT_DATASET_DIR
-                stdlib_data.ensure_stdlib_assets(dataset_dir, config.model.hf_assets_path)
-                stdlib_data.register_stdlib_datasets(dataset_dir)
-            super()._validate_config()
 
     init_logger()
     rank = int(os.environ.get("RANK", "0"))
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)  # until the config is read
-    config = _ConfigManager(JobConfig).parse_args()
+    config, trainer_cls, acco = (_config_030 if TITAN_030 else _config_022)()
     if rank in _logging_ranks(config):
         logger.setLevel(logging.INFO)
     else:
         # One copy of each line: the other ranks print the same info and warnings.
         logger.setLevel(logging.ERROR)
         warnings.simplefilter("ignore")
-    validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
 
     trainer = None
     try:
-        trainer = (ACCOTrainer if config.acco.enable else Trainer)(config)
+        trainer = trainer_cls(config)
         if config.checkpoint.create_seed_checkpoint:  # as torchtitan's own main does
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
@@ -74,7 +57,7 @@ def main() -> None:
         # This rank failed, maybe alone: release what it holds without waiting for its peers
         # (they fail their next collective instead), and leave the default group to the exit,
         # as torchtitan's own main does: destroying it could wait on a peer mid-collective.
-        if isinstance(trainer, ACCOTrainer):
+        if acco and trainer is not None:
             trainer.close(barrier=False)
         elif trainer is not None:
             trainer.close()
@@ -85,6 +68,65 @@ def main() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("train_titan: done")
+
+
+def _use_stdlib_data(dataset: str, dataset_path: str | None, tokenizer_path: str) -> None:
+    """Build the embedded corpus and its tokenizer on first use, and register the datasets."""
+    from acco_hooks.titan import stdlib_data
+
+    if dataset in (stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME):
+        dataset_dir = dataset_path or stdlib_data.DEFAULT_DATASET_DIR
+        stdlib_data.ensure_stdlib_assets(dataset_dir, tokenizer_path)
+        stdlib_data.register_stdlib_datasets(dataset_dir)
+
+
+def _config_022():
+    """torchtitan 0.2.2: its ConfigManager reads the TOML into our JobConfig."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.train import Trainer
+
+    from acco_hooks.titan.config import JobConfig, validate_acco_config
+    from acco_hooks.titan.trainer import ACCOTrainer
+
+    class _ConfigManager(ConfigManager):
+        def _validate_config(self) -> None:
+            # torchtitan warns about a missing hf_assets_path here: build the embedded corpus's
+            # tokenizer first, so that a first run has it like any later one.
+            config = self.config
+            _use_stdlib_data(config.training.dataset, config.training.dataset_path,
+                             config.model.hf_assets_path)  # fmt: skip
+            super()._validate_config()
+
+    config = _ConfigManager(JobConfig).parse_args()
+    validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
+    return config, (ACCOTrainer if config.acco.enable else Trainer), config.acco.enable
+
+
+def _config_030():
+    """torchtitan 0.3.0: the TOML and the overrides, translated into a ``Trainer.Config``."""
+    import importlib
+    import sys
+
+    from torchtitan.trainer import Trainer
+
+    from acco_hooks.titan.toml_compat import load_toml_config, parse_overrides, read_toml
+    from acco_hooks.titan.v030 import ACCOTrainer, validate_acco_config
+
+    args = sys.argv[1:]
+    if "--job.config_file" not in args or args.index("--job.config_file") + 1 >= len(args):
+        raise SystemExit("train_titan.py: --job.config_file <file.toml> is required")
+    at = args.index("--job.config_file")
+    path, overrides = args[at + 1], args[:at] + args[at + 2:]
+    settings = {**read_toml(path), **parse_overrides(overrides, strict=False)}
+    if settings.get("experimental.custom_import"):
+        # 0.2.2's hook for user code, imported before building (0.3.0 has no such option)
+        importlib.import_module(settings["experimental.custom_import"])
+    _use_stdlib_data(settings.get("training.dataset", ""), settings.get("training.dataset_path"),
+                     settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
+    config = load_toml_config(path, overrides)
+    validate_acco_config(config)  # a bad acco value fails here, before anything is built
+    acco = isinstance(config, ACCOTrainer.Config)
+    return config, (ACCOTrainer if acco else Trainer), acco
 
 
 def _logging_ranks(config) -> set[int] | range:

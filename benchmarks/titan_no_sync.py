@@ -19,7 +19,16 @@ import functools
 from typing import Any
 
 from torchtitan.tools.logging import logger
-from torchtitan.train import Trainer
+
+from acco_hooks.titan import TITAN_030
+
+if TITAN_030:
+    raise ImportError(
+        "benchmarks.titan_no_sync patches torchtitan 0.2.2's DDP path; torchtitan 0.3.0 has no "
+        "DDP (its data parallelism is FSDP2): run this benchmark with torchtitan 0.2.2"
+    )
+
+from torchtitan.train import Trainer  # noqa: E402
 
 _PATCHED = "_acco_bench_no_sync_patched"
 
