@@ -8,17 +8,28 @@ import pathlib
 
 import pytest
 
-from acco_hooks.titan.config import JobConfig, validate_acco_config
+from acco_hooks.titan import TITAN_030
 
+pytestmark = pytest.mark.titan
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = sorted((ROOT / "torchtitan_configs").glob("*.toml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_is_valid(path: pathlib.Path) -> None:
-    from torchtitan.config import ConfigManager
+    if TITAN_030:  # translated from the TOML, every key of it
+        from acco_hooks.titan.toml_compat import load_toml_config
+        from acco_hooks.titan.v030 import validate_acco_config
 
-    config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path)])
+        config = load_toml_config(path)
+        acco = getattr(config, "acco", None)
+    else:
+        from torchtitan.config import ConfigManager
+
+        from acco_hooks.titan.config import JobConfig, validate_acco_config
+
+        config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path)])
+        acco = config.acco if config.acco.enable else None
     par = config.parallelism
     assert par.data_parallel_shard_degree >= 1, "give the shard degree explicitly"
     world = math.prod((par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
@@ -28,7 +39,7 @@ def test_shipped_config_is_valid(path: pathlib.Path) -> None:
     if config.training.global_batch_size > 0:
         assert config.training.global_batch_size % batch == 0, "global batch: a whole number of micro-batches"
     else:  # -1: one micro-batch per rank and torchtitan step; the engine's round size is explicit
-        assert config.acco.accumulation_steps >= 1
+        assert acco is not None and acco.accumulation_steps >= 1
     if "8b" in path.name:  # the batch scales with the nodes: valid at 2 to 64 replicas
         assert config.training.global_batch_size == -1
         per_replica = world // par.data_parallel_replicate_degree
@@ -36,5 +47,5 @@ def test_shipped_config_is_valid(path: pathlib.Path) -> None:
             par.data_parallel_replicate_degree = replicas
             validate_acco_config(config, world_size=per_replica * replicas)
     if "hsdp" in path.name:
-        assert config.acco.enable and par.data_parallel_shard_degree > 1
+        assert acco is not None and acco.enable and par.data_parallel_shard_degree > 1
         assert par.data_parallel_replicate_degree > 1

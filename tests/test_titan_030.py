@@ -1,0 +1,180 @@
+"""torchtitan 0.3.0: the native entry point, the TOML translation and the CPU attention shim.
+
+The training proofs (TP, PP, HSDP, DCP resume, the torchtitan baselines) are in
+test_titan_trainer.py, which runs on both releases; CI runs this module in its torchtitan 0.3.0
+venv (``-m titan``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from acco_hooks.titan import TITAN_030
+
+if not TITAN_030:
+    pytest.skip("torchtitan 0.3.0 only (CI runs it in its 0.3.0 venv)", allow_module_level=True)
+
+from acco_hooks.titan.toml_compat import TomlConfigError, load_toml_config  # noqa: E402
+
+pytestmark = pytest.mark.titan
+ROOT = pathlib.Path(__file__).parents[1]
+CONFIGS = ROOT / "torchtitan_configs"
+STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
+
+
+def _losses(cmd: list[str]) -> dict[int, tuple[str, str]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return {int(step): (loss, norm) for step, loss, norm in STEP_LOSS.findall(output)}
+
+
+def test_native_entry_point_trains_as_the_toml_command(tmp_path) -> None:
+    """``-m torchtitan.train --module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's
+    overrides, and train_titan.py with the TOML: the same run, loss and norm for loss and norm.
+    """
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"]  # fmt: skip
+    native = _losses([*torchrun, "-m", "torchtitan.train", "--module", "acco_hooks.titan",
+                      "--config", "debug_cpu_acco", "--training.steps", "4", "--acco.mode",
+                      "dpu", "--dump-folder", str(tmp_path / "native"),
+                      "--metrics.disable-color-printing"])  # fmt: skip
+    toml = _losses([*torchrun, "train_titan.py", "--job.config_file",
+                    str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
+                    "--acco.mode", "dpu", "--job.dump_folder", str(tmp_path / "toml"),
+                    "--metrics.disable_color_printing"])  # fmt: skip
+    assert sorted(native) == sorted(toml) == [1, 2, 3, 4]
+    assert native == toml
+    assert float(native[4][0]) < float(native[1][0])
+
+
+def test_the_translation_keeps_every_setting_of_a_toml() -> None:
+    config = load_toml_config(CONFIGS / "debug_cpu_hsdp_acco.toml",
+                              ["--optimizer.lr", "1e-3", "--acco.mode=dpu",
+                               "--checkpoint.no-enable", "--training.steps", "7"])  # fmt: skip
+    (group,) = config.optimizer.param_groups
+    assert group.optimizer_name == "AdamW" and group.pattern == ".*"
+    assert group.optimizer_kwargs == {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8,
+                                      "weight_decay": 0.1}  # fmt: skip
+    assert config.optimizer.implementation == "for-loop"
+    assert (config.acco.mode, config.acco.enable) == ("dpu", True)
+    assert config.training.steps == 7 and config.training.disable_cuda_graphs
+    assert config.checkpoint.enable is False
+    par = config.parallelism
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree) == (2, 2)
+    assert par.spmd_backend == "partial_dtensor"
+    assert config.dataloader.dataset == "stdlib" and config.activation_checkpoint is None
+    assert (config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_type) == (2, "cosine")
+
+
+def test_a_key_without_a_030_meaning_is_refused_with_every_other_one(tmp_path) -> None:
+    toml = tmp_path / "job.toml"
+    toml.write_text((CONFIGS / "debug_cpu_acco.toml").read_text() + "\n[float8]\nenable = true\n")
+    with pytest.raises(TomlConfigError) as error:
+        load_toml_config(toml, ["--optimizer.early_step_in_backward", "--validation.seq_len",
+                                "99", "--training.nonsense", "1"])  # fmt: skip
+    message = str(error.value)
+    for key in ("float8.enable", "optimizer.early_step_in_backward", "validation.seq_len",
+                "training.nonsense"):  # fmt: skip
+        assert key in message, message
+    assert "pip install 'torchtitan==0.2.2'" in message
+
+
+def test_a_bad_value_type_is_refused() -> None:
+    with pytest.raises(TomlConfigError, match=r"--training.steps 'many': expected int"):
+        load_toml_config(CONFIGS / "debug_cpu_acco.toml", ["--training.steps", "many"])
+    with pytest.raises(TomlConfigError, match=r"selective_ac_option = '2'"):
+        load_toml_config(CONFIGS / "debug_cpu_acco.toml",
+                         ["--activation_checkpoint.mode", "selective"])  # fmt: skip
+
+
+def test_train_titan_refuses_a_meaningless_key_before_any_step(tmp_path) -> None:
+    cmd = [sys.executable, "train_titan.py", "--job.config_file",
+           str(CONFIGS / "debug_cpu_acco.toml"), "--job.dump_folder", str(tmp_path),
+           "--optimizer.early_step_in_backward"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "WORLD_SIZE": "2"})  # fmt: skip
+    assert proc.returncode != 0
+    assert "optimizer.early_step_in_backward: 0.3.0 has no early step in backward" in proc.stderr
+    assert "step:" not in proc.stdout + proc.stderr
+
+
+def test_acco_refuses_the_spmd_types_backend_naming_the_fix() -> None:
+    from acco_hooks.titan.v030 import validate_acco_config
+
+    config = load_toml_config(CONFIGS / "debug_cpu_acco.toml")
+    config.parallelism.spmd_backend = "spmd_types"
+    with pytest.raises(ValueError, match=r"--parallelism.spmd-backend partial_dtensor"):
+        validate_acco_config(config, world_size=2)
+
+
+def _document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Independent reference: token q sees token k iff k <= q in the same packed document
+    (a document starts where positions restart at 0)."""
+    document = (positions == 0).cumsum(dim=1)  # (B, L)
+    q = torch.arange(positions.shape[1])
+    causal = q[None, :] <= q[:, None]  # [q, k]
+    same = document[:, :, None] == document[:, None, :]
+    return (causal[None] & same)[:, None]  # (B, 1, L, L)
+
+
+def test_cpu_attention_equals_flex_attention_and_a_float64_reference() -> None:
+    """The shim's attention (SDPA over the block mask's mask_mod) against eager FlexAttention
+    (forward: torch has no CPU backward for it) and float64 math with an independent mask."""
+    from torch.nn.attention.flex_attention import AuxRequest, and_masks, flex_attention
+    from torchtitan.models.common.attention import (
+        create_attention_mask,
+        get_causal_mask_mod,
+        get_efficient_causal_mask_mod_for_packed_document,
+    )
+
+    import acco_hooks.titan.cpu_shim as shim
+
+    torch.manual_seed(0)
+    batch, heads, length, dim = 2, 4, 64, 16
+    positions = torch.cat([torch.arange(40), torch.arange(24)]).repeat(batch, 1)
+    positions[1] = torch.cat([torch.arange(10), torch.arange(54)])
+    block_mask = create_attention_mask(
+        and_masks(get_causal_mask_mod(),
+                  get_efficient_causal_mask_mod_for_packed_document(positions)),
+        batch, None, length, length, device="cpu",
+    )  # fmt: skip
+    q, k, v = (torch.randn(batch, heads, length, dim, requires_grad=True) for _ in range(3))
+    out, aux = shim.dense_mask_attention(
+        q, k, v, score_mod=None, block_mask=block_mask, scale=None, enable_gqa=False,
+        return_aux=AuxRequest(), kernel_options={},
+    )  # fmt: skip
+    assert aux.lse is None
+    flex = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=block_mask)
+    torch.testing.assert_close(out.detach(), flex, atol=2e-6, rtol=1e-5)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = (q64 @ k64.transpose(-1, -2)) / dim**0.5
+    scores = scores.masked_fill(~_document_causal_mask(positions), float("-inf"))
+    reference = scores.softmax(-1) @ v64
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference.backward(grad.double())
+    for ours, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_attention_refuses_what_it_cannot_compute() -> None:
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    import acco_hooks.titan.cpu_shim as shim
+
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(NotImplementedError, match="mask_mod only"):
+        shim.dense_mask_attention(q, q, q, score_mod=lambda s, *_: s, block_mask=None,
+                                  scale=None, enable_gqa=False, return_aux=AuxRequest(),
+                                  kernel_options={})  # fmt: skip
