@@ -19,8 +19,8 @@ from torch import nn
 from acco_hooks.engine import ACCOEngine
 from acco_hooks.titan.settings import ACCO, REDUCE_DTYPES
 
-__all__ = ["OPTIMIZER_CLASSES", "TRAINER_BEING_BUILT", "EngineContainer", "building",
-           "engine_kwargs"]
+__all__ = ["OPTIMIZER_CLASSES", "TRAINER_BEING_BUILT", "EngineContainer", "WithoutReplicate",
+           "building", "engine_kwargs"]
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -38,6 +38,23 @@ def building(trainer: Any) -> Iterator[None]:
         yield
     finally:
         TRAINER_BEING_BUILT.reset(token)
+
+
+class WithoutReplicate:
+    """A ``ParallelDims`` view without the ``dp_replicate`` dimension (both releases).
+
+    A model's parallelize function handed this view applies no DDP (0.2.2) and FSDP over the
+    ``fsdp`` mesh alone instead of HSDP over ``["dp_replicate", "fsdp"]``: everything but the
+    cross-replica data parallelism, which is the engine's.
+    """
+
+    def __init__(self, parallel_dims: Any) -> None:
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_dims, name)
+
+    dp_replicate_enabled = False
 
 
 class EngineContainer:

@@ -14,13 +14,12 @@ Two things of a torchtitan train spec change:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from torch import nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from acco_hooks.titan._container import TRAINER_BEING_BUILT, building
+from acco_hooks.titan._container import TRAINER_BEING_BUILT, WithoutReplicate, building
 from acco_hooks.titan.components import (
     ACCOOptimizersContainer,
     build_acco_lr_schedulers,
@@ -69,28 +68,12 @@ def ensure_acco_train_spec(model_name: str) -> str:
     return name
 
 
-class _WithoutDataParallel:
-    """A ``ParallelDims`` view without the ``dp_replicate`` dimension.
-
-    Parallelize functions then apply no DDP, and FSDP over the ``fsdp`` mesh alone (instead of
-    HSDP over ``["dp_replicate", "fsdp"]``).
-    """
-
-    def __init__(self, parallel_dims: ParallelDims) -> None:
-        self._parallel_dims = parallel_dims
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parallel_dims, name)
-
-    dp_replicate_enabled = False
-
-
 def parallelize_without_data_parallel(parallelize_fn):
     """Wrap a train spec's parallelize function so that it applies everything but the
     cross-replica data parallelism (DDP, or HSDP's all-reduce)."""
 
     def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig):
-        return parallelize_fn(model, _WithoutDataParallel(parallel_dims), job_config)
+        return parallelize_fn(model, WithoutReplicate(parallel_dims), job_config)
 
     parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
     return parallelize

@@ -41,6 +41,7 @@ from acco_hooks.titan._container import (
     OPTIMIZER_CLASSES,
     TRAINER_BEING_BUILT,
     EngineContainer,
+    WithoutReplicate,
     building,
     engine_kwargs,
 )
@@ -75,28 +76,12 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
         )
 
 
-class _WithoutReplicate:
-    """A ``ParallelDims`` view without the ``dp_replicate`` dimension.
-
-    A parallelize function then applies FSDP over the ``fsdp`` mesh alone (instead of HSDP over
-    ``["dp_replicate", "fsdp"]``): no cross-replica all-reduce.
-    """
-
-    def __init__(self, parallel_dims: Any) -> None:
-        self._parallel_dims = parallel_dims
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parallel_dims, name)
-
-    dp_replicate_enabled = False
-
-
 def parallelize_without_data_parallel(parallelize_fn):
     """Wrap a model spec's parallelize function so that it applies everything but the
     cross-replica data parallelism (HSDP's all-reduce)."""
 
     def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
-        return parallelize_fn(model, parallel_dims=_WithoutReplicate(parallel_dims), **kwargs)
+        return parallelize_fn(model, parallel_dims=WithoutReplicate(parallel_dims), **kwargs)
 
     parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
     return parallelize
@@ -179,7 +164,7 @@ class ACCOTrainer(ACCOTrainerLoop, Trainer):
         # A CUDA-graph replay would skip the engine's gradient hooks (Python).
         config.training.disable_cuda_graphs = True
         if isinstance(config.loss, ChunkedLossWrapper.Config) and (
-            config.parallelism.data_parallel_shard_degree not in (1,)
+            config.parallelism.data_parallel_shard_degree != 1
         ):
             logger.info(
                 "ACCO: the chunked loss turns FSDP gradient sync back on for the lm_head unit "
