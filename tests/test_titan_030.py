@@ -56,6 +56,21 @@ def test_native_entry_point_trains_as_the_toml_command(tmp_path) -> None:
     assert float(native[4][0]) < float(native[1][0])
 
 
+def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None:
+    """ACCO with torchtitan's full activation checkpointing, and with torch.compile of the
+    model and loss: the same run as without them, to the printed digits."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", "train_titan.py", "--job.config_file",
+                str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
+                "--training.seq_len", "64", "--training.local_batch_size", "2",
+                "--metrics.disable_color_printing"]  # fmt: skip
+    plain = _losses([*torchrun, "--job.dump_folder", str(tmp_path / "plain")])
+    assert sorted(plain) == [1, 2, 3, 4]
+    for name, flags in (("ac", ["--activation_checkpoint.mode", "full"]),
+                        ("compile", ["--compile.enable"])):  # fmt: skip
+        assert _losses([*torchrun, *flags, "--job.dump_folder", str(tmp_path / name)]) == plain
+
+
 def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     config = load_toml_config(CONFIGS / "debug_cpu_hsdp_acco.toml",
                               ["--optimizer.lr", "1e-3", "--acco.mode=dpu",
