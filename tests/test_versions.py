@@ -118,3 +118,15 @@ def test_the_installed_versions_are_supported() -> None:
 
     check_supported_versions(torch=torch.__version__, torchtitan=torchtitan.__version__)
     assert acco_hooks.__version__
+
+
+@pytest.mark.titan
+def test_the_other_releases_adapter_refuses_to_import_naming_what_to_use() -> None:
+    from acco_hooks.titan import TITAN_030
+
+    other, release = ("acco_hooks.titan.trainer", "0.2.2") if TITAN_030 else (
+        "acco_hooks.titan.v030", "0.3.0")  # fmt: skip
+    proc = _run(f"import {other}")
+    assert proc.returncode != 0
+    assert f"ImportError: {other} is the torchtitan {release} adapter" in proc.stderr
+    assert "or train_titan.py (any release)" in proc.stderr

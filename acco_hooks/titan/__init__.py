@@ -25,3 +25,19 @@ check_supported_versions(torch=torch.__version__, torchtitan=TITAN_VERSION)
 
 TITAN_030: bool = TITAN_VERSION.startswith("0.3.")
 """True when the installed torchtitan is 0.3.0 (the ``v030`` adapter), False for 0.2.2."""
+
+
+def require_release(release: str, module: str) -> None:
+    """Refuse to import ``module``, an adapter for torchtitan ``release``, under the other one.
+
+    Raises:
+        ImportError: naming the installed release and what to use instead.
+    """
+    if TITAN_VERSION.startswith(release[:4]):
+        return
+    use = ("acco_hooks.titan.v030 (ACCOTrainer), acco_hooks.titan.config_registry" if TITAN_030
+           else "acco_hooks.titan.trainer (ACCOTrainer), acco_hooks.titan.config")  # fmt: skip
+    raise ImportError(
+        f"{module} is the torchtitan {release} adapter, but torchtitan {TITAN_VERSION} is "
+        f"installed: use {use}, or train_titan.py (any release)"
+    )

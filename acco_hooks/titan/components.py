@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from acco_hooks.titan import require_release
+
+require_release("0.2.2", __name__)  # before any torchtitan import: a clear error on 0.3.0
+
 from torchtitan.components.lr_scheduler import LRSchedulersContainer, build_lr_schedulers
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import LRScheduler as LRSchedulerConfig

@@ -6,6 +6,10 @@ of the dataclasses (``dataclasses.fields(...).type``) to build nested sections f
 
 from dataclasses import dataclass, field
 
+from acco_hooks.titan import require_release
+
+require_release("0.2.2", __name__)  # before any torchtitan import: a clear error on 0.3.0
+
 from torchtitan.config import JobConfig as TitanJobConfig
 
 from acco_hooks.titan.settings import ACCO, REDUCE_DTYPES, validate_acco_settings

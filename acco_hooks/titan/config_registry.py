@@ -20,14 +20,9 @@ from typing import Any
 
 import torch
 
-from acco_hooks.titan import TITAN_030
+from acco_hooks.titan import require_release
 
-if not TITAN_030:
-    raise ImportError(
-        "acco_hooks.titan.config_registry is for torchtitan 0.3.0 (-m torchtitan.train "
-        "--module acco_hooks.titan); with torchtitan 0.2.2 run train_titan.py "
-        "--job.config_file torchtitan_configs/<name>.toml"
-    )
+require_release("0.3.0", __name__)  # torchtitan 0.2.2: train_titan.py --job.config_file X.toml
 if not torch.cuda.is_available():
     import acco_hooks.titan.cpu_shim  # noqa: F401, E402
 

@@ -16,6 +16,11 @@ from __future__ import annotations
 import dataclasses
 
 from torch import nn
+
+from acco_hooks.titan import require_release
+
+require_release("0.2.2", __name__)  # before any torchtitan import: a clear error on 0.3.0
+
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 

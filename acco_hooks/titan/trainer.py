@@ -9,6 +9,11 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+
+from acco_hooks.titan import require_release
+
+require_release("0.2.2", __name__)  # before any torchtitan import: a clear error on 0.3.0
+
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.train import Trainer
 

@@ -30,6 +30,11 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from acco_hooks.titan import require_release
+
+require_release("0.3.0", __name__)  # before any torchtitan import: a clear error on 0.2.2
+
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.tools.logging import logger
