@@ -71,6 +71,43 @@ def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None
         assert _losses([*torchrun, *flags, "--job.dump_folder", str(tmp_path / name)]) == plain
 
 
+_CONFIG_BUILD_SCRIPT = """
+import sys
+import torch
+from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.tools.logging import init_logger
+import acco_hooks.titan.config_registry as registry
+init_logger()
+config = registry.debug_cpu_hsdp_acco()
+config.training.steps, config.training.seq_len, config.training.local_batch_size = 4, 64, 2
+config.training.global_batch_size = 16  # 2 micro-batches per round on 4 ranks
+config.metrics.disable_color_printing = True
+config.dump_folder = sys.argv[2]
+if sys.argv[1] == "chunked":
+    config.loss = ChunkedLossWrapper.Config(loss_fn=config.loss)
+trainer = config.build()
+trainer.train()
+trainer.close()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(tmp_path) -> None:
+    """torchtitan 0.3.0's ChunkedLossWrapper (the default loss of its llama3 configs) turns
+    FSDP gradient sync on for the lm_head unit at every micro-batch, undoing ACCO's choice to
+    reduce-scatter only at a round's last one: the engine takes the early gradients, and the
+    run equals the plain cross-entropy one (2 replicas x 2 FSDP shards, config built in Python
+    as a 0.3.0 user does)."""
+    script = tmp_path / "run.py"
+    script.write_text(_CONFIG_BUILD_SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=4", str(script)]  # fmt: skip
+    plain = _losses([*torchrun, "plain", str(tmp_path / "plain")])
+    chunked = _losses([*torchrun, "chunked", str(tmp_path / "chunked")])
+    assert sorted(plain) == [1, 2, 3, 4]
+    assert chunked == plain
+
+
 def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     config = load_toml_config(CONFIGS / "debug_cpu_hsdp_acco.toml",
                               ["--optimizer.lr", "1e-3", "--acco.mode=dpu",
