@@ -70,21 +70,12 @@ def main() -> None:
     logger.info("train_titan: done")
 
 
-def _use_stdlib_data(dataset: str, dataset_path: str | None, tokenizer_path: str) -> None:
-    """Build the embedded corpus and its tokenizer on first use, and register the datasets."""
-    from acco_hooks.titan import stdlib_data
-
-    if dataset in (stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME):
-        dataset_dir = dataset_path or stdlib_data.DEFAULT_DATASET_DIR
-        stdlib_data.ensure_stdlib_assets(dataset_dir, tokenizer_path)
-        stdlib_data.register_stdlib_datasets(dataset_dir)
-
-
 def _config_022():
     """torchtitan 0.2.2: its ConfigManager reads the TOML into our JobConfig."""
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer
 
+    from acco_hooks.titan import stdlib_data
     from acco_hooks.titan.config import JobConfig, validate_acco_config
     from acco_hooks.titan.trainer import ACCOTrainer
 
@@ -93,8 +84,8 @@ def _config_022():
             # torchtitan warns about a missing hf_assets_path here: build the embedded corpus's
             # tokenizer first, so that a first run has it like any later one.
             config = self.config
-            _use_stdlib_data(config.training.dataset, config.training.dataset_path,
-                             config.model.hf_assets_path)  # fmt: skip
+            stdlib_data.prepare_if_stdlib(config.training.dataset, config.training.dataset_path,
+                                          config.model.hf_assets_path)  # fmt: skip
             super()._validate_config()
 
     config = _ConfigManager(JobConfig).parse_args()
@@ -109,6 +100,7 @@ def _config_030():
 
     from torchtitan.trainer import Trainer
 
+    from acco_hooks.titan import stdlib_data
     from acco_hooks.titan.toml_compat import load_toml_config, parse_overrides, read_toml
     from acco_hooks.titan.v030 import ACCOTrainer, validate_acco_config
 
@@ -121,8 +113,9 @@ def _config_030():
     if settings.get("experimental.custom_import"):
         # 0.2.2's hook for user code, imported before building (0.3.0 has no such option)
         importlib.import_module(settings["experimental.custom_import"])
-    _use_stdlib_data(settings.get("training.dataset", ""), settings.get("training.dataset_path"),
-                     settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
+    stdlib_data.prepare_if_stdlib(settings.get("training.dataset"),
+                                  settings.get("training.dataset_path"),
+                                  settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
     config = load_toml_config(path, overrides)
     validate_acco_config(config)  # a bad acco value fails here, before anything is built
     acco = isinstance(config, ACCOTrainer.Config)

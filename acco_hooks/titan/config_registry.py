@@ -46,13 +46,9 @@ def _from_toml(name: str) -> Any:
             "the project; install it from one (pip install -e .)"
         )
     settings = read_toml(path)
-    dataset = settings.get("training.dataset", "")
-    if dataset in (stdlib_data.DATASET_NAME, stdlib_data.VALIDATION_DATASET_NAME):
-        dataset_dir = settings.get("training.dataset_path") or stdlib_data.DEFAULT_DATASET_DIR
-        stdlib_data.ensure_stdlib_assets(dataset_dir, settings["model.hf_assets_path"])
-    stdlib_data.register_stdlib_datasets(
-        settings.get("training.dataset_path") or stdlib_data.DEFAULT_DATASET_DIR
-    )
+    stdlib_data.prepare_if_stdlib(settings.get("training.dataset"),
+                                  settings.get("training.dataset_path"),
+                                  settings["model.hf_assets_path"])  # fmt: skip
     return load_toml_config(path)
 
 

@@ -33,7 +33,7 @@ from acco_hooks.data import stdlib_sources
 __all__ = [
     "DATASET_NAME", "VALIDATION_DATASET_NAME", "DEFAULT_DATASET_DIR", "DEFAULT_TOKENIZER_DIR",
     "VOCAB_SIZE", "BOS_TOKEN", "EOS_TOKEN", "build_stdlib_dataset", "train_stdlib_tokenizer",
-    "ensure_stdlib_assets", "register_stdlib_datasets",
+    "ensure_stdlib_assets", "register_stdlib_datasets", "prepare_if_stdlib",
 ]  # fmt: skip
 
 DATASET_NAME = "stdlib"
@@ -192,6 +192,18 @@ def ensure_stdlib_assets(
     with FileLock(str(dataset.with_name(dataset.name + ".lock"))):
         build_stdlib_dataset(dataset)
         train_stdlib_tokenizer(dataset, tokenizer, vocab_size)
+
+
+def prepare_if_stdlib(
+    dataset: str | None, dataset_path: str | None, tokenizer_dir: str | os.PathLike
+) -> None:
+    """If a job trains on ``stdlib`` (or validates on ``stdlib_validation``): build the corpus
+    and its tokenizer where missing and register the datasets, before torchtitan looks for
+    them (so that a first run finds its tokenizer like any later one)."""
+    if dataset in (DATASET_NAME, VALIDATION_DATASET_NAME):
+        dataset_dir = dataset_path or DEFAULT_DATASET_DIR
+        ensure_stdlib_assets(dataset_dir, tokenizer_dir)
+        register_stdlib_datasets(dataset_dir)
 
 
 def _load_jsonl(path: str | os.PathLike, file_name: str) -> Any:
