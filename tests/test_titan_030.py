@@ -168,6 +168,23 @@ def test_acco_refuses_the_spmd_types_backend_naming_the_fix() -> None:
         validate_acco_config(config, world_size=2)
 
 
+def test_acco_refuses_several_or_partial_param_groups() -> None:
+    from torchtitan.components.optimizer import ParamGroupConfig
+
+    from acco_hooks.titan.v030 import validate_acco_config
+
+    config = load_toml_config(CONFIGS / "debug_cpu_acco.toml")
+    (group,) = config.optimizer.param_groups
+    config.optimizer.param_groups = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="Adam"),
+                                     group]  # fmt: skip
+    with pytest.raises(ValueError, match=r"one 'Adam' or 'AdamW' optimizer over every parameter"):
+        validate_acco_config(config, world_size=2)
+    group.pattern = r"layers\."
+    config.optimizer.param_groups = [group]
+    with pytest.raises(ValueError, match=r"use the catch-all pattern '\.\*'"):
+        validate_acco_config(config, world_size=2)
+
+
 def _document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """Independent reference: token q sees token k iff k <= q in the same packed document
     (a document starts where positions restart at 0)."""

@@ -73,6 +73,11 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
         acco, config.parallelism, [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size,
     )  # fmt: skip
+    if groups[0].pattern != ".*":
+        raise ValueError(
+            f"optimizer.param_groups[0].pattern = {groups[0].pattern!r}: the ACCO engine "
+            "optimizes every parameter with one optimizer; use the catch-all pattern '.*'"
+        )
     if config.parallelism.spmd_backend != ACCO_SPMD_BACKEND:
         raise ValueError(
             f"parallelism.spmd_backend = {config.parallelism.spmd_backend!r}: ACCO runs on "
