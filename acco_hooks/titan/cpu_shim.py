@@ -190,7 +190,7 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
     mask's own ``mask_mod`` evaluated at every (batch, head, query, key) index, so the
     attention pattern is exactly the one FlexAttention would use; only the kernel differs.
     """
-    from torch.nn.attention.flex_attention import AuxOutput
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
     if score_mod is not None or (return_aux is not None and (return_aux.lse or
                                                              return_aux.max_scores)):
@@ -200,16 +200,11 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
         )
     batch, heads, q_len, _ = q.shape
     kv_len = k.shape[-2]
-    device = q.device
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
-    mask = block_mask.mask_mod(b, h, q_idx, kv_idx)
+    # torch's own dense evaluation of a mask_mod: (B, H, Q_LEN, KV_LEN) booleans
+    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask.expand(batch, heads, q_len, kv_len), scale=scale,
-        enable_gqa=enable_gqa,
-    )  # fmt: skip
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
     return out, AuxOutput(lse=None, max_scores=None)
 
 
