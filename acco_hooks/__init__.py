@@ -9,6 +9,7 @@ micro-batches; an estimate of the next weights removes the damage of the one-ste
 from acco_hooks._versions import (
     SUPPORTED_VERSIONS,
     UnsupportedVersionError,
+    UntestedVersionWarning,
     check_python_and_torch,
     check_supported_versions,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "MODES",
     "SUPPORTED_VERSIONS",
     "UnsupportedVersionError",
+    "UntestedVersionWarning",
     "acco_hook",
     "check_supported_versions",
     "delayed_allreduce_hook",

@@ -5,15 +5,20 @@ step). A version outside them fails at ``import acco_hooks`` (Python, torch) or 
 acco_hooks.titan`` (torchtitan): before any process group forms, with one error that names the
 installed version, the supported range and the command that fixes it, instead of a confusing
 failure deep inside a collective or a config parser.
+
+``ACCO_HOOKS_UNTESTED_VERSIONS=1`` turns that error into a warning, for a machine whose torch
+cannot be changed (a GPU image with its own CUDA build of torch): the run is then untested.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import re
+import warnings
 
-__all__ = ["SUPPORTED_VERSIONS", "TORCHTITAN_RELEASES", "UnsupportedVersionError",
-           "check_supported_versions"]
+__all__ = ["SUPPORTED_VERSIONS", "TORCHTITAN_RELEASES", "UNTESTED_VERSIONS_ENV",
+           "UnsupportedVersionError", "UntestedVersionWarning", "check_supported_versions"]
 
 # name -> (lowest supported, highest supported or None, the fix to print)
 SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
@@ -31,8 +36,16 @@ SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
 TORCHTITAN_RELEASES: dict[str, str] = {"0.2.2": "2.13", "0.3.0": "2.14"}
 
 
+# Set to 1 to run on versions outside the tested ranges (a warning instead of the error).
+UNTESTED_VERSIONS_ENV = "ACCO_HOOKS_UNTESTED_VERSIONS"
+
+
 class UnsupportedVersionError(RuntimeError):
     """A Python, torch or torchtitan outside the range acco_hooks supports."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """Running on a version outside the tested ranges, as ``ACCO_HOOKS_UNTESTED_VERSIONS=1`` asks."""
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -68,7 +81,8 @@ def check_supported_versions(**installed: str | None) -> None:
 
     Raises:
         UnsupportedVersionError: naming every version out of range, its supported range and
-            the fix, in one message.
+            the fix, in one message. With ``ACCO_HOOKS_UNTESTED_VERSIONS=1`` in the
+            environment the same message is an :class:`UntestedVersionWarning` instead.
 
     Example::
 
@@ -98,10 +112,18 @@ def check_supported_versions(**installed: str | None) -> None:
         if not _within(version, low, high):
             wanted = f"=={low}" if high == low else f">={low}" + (f",<={high}" if high else "")
             problems.append(f"{name} {version} (supported: {name}{wanted}); fix: {fix}")
-    if problems:
-        raise UnsupportedVersionError(
-            "acco_hooks does not support the installed " + "; and ".join(problems)
-        )
+    if not problems:
+        return
+    message = "acco_hooks does not support the installed " + "; and ".join(problems)
+    if os.environ.get(UNTESTED_VERSIONS_ENV) == "1":
+        warnings.warn(
+            f"{message}. Running anyway, untested, because {UNTESTED_VERSIONS_ENV}=1",
+            UntestedVersionWarning, stacklevel=2,
+        )  # fmt: skip
+        return
+    raise UnsupportedVersionError(
+        f"{message} (to run on it untested anyway: {UNTESTED_VERSIONS_ENV}=1)"
+    )
 
 
 def check_python_and_torch() -> None:

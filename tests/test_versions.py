@@ -12,7 +12,12 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 import acco_hooks
-from acco_hooks import SUPPORTED_VERSIONS, UnsupportedVersionError, check_supported_versions
+from acco_hooks import (
+    SUPPORTED_VERSIONS,
+    UnsupportedVersionError,
+    UntestedVersionWarning,
+    check_supported_versions,
+)
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -130,3 +135,17 @@ def test_the_other_releases_adapter_refuses_to_import_naming_what_to_use() -> No
     assert proc.returncode != 0
     assert f"ImportError: {other} is the torchtitan {release} adapter" in proc.stderr
     assert "or train_titan.py (any release)" in proc.stderr
+
+
+def test_untested_versions_env_turns_the_refusal_into_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For a GPU image whose torch cannot be changed; the default stays a refusal."""
+    with pytest.raises(UnsupportedVersionError, match="ACCO_HOOKS_UNTESTED_VERSIONS=1"):
+        check_supported_versions(torch="2.11.0+cu130")
+    monkeypatch.setenv("ACCO_HOOKS_UNTESTED_VERSIONS", "1")
+    with pytest.warns(UntestedVersionWarning, match=r"torch 2\.11\.0\+cu130.*untested"):
+        check_supported_versions(torch="2.11.0+cu130")
+    monkeypatch.setenv("ACCO_HOOKS_UNTESTED_VERSIONS", "yes")  # only "1" opts in
+    with pytest.raises(UnsupportedVersionError):
+        check_supported_versions(torch="2.11.0+cu130")
