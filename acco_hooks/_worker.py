@@ -10,8 +10,12 @@ gloo collectives release the GIL, so the training loop keeps running.
 The thread must be the *only* user of its process group: two threads issuing collectives on one
 group deadlock. The engine therefore builds a dedicated group for it.
 
-On CUDA the same thread runs its work on a side stream; the caller orders the streams with
-events (see ``CommWorker.submit``).
+On CUDA the same thread runs its work on a side stream of its own. Two events order it with the
+training loop: a job starts (on that stream) after the work the caller had queued when it
+submitted the job, and the job's future completes only once its device work has finished, not
+once its kernels and collectives are queued. NCCL collectives return to the host as soon as they
+are enqueued, so a future set at that point would say "done" while the all-gather still runs:
+``accumulate_until_ready`` would end rounds early and the advisor would time the enqueueing.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ class CommWorker:
     communication side always reaches the training loop instead of killing the thread silently.
 
     Args:
-        device: the device the jobs compute on. For CUDA the jobs run on a dedicated stream.
+        device: the device the jobs compute on. For CUDA the jobs run on a dedicated stream,
+            and the thread makes ``device`` its current device (the CUDA current device is
+            per thread: a new thread would otherwise allocate on device 0).
         name: the thread's name (shows up in ``py-spy`` dumps and tracebacks).
     """
 
@@ -48,7 +54,10 @@ class CommWorker:
 
     def __init__(self, device: torch.device, name: str = "acco-comm") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._stream = torch.cuda.Stream(torch.device("cuda", index))
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -58,8 +67,9 @@ class CommWorker:
 
         On CUDA the job waits (on the worker's stream) for all work already queued on the
         caller's current stream, so buffers the caller just wrote are complete when it reads
-        them; the future's result is only valid on the caller's stream after
-        :meth:`wait_stream` (done by :func:`wait`).
+        them. The future completes once the job's device work has finished (the thread waits
+        for an event recorded after it), so ``future.done()`` means the result is in memory;
+        :meth:`wait` also orders the caller's stream after the worker's.
         """
         if self._closed:
             raise RuntimeError("acco_hooks: the communication worker is closed")
@@ -111,6 +121,8 @@ class CommWorker:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self._stream.device)
         while True:
             item = self._jobs.get()
             if item is None:
@@ -120,9 +132,7 @@ class CommWorker:
                 continue
             try:
                 if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(ready)
-                        result = fn(*args)
+                    result = self._run_on_stream(fn, args, ready)
                 else:
                     result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the loop
@@ -130,3 +140,15 @@ class CommWorker:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+    def _run_on_stream(self, fn: Callable[..., Any], args: tuple, ready: Any) -> Any:
+        """Run ``fn`` on the worker's stream after ``ready``; return once its device work is done."""
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            result = fn(*args)
+        # blocking: the thread sleeps until the device gets there instead of spinning on a core
+        # the training loop needs.
+        finished = torch.cuda.Event(blocking=True)
+        finished.record(self._stream)
+        finished.synchronize()
+        return result

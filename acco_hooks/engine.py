@@ -233,7 +233,11 @@ class ACCOEngine(EngineStateMixin, EngineLifecycleMixin):
 
     @property
     def communication_in_flight(self) -> bool:
-        """Whether a round's communication was launched and has not finished yet."""
+        """Whether a round's communication was launched and has not finished yet.
+
+        On CUDA "finished" means its device work is done, not only enqueued: the worker's
+        future completes after an event recorded behind the all-gather (``_worker``).
+        """
         return self._in_flight is not None and not self._in_flight.done()
 
     def microbatch_done(self, weight: float = 1.0) -> bool:
