@@ -142,7 +142,7 @@ class CommWorker:
                 future.set_result(result)
 
     def _run_on_stream(self, fn: Callable[..., Any], args: tuple, ready: Any) -> Any:
-        """Run ``fn`` on the worker's stream after ``ready``; return once its device work is done."""
+        """Run ``fn(*args)`` on the stream after ``ready``; return when its device work is done."""
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             result = fn(*args)

@@ -1,4 +1,4 @@
-"""Run a function on N gloo processes and collect what each rank returns."""
+"""Run a function on N gloo (or NCCL) processes and collect what each rank returns."""
 
 from __future__ import annotations
 
@@ -35,17 +35,22 @@ def _free_port() -> int:
 
 def _entry(
     rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
-    orderly_teardown: bool = True,
+    orderly_teardown: bool = True, backend: str = "gloo",
 ) -> None:  # fmt: skip
     # A rank that aborts (SIGABRT from C++) shows every thread's Python stack in the test log.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    device_id = None
+    if backend == "nccl":  # one GPU per rank, bound before the first collective
+        device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device_id)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
+        device_id=device_id,
     )
     try:
         module, name = fn_path.rsplit(":", 1)
@@ -62,9 +67,11 @@ def _entry(
 
 def run_distributed(
     fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S,
-    may_die: tuple[int, ...] = (),
+    may_die: tuple[int, ...] = (), backend: str = "gloo",
 ):  # fmt: skip
     """Call ``module:function(rank, world_size, *args)`` on ``world_size`` gloo processes.
+
+    ``backend="nccl"`` runs them on NCCL instead, rank r on GPU r.
 
     Returns the list of per-rank return values. A rank's exception is re-raised here; ranks
     still running after ``deadline_s`` are killed and the call fails. Ranks in ``may_die`` may
@@ -72,11 +79,12 @@ def run_distributed(
     others are then left to finish on their own instead of being terminated.
     """
     if may_die:
+        assert backend == "gloo", "may_die runs on gloo only"
         return _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die)
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, _free_port(), fn_path, args, outdir),
+            args=(world_size, _free_port(), fn_path, args, outdir, True, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",

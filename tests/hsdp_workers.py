@@ -11,9 +11,9 @@ from torch.distributed.fsdp import fully_shard
 from tests.scenario import OPTIMIZERS, Config, make_model, make_scheduler, microbatch_loss, param_groups
 
 
-def sharded_tiny_net(replicas: int, shards: int):
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = make_model()
+def sharded_tiny_net(replicas: int, shards: int, device: str = "cpu"):
+    mesh = init_device_mesh(device, (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+    model = make_model().to(device)
     fully_shard(model.fc1, mesh=mesh)
     fully_shard(model.fc2, mesh=mesh)
     fully_shard(model, mesh=mesh)  # the root holds `gain` (1 element: one shard is empty)
@@ -24,13 +24,13 @@ def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every:
     """The scenario's training with ACCOHSDPOptimizer; every rank is one worker of ``cfg``."""
     from acco_hooks import ACCOHSDPOptimizer
 
-    model, _ = sharded_tiny_net(replicas, world_size // replicas)
+    model, _ = sharded_tiny_net(replicas, world_size // replicas, cfg.device)
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = ACCOHSDPOptimizer(
         model, opt_class, params=param_groups(model, cfg.two_groups), mode=cfg.mode,
         accumulation_steps=cfg.micro[rank], max_grad_norm=cfg.max_grad_norm,
         lr_scheduler=make_scheduler if cfg.scheduler else None,
-        sync_every_microbatch=sync_every, **kwargs,
+        sync_every_microbatch=sync_every, **kwargs, **cfg.optimizer_kwargs,
     )  # fmt: skip
     weight = cfg.weights[rank] if cfg.weights else 1.0
     for r in range(cfg.rounds):
@@ -40,7 +40,9 @@ def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every:
             assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
     opt.flush()
     result = {
-        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "params": {
+            n: p.full_tensor().detach().to("cpu", copy=True) for n, p in model.named_parameters()
+        },
         "memory": opt.engine.memory_bytes(),
         "num_updates": opt.num_updates,
         "lr": [g["lr"] for g in opt.param_groups],

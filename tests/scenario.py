@@ -49,8 +49,9 @@ def microbatch_loss(model: nn.Module, rank: int, round_index: int, micro: int) -
     g = torch.Generator().manual_seed(10_007 * rank + 101 * round_index + micro)
     x = torch.randn(4, 5, generator=g)
     y = torch.randn(4, 3, generator=g)
-    dtype = next(model.parameters()).dtype
-    return torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+    param = next(model.parameters())
+    prediction = model(x.to(device=param.device, dtype=param.dtype))
+    return torch.nn.functional.mse_loss(prediction.float(), y.to(param.device))
 
 
 @dataclass
@@ -74,6 +75,10 @@ class Config:
     # Rounds whose micro-batches give rank 1 a NaN loss; the engine skips their update, and the
     # reference (ddp mode only) leaves the parameters unchanged in those rounds.
     nan_rounds: frozenset[int] = frozenset()
+    # Where the engine run trains (the reference always runs on the CPU), and extra keyword
+    # arguments of its optimizer (e.g. fused=True); the reference uses the plain optimizer.
+    device: str = "cpu"
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -165,7 +170,7 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     """One rank of the same training with ``ACCOOptimizer`` (run under ``run_distributed``)."""
     from acco_hooks import ACCOOptimizer
 
-    model = make_model(cfg.dtype)
+    model = make_model(cfg.dtype).to(cfg.device)
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = ACCOOptimizer(
         param_groups(model, cfg.two_groups),
@@ -176,6 +181,7 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         reduce_dtype=cfg.reduce_dtype,
         lr_scheduler=make_scheduler if cfg.scheduler else None,
         **kwargs,
+        **cfg.optimizer_kwargs,
     )
     weight = cfg.weights[rank] if cfg.weights else 1.0
     for r in range(cfg.rounds):
@@ -186,7 +192,7 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
             assert ended == (micro == cfg.micro[rank] - 1), (r, micro, ended)
     opt.flush()
     result = {
-        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "params": {n: p.detach().float().to("cpu", copy=True) for n, p in model.named_parameters()},
         "lr": [g["lr"] for g in opt.param_groups],
         "num_updates": opt.num_updates,
         "scheduler_epoch": None if opt.lr_scheduler is None else opt.lr_scheduler.last_epoch,

@@ -24,13 +24,14 @@ class DDPVariant:
     find_unused_parameters: bool = False
     no_sync: bool = False  # the first micro-batch of each round runs under ddp.no_sync()
     unused_param: bool = False  # the model has a parameter that gets no gradient
+    device: str = "cpu"  # "cuda": the model on this rank's GPU (tests/test_cuda.py, on NCCL)
 
 
-def train_with_acco_optimizer(rank: int, mode: str) -> dict[str, torch.Tensor]:
+def train_with_acco_optimizer(rank: int, mode: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     from acco_hooks import ACCOOptimizer
     from tests.scenario import make_model, microbatch_loss, param_groups
 
-    model = make_model()
+    model = make_model().to(device)
     opt_class, kwargs = OPTIMIZERS["adamw"]
     opt = ACCOOptimizer(param_groups(model, True), opt_class, mode=mode,
                         accumulation_steps=MICRO, **kwargs)  # fmt: skip
@@ -40,7 +41,7 @@ def train_with_acco_optimizer(rank: int, mode: str) -> dict[str, torch.Tensor]:
             opt.step()
     opt.flush()
     opt.close()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
 def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant) -> dict:
@@ -49,11 +50,12 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
     from acco_hooks import ACCOState, acco_hook
     from tests.scenario import make_model, microbatch_loss, param_groups
 
-    expected = train_with_acco_optimizer(rank, mode)
+    expected = train_with_acco_optimizer(rank, mode, variant.device)
 
     model = make_model()
     if variant.unused_param:
         model.unused = nn.Linear(2, 2)
+    model.to(variant.device)
     # A tiny bucket cap: every parameter lands in a bucket of its own after the rebuild.
     ddp = DDP(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=variant.gradient_as_bucket_view,
               static_graph=variant.static_graph,
@@ -81,7 +83,7 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
             state.step()
     state.flush()
     state.close()
-    actual = {n: p.detach().clone() for n, p in model.named_parameters()}
+    actual = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
     return {"expected": expected, "actual": actual, "buckets": [b for b in buckets_per_backward if b]}
 
 
@@ -98,10 +100,14 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
         ("acco", DDPVariant(find_unused_parameters=True, unused_param=True)),
     ],
     ids=lambda v: v if isinstance(v, str) else ",".join(
-        k for k, on in vars(v).items() if on) or "default",
+        k for k, on in vars(v).items() if on is True) or "default",
 )
 def test_acco_hook_equals_acco_optimizer(mode: str, variant: DDPVariant) -> None:
     results = run_distributed("tests.test_ddp_hooks:hook_vs_optimizer", 2, mode, variant)
+    assert_hook_equals_optimizer(results, variant)
+
+
+def assert_hook_equals_optimizer(results: list[dict], variant: DDPVariant) -> None:
     for rank, result in enumerate(results):
         actual = {n: v for n, v in result["actual"].items() if not n.startswith("unused")}
         error = relative_error(actual, result["expected"])
@@ -110,8 +116,9 @@ def test_acco_hook_equals_acco_optimizer(mode: str, variant: DDPVariant) -> None
         assert max(len(b) for b in buckets) > 1  # several buckets per backward
         if not variant.find_unused_parameters:  # DDP only rebuilds without unused detection
             assert buckets[0] != buckets[-1]  # it rebuilt them after the first iteration
-    for name, value in results[0]["actual"].items():  # the replicas agree, unused param too
-        assert torch.equal(value, results[1]["actual"][name]), name
+    for result in results[1:]:  # the replicas agree, unused param too
+        for name, value in results[0]["actual"].items():
+            assert torch.equal(value, result["actual"][name]), name
 
 
 def delayed_allreduce_run(rank: int, world_size: int, rounds: int) -> dict:

@@ -130,6 +130,26 @@ def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     assert our_norms[1] == pytest.approx((1 if TITAN_030 else 2) * their_norms[1], rel=1e-3)
 
 
+def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
+    """``data_parallel_replicate_degree = 1`` (one GPU): the engine runs its rounds over the
+    rank alone. Its synchronous mode trains as torchtitan's own single-process run, clipping
+    included; acco mode runs too (what the one-GPU overhead benchmark compares)."""
+    common = ("--training.steps", "4", *FAST, "--training.global_batch_size", "4",
+              "--parallelism.data_parallel_replicate_degree", "1")  # fmt: skip
+    our_norms, their_norms = {}, {}
+    ours = run_titan(1, "debug_cpu_acco.toml", *common, "--acco.mode", "ddp",
+                     dump=tmp_path / "engine", grad_norms=our_norms)  # fmt: skip
+    theirs = run_titan(1, "debug_cpu_acco.toml", *common, "--acco.no-enable",
+                       dump=tmp_path / "titan", grad_norms=their_norms)  # fmt: skip
+    assert sorted(ours) == [1, 2, 3, 4]
+    assert ours == theirs
+    for step in ours:  # the engine's norm sums in float64 over its flat shard
+        assert our_norms[step] == pytest.approx(their_norms[step], rel=1e-3)
+    acco = run_titan(1, "debug_cpu_acco.toml", *common, "--acco.mode", "acco",
+                     dump=tmp_path / "acco")  # fmt: skip
+    assert acco[1] == ours[1] and acco[4] != ours[4]  # same start, its own recursion
+
+
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
 def test_checkpoint_resume_continues_exactly(mode: str, tmp_path) -> None:
     common = ("--acco.mode", mode, "--training.steps", "8", *FAST,
@@ -239,7 +259,8 @@ def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, t
         (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
         (("--parallelism.data_parallel_shard_degree", "2",
           "--parallelism.data_parallel_replicate_degree", "1"),
-         "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas"),
+         "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas; with "
+         "data_parallel_shard_degree = 2 set data_parallel_replicate_degree >= 2"),
         (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
          "set it to false with data_parallel_shard_degree > 1"),
     ],

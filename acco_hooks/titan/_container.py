@@ -165,7 +165,7 @@ def engine_kwargs(
     model_parallel = parallel_dims.tp_enabled or parallel_dims.pp_enabled
     return {
         "mode": acco.mode,
-        "process_group": parallel_dims.get_mesh("dp_replicate"),
+        "process_group": _replica_group(parallel_dims),
         "accumulation_steps": accumulation_steps,
         "accumulate_until_ready": acco.accumulate_until_ready,
         "reduce_dtype": REDUCE_DTYPES[acco.reduce_dtype],
@@ -176,3 +176,16 @@ def engine_kwargs(
         ),
         "norm_process_group": dist.group.WORLD if model_parallel else None,
     }
+
+
+def _replica_group(parallel_dims: Any) -> Any:
+    """The group ACCO runs across: the ``dp_replicate`` mesh, or this rank alone.
+
+    With one replica (``data_parallel_replicate_degree = 1``, no FSDP) there is no data-parallel
+    traffic; the rounds, the shard step and the estimate still run, which is what a comparison
+    with plain torchtitan on one GPU measures.
+    """
+    if parallel_dims.dp_replicate_enabled:
+        return parallel_dims.get_mesh("dp_replicate")
+    alone, _ = dist.new_subgroups(group_size=1)  # every rank builds every 1-rank group
+    return alone

@@ -104,12 +104,14 @@ def validate_acco_settings(
     shard = par.data_parallel_shard_degree
     if shard == -1 and replicate > 0:
         shard = world_size // max(1, replicate * others)
-    if replicate < 2:
+    # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
+    # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
+    if replicate < 1 or (replicate == 1 and shard > 1):
         raise ValueError(
             f"[parallelism] data_parallel_replicate_degree = {replicate}: [acco] enable runs "
-            "across model replicas and needs at least 2 of them; set "
-            "data_parallel_replicate_degree (with data_parallel_shard_degree > 1, FSDP shards "
-            "each replica: HSDP)"
+            f"across model replicas; with data_parallel_shard_degree = {shard} set "
+            "data_parallel_replicate_degree >= 2 (FSDP then shards each replica: HSDP), or "
+            "[acco] enable = false for torchtitan's own FSDP"
         )
     if not isinstance(acco.fsdp_sync_every_microbatch, bool):
         raise ValueError(
