@@ -42,7 +42,7 @@ def turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
         ) from exc
     groups = None
     param_groups = {  # fully_shard([a, b]) gives a and b one state: visit each group once
-        id(g): g for module in modules for g in module._get_fsdp_state()._fsdp_param_groups
+        id(g): g for module in modules for g in _param_groups(module._get_fsdp_state())
     }
     for param_group in param_groups.values():
         info = param_group.mesh_info
@@ -64,3 +64,12 @@ def turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
             "wrap it with fully_shard(module, mesh=mesh_2d) first"
         )
     return groups
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """A state's FSDP parameter groups: a list on torch 2.13, at most one on torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch 2.11 (a GPU image's torch)
+    return [] if group is None else [group]

@@ -12,12 +12,21 @@ use their native collectives.
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["reduce_scatter_sum", "all_gather"]
+
+
+def _native(name: str, before_2_13: str) -> Callable[..., Any]:
+    """torch 2.13's ``*_single`` collective, or its older name (a GPU image's torch 2.11).
+
+    Looked up at each call, not at import: tests wrap ``dist.all_gather_single`` to hold it.
+    """
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
 
 
 def _use_ring(group: dist.ProcessGroup) -> bool:
@@ -30,7 +39,7 @@ def _use_ring(group: dist.ProcessGroup) -> bool:
 def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """``output`` (S elements) = this rank's chunk of the sum over ranks of ``input`` (N·S)."""
     if not _use_ring(group):
-        dist.reduce_scatter_single(output, input, group=group)
+        _native("reduce_scatter_single", "reduce_scatter_tensor")(output, input, group=group)
         return
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
@@ -51,7 +60,7 @@ def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) 
 def all_gather(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """``output`` (N·S elements) = the concatenation of every rank's ``input`` (S)."""
     if not _use_ring(group):
-        dist.all_gather_single(output, input, group=group)
+        _native("all_gather_single", "all_gather_into_tensor")(output, input, group=group)
         return
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(n, -1)

@@ -64,7 +64,8 @@ def run_arm(arm: str, compiled: bool, args: argparse.Namespace) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{arm} (compile={compiled}) failed:\n{output[-4000:]}")
     steps = parse_steps(output, LOCAL_BATCH * SEQ_LEN * microbatches)
-    return {"update_s": steps["round_s"] * steps_per_update, "peak_memory_gib": steps["peak_rss_gib"],
+    return {"update_s": steps["round_s"] * steps_per_update,
+            "peak_memory_gib": steps["peak_rss_gib"],
             "step_s_all": steps["round_s_all"]}  # fmt: skip
 
 

@@ -64,7 +64,8 @@ HOLD_CYCLES = 500_000_000
 def full_config(mode: str, implementation: str, **changes) -> Config:
     """Clipping (active), an LR scheduler and two parameter groups, on this process's GPU."""
     fields = dict(mode=mode, world_size=1, micro=[2], rounds=12, max_grad_norm=0.05,
-                  scheduler=True, device="cuda", optimizer_kwargs={implementation: True})  # fmt: skip
+                  scheduler=True, device="cuda",
+                  optimizer_kwargs={implementation: True})  # fmt: skip
     return Config(**{**fields, **changes})
 
 
@@ -122,7 +123,8 @@ def _hold_all_gathers(cycles: int) -> list[int]:
     """
     import torch.distributed as dist
 
-    issue = dist.all_gather_single
+    # torch 2.13's name; acco_hooks.collectives falls back to all_gather_into_tensor before it
+    issue = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     streams: list[int] = []
 
     def late_all_gather(output, input, *args, **kwargs):
@@ -238,11 +240,12 @@ def sanitized_runs() -> None:
 
 def test_cuda_sanitizer_finds_no_unsynchronized_access() -> None:
     """torch.cuda._sanitizer raises at the first kernel that races another stream's access."""
-    code = ("from tests.test_cuda import sanitized_runs, held_all_gather_run, full_config\n"
+    code = ("from tests.test_cuda import sanitized_runs, full_config\n"
             "from tests.dist_utils import run_distributed\n"
             "sanitized_runs()\n"
-            "run_distributed('tests.test_cuda:held_all_gather_run', 1,\n"
-            "                full_config('acco', 'fused', rounds=4), backend='nccl')\n")  # fmt: skip
+            "cfg = full_config('acco', 'fused', rounds=4)\n"
+            "run_distributed('tests.test_cuda:held_all_gather_run', 1, cfg,\n"
+            "                backend='nccl')\n")  # fmt: skip
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600)  # fmt: skip
@@ -250,7 +253,20 @@ def test_cuda_sanitizer_finds_no_unsynchronized_access() -> None:
     assert proc.returncode == 0 and "CSAN" not in output, output[-6000:]
 
 
-# ------------------------------------------------------------------ torchtitan
+# ------------------------------------------------------------------ examples and torchtitan
+
+
+def test_plain_loop_example_trains_on_nccl() -> None:
+    """examples/train_small_transformer.py as the README runs it, on this machine's GPUs."""
+    nproc = min(2, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(ROOT / "examples" / "train_small_transformer.py"),
+           "--mode", "acco", "--rounds", "40", "--accumulate-until-ready"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "device=cuda" in output, output[-3000:]
+
 
 
 @pytest.mark.titan

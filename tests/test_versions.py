@@ -22,6 +22,12 @@ from acco_hooks import (
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _refusals_not_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the refusals: ACCO_HOOKS_UNTESTED_VERSIONS=1 must not weaken them."""
+    monkeypatch.delenv("ACCO_HOOKS_UNTESTED_VERSIONS", raising=False)
+
+
 def test_pyproject_declares_the_ranges_the_program_checks() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
