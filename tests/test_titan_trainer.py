@@ -142,7 +142,9 @@ def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
     theirs = run_titan(1, "debug_cpu_acco.toml", *common, "--acco.no-enable",
                        dump=tmp_path / "titan", grad_norms=their_norms)  # fmt: skip
     assert sorted(ours) == [1, 2, 3, 4]
-    assert ours == theirs
+    assert ours[1] == theirs[1]  # same initial weights and data
+    for step in (2, 3, 4):  # the engine's clipping and flat-shard update round differently
+        assert float(ours[step]) == pytest.approx(float(theirs[step]), abs=2e-5)
     for step in ours:  # the engine's norm sums in float64 over its flat shard
         assert our_norms[step] == pytest.approx(their_norms[step], rel=1e-3)
     acco = run_titan(1, "debug_cpu_acco.toml", *common, "--acco.mode", "acco",
