@@ -23,7 +23,14 @@ from acco_hooks.ddp_comm_hooks import (  # noqa: E402
     delayed_allreduce_hook,
 )
 from acco_hooks._frontend import label_tokens  # noqa: E402
-from acco_hooks.engine import MODES, ACCOCommunicationError, ACCOEngine  # noqa: E402
+from acco_hooks.engine import (  # noqa: E402
+    MODES,
+    ACCOCommunicationError,
+    ACCOEngine,
+    ACCOSettings,
+    EngineSettings,
+    SettingError,
+)
 from acco_hooks.fsdp import ACCOHSDPOptimizer  # noqa: E402
 from acco_hooks.optimizer import ACCOOptimizer  # noqa: E402
 
@@ -32,10 +39,13 @@ __all__ = [
     "ACCOEngine",
     "ACCOHSDPOptimizer",
     "ACCOOptimizer",
+    "ACCOSettings",
     "ACCOState",
     "DelayedAllReduceState",
+    "EngineSettings",
     "MODES",
     "SUPPORTED_VERSIONS",
+    "SettingError",
     "UnsupportedVersionError",
     "UntestedVersionWarning",
     "acco_hook",

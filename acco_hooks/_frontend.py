@@ -10,6 +10,8 @@ import torch
 
 from acco_hooks.engine import ACCOEngine
 
+__all__ = ["EngineFrontEnd", "label_tokens"]
+
 IGNORE_INDEX = -100  # torch's cross_entropy default, torchtitan's and transformers' label padding
 
 
@@ -23,17 +25,20 @@ def label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
     """
     return int(labels.ne(ignore_index).sum())
 
-__all__ = ["EngineFrontEnd", "label_tokens"]
-
 
 class EngineFrontEnd:
-    """Delegates to ``self.engine``; subclasses feed it gradients and count micro-batches.
+    """What a front-end built around an engine exposes; subclasses feed the engine gradients
+    and count micro-batches.
 
     The engine owns the gradient hooks (``engine.hook_param_grads``) and removes them when it
     closes.
+
+    Args:
+        engine: the engine this front-end drives.
     """
 
-    engine: ACCOEngine
+    def __init__(self, engine: ACCOEngine) -> None:
+        self.engine = engine
 
     def flush(self) -> None:
         """Wait for in-flight communication; the model then holds the real parameters θ."""

@@ -20,6 +20,11 @@ Within a round, FSDP's gradient reduce-scatter runs once, on the round's last mi
 (``requires_gradient_sync`` is off before); earlier micro-batches accumulate unsharded
 gradients, as ``no_sync`` does for DDP. ``sync_every_microbatch=True`` reduce-scatters every
 micro-batch instead: less memory, S-1 more intra-node reduce-scatters per round.
+
+FSDP2 has no public switch that keeps HSDP's intra-node reduce-scatter and drops the
+cross-replica all-reduce while still writing ``.grad``: :func:`turn_off_replica_all_reduce`,
+the one place that reaches into FSDP2's internals, adjusts its parameter groups' mesh info for
+that, and refuses a torch without them.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from acco_hooks._fsdp_internals import fsdp_modules, turn_off_replica_all_reduce
-from acco_hooks.engine import ACCOEngine
+from acco_hooks.engine import ACCOEngine, EngineSettings
 from acco_hooks.optimizer import ACCOOptimizer
 
-__all__ = ["ACCOHSDPOptimizer", "fsdp_modules", "set_gradient_sync_for_next_microbatch"]
+__all__ = ["ACCOHSDPOptimizer", "fsdp_modules", "set_gradient_sync_for_next_microbatch",
+           "turn_off_replica_all_reduce"]  # fmt: skip
 
 
 def set_gradient_sync_for_next_microbatch(
@@ -51,7 +56,7 @@ def set_gradient_sync_for_next_microbatch(
     Returns:
         Whether the next backward hands the engine gradients.
     """
-    last = engine.microbatches_in_round + 1 >= engine.accumulation_steps
+    last = engine.microbatches_in_round + 1 >= engine.settings.accumulation_steps
     for module in modules:
         module.set_requires_gradient_sync(every_microbatch or last, recurse=False)
     return every_microbatch or last
@@ -115,6 +120,9 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
                     f"acco_hooks: ACCOHSDPOptimizer takes its groups from the model's 2-D mesh; "
                     f"drop {taken}="
                 )
+        # The settings are checked before the model is touched: a refused one leaves it as it was.
+        settings, kwargs = EngineSettings.from_keywords(kwargs.pop("settings", None), kwargs)
+        settings.check_until_ready("the shard dimension of the FSDP mesh")
         self.fsdp_modules = fsdp_modules([model])
         replicate_group, shard_group = turn_off_replica_all_reduce(self.fsdp_modules)
         gloo = dist.get_backend(shard_group) == "gloo"
@@ -127,7 +135,8 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         # reduce-scattered gradient: the hooks ACCOOptimizer attaches take each shard from there.
         super().__init__(
             model.named_parameters() if params is None else params, optimizer_class,
-            process_group=replicate_group, fsdp_process_group=shard_group, **kwargs,
+            settings=settings, process_group=replicate_group, fsdp_process_group=shard_group,
+            **kwargs,
         )  # fmt: skip
         self._set_gradient_sync()
 
@@ -173,3 +182,64 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         """Restore a :meth:`state_dict` saved by the same rank of a same-shaped run."""
         super().load_state_dict(state_dict)
         self._set_gradient_sync()
+
+
+# ----------------------------------------------------- the one reach into FSDP2's internals
+
+
+def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
+    """Every ``FSDPModule`` in ``modules`` and their submodules."""
+    return [m for root in modules for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
+    """Make HSDP stop after its reduce-scatter; return the (replicate, shard) mesh groups.
+
+    ``set_requires_all_reduce(False)`` is not enough: FSDP2 then keeps the reduce-scattered
+    gradient aside for a later all-reduce and never writes ``.grad``. Each parameter group is
+    instead told that its mesh is FSDP-only (``FSDPMeshInfo`` on the shard dimension), so it
+    reduce-scatters over the shard dimension and writes the summed shard gradient; the
+    parameters keep their (Replicate, Shard) placements. This relies on FSDP2's parameter
+    group internals (``torch.distributed.fsdp._fully_shard``, torch 2.13); a torch without
+    them is refused with an error rather than silently all-reducing.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    except ImportError as exc:  # pragma: no cover - other torch versions
+        raise RuntimeError(
+            f"acco_hooks: this torch ({torch.__version__}) has no FSDP2 mesh internals that "
+            "ACCOHSDPOptimizer can adjust; use torch 2.13"
+        ) from exc
+    groups = None
+    param_groups = {  # fully_shard([a, b]) gives a and b one state: visit each group once
+        id(g): g for module in modules for g in _param_groups(module._get_fsdp_state())
+    }
+    for param_group in param_groups.values():
+        info = param_group.mesh_info
+        if not isinstance(info, HSDPMeshInfo):
+            raise ValueError(
+                "acco_hooks: ACCOHSDPOptimizer needs a model wrapped with fully_shard on a "
+                "2-D DeviceMesh (replicate, shard), e.g. init_device_mesh(device, (R, S), "
+                "mesh_dim_names=('dp_replicate', 'dp_shard')); this module is sharded on a "
+                f"{info.mesh.ndim}-D mesh {info.mesh.mesh_dim_names}. For pure data "
+                "parallelism use ACCOOptimizer"
+            )
+        groups = groups or (info.replicate_process_group, info.shard_process_group)
+        param_group.mesh_info = FSDPMeshInfo(
+            mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim
+        )
+    if groups is None:
+        raise ValueError(
+            "acco_hooks: ACCOHSDPOptimizer: the model has no parameters managed by fully_shard; "
+            "wrap it with fully_shard(module, mesh=mesh_2d) first"
+        )
+    return groups
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """A state's FSDP parameter groups: a list on torch 2.13, at most one on torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch 2.11 (a GPU image's torch)
+    return [] if group is None else [group]

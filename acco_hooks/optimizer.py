@@ -29,19 +29,11 @@ class ACCOOptimizer(EngineFrontEnd):
     these alternate between the real θ and the estimate θ̃; call :meth:`flush` to put the real
     θ in the model (before evaluating or exporting it).
 
-    Tuning:
-
-    1. ``mode``: ``"acco"`` for training; ``"ddp"`` (synchronous ZeRO-1) as the baseline that
-       ACCO should match per token; ``"dpu"`` (delayed update without the estimate) only to
-       reproduce the paper's comparison.
-    2. ``accumulation_steps``: micro-batches per round. A real update in ``acco`` uses two
-       rounds of gradients, so ``accumulation_steps = k`` in ``acco`` matches ``2k`` in ``ddp``
-       per update. Raise it until the compute of one round covers its communication time.
-    3. ``accumulate_until_ready=True`` on heterogeneous hardware: a worker whose round ends
-       before the communication finished runs more micro-batches instead of idling; every
-       micro-batch counts equally in the average. Runs are then no longer bit-reproducible.
-    4. ``reduce_dtype=torch.bfloat16`` halves the bytes on the wire; the accumulation stays in
-       fp32.
+    Tuning and the meaning of every setting: :class:`~acco_hooks.engine.EngineSettings` (the
+    one place they are declared and checked). In short: ``mode="acco"`` to train, ``"ddp"`` as
+    the synchronous baseline; ``accumulation_steps=k`` micro-batches per round, where ``k`` in
+    ``acco`` matches ``2k`` in ``ddp`` per update; ``accumulate_until_ready=True`` on
+    heterogeneous hardware; ``reduce_dtype=torch.bfloat16`` halves the bytes on the wire.
 
     .. warning::
         LR schedulers must be given as ``lr_scheduler=`` (a function building the scheduler
@@ -57,21 +49,13 @@ class ACCOOptimizer(EngineFrontEnd):
         optimizer_class: the torch optimizer class run on the shard, e.g. ``torch.optim.AdamW``.
             AdamW, Adam and SGD get a copy-free estimate step; other classes work by
             snapshot-and-restore of their state.
-        mode: ``"acco"``, ``"dpu"`` or ``"ddp"``.
-        process_group: the data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``; default: the
-            whole world (or one local worker if ``torch.distributed`` is not initialized).
-        accumulation_steps: micro-batches per round (the minimum with
-            ``accumulate_until_ready``).
-        accumulate_until_ready: keep accumulating while the previous round communicates.
-        reduce_dtype: gradient dtype on the wire; default ``torch.float32``.
-        max_grad_norm: clip the averaged gradient to this global L2 norm; default: no clipping.
-        lr_scheduler: ``callable(optimizer) -> LRScheduler``; see the warning above.
-        nonfinite: ``"skip"`` (default: a round whose averaged gradient has NaN/Inf is skipped
-            on every rank, counted in ``engine.skipped_rounds`` and warned about) or ``"raise"``.
-        timeout: seconds after which a collective of the engine fails when a peer hangs
-            (default: the process group's timeout). A dead peer fails it at once.
-        fsdp_process_group: HSDP only, see ``ACCOHSDPOptimizer``, which sets it up.
-        **optimizer_kwargs: keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...).
+        **kwargs: the settings (``mode``, ``accumulation_steps``, ``accumulate_until_ready``,
+            ``reduce_dtype``, ``max_grad_norm``, ``nonfinite``, ``timeout``, or
+            ``settings=EngineSettings(...)``), the engine's other arguments
+            (``process_group``: the data-parallel group or 1-D mesh, default the whole world;
+            ``lr_scheduler``: ``callable(optimizer) -> LRScheduler``, see the warning above),
+            then the keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...). See
+            :class:`~acco_hooks.engine.ACCOEngine`.
 
     Example::
 
@@ -91,8 +75,8 @@ class ACCOOptimizer(EngineFrontEnd):
     def __init__(
         self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
     ) -> None:
-        # The settings are the engine's own (documented above): one signature, one validation.
-        self.engine = ACCOEngine(params, optimizer_class, **kwargs)
+        # The settings are the engine's own: one signature, one validation.
+        super().__init__(ACCOEngine(params, optimizer_class, **kwargs))
         self.engine.hook_param_grads()
         self._grads_at_last_step = 0
 

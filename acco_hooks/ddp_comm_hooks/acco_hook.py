@@ -28,9 +28,10 @@ class ACCOState(EngineFrontEnd, Joinable):
     round when it may. The engine owns the optimizer, sharded ZeRO-1 style over DDP's process
     group.
 
-    Every setting of :class:`acco_hooks.ACCOOptimizer` (``mode``, ``accumulation_steps``,
-    ``accumulate_until_ready``, ``reduce_dtype``, ``max_grad_norm``, ``lr_scheduler``) is
-    accepted here with the same meaning, followed by the keyword arguments of
+    Every setting of the engine (:class:`~acco_hooks.engine.EngineSettings`: ``mode``,
+    ``accumulation_steps``, ``accumulate_until_ready``, ``reduce_dtype``, ``max_grad_norm``,
+    ``nonfinite``, ``timeout``) and ``lr_scheduler`` are accepted here with the same meaning as
+    for :class:`acco_hooks.ACCOOptimizer`, followed by the keyword arguments of
     ``optimizer_class``.
 
     .. warning::
@@ -91,9 +92,9 @@ class ACCOState(EngineFrontEnd, Joinable):
         model_params = set(ddp_model.module.parameters())
         if param_groups is None:
             param_groups = list(ddp_model.module.named_parameters())
-        self.engine = ACCOEngine(
+        EngineFrontEnd.__init__(self, ACCOEngine(
             param_groups, optimizer_class, process_group=ddp_model.process_group, **kwargs
-        )
+        ))  # fmt: skip
         if not set(self.engine.params) <= model_params:
             raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
         self._delivered: set[Tensor] = set()

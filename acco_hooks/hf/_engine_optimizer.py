@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from acco_hooks._frontend import EngineFrontEnd
 from transformers.optimization import get_scheduler
 
+from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine, real_updates
 
 __all__ = ["EngineOptimizer", "EngineSchedule", "build_engine", "optimizer_cls_and_kwargs",
@@ -38,17 +38,19 @@ def build_engine(
     max_grad_norm = trainer.args.max_grad_norm
     if not (max_grad_norm and max_grad_norm > 0):
         max_grad_norm = _NO_CLIPPING
-    engine_kwargs = trainer.acco_args.engine_kwargs()
-    if engine_kwargs["timeout"] is None and trainer.args.ddp_timeout:
-        engine_kwargs["timeout"] = float(trainer.args.ddp_timeout)  # as the default group's
-    mode = trainer.acco_args.mode
+    acco = trainer.acco_args
+    timeout = acco.timeout
+    if timeout is None and trainer.args.ddp_timeout:
+        timeout = float(trainer.args.ddp_timeout)  # as the Trainer's own process group
+    settings = acco.to_engine_settings(
+        accumulation_steps=trainer.args.gradient_accumulation_steps,
+        max_grad_norm=max_grad_norm, timeout=timeout,
+    )
     return ACCOEngine(
         [g for g in groups if g["params"]],
         optimizer_cls,
-        accumulation_steps=trainer.args.gradient_accumulation_steps,
-        max_grad_norm=max_grad_norm,
-        lr_scheduler=functools.partial(schedule_over_real_updates, trainer.args, mode, rounds),
-        **engine_kwargs,
+        settings=settings,
+        lr_scheduler=functools.partial(schedule_over_real_updates, trainer.args, acco.mode, rounds),
         **optimizer_kwargs,
     )
 
@@ -61,7 +63,7 @@ class EngineOptimizer(EngineFrontEnd):
     """
 
     def __init__(self, engine: ACCOEngine) -> None:
-        self.engine = engine
+        super().__init__(engine)
         engine.hook_param_grads()
 
     def step(self, closure: Any = None) -> None:

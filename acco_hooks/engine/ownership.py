@@ -1,9 +1,13 @@
 """Which engine trains a parameter: one at a time, and never behind torch's back.
 
 An engine takes each gradient out of ``.grad`` during backward (or zeroes DDP's bucket), so two
-engines on one parameter would each see half the story, and torch's own
-``clip_grad_norm_`` on it would measure nothing and clip nothing. Both are refused here, by
-name, at the first call that would go wrong.
+engines on one parameter would each see half the story, and torch's own ``clip_grad_norm_`` on
+it would measure nothing and clip nothing. Both are refused here, by name, at the first call
+that would go wrong.
+
+The ``clip_grad_norm_`` refusal wraps torch's function only while some engine owns parameters:
+:func:`claim` puts the guard in place, the :func:`release` that leaves no owned parameter puts
+torch's function back. Importing ``acco_hooks`` changes nothing in torch.
 """
 
 from __future__ import annotations
@@ -49,18 +53,21 @@ def claim(engine: Any, params: list[Tensor], names: list[str]) -> None:
 
 
 def release(engine: Any) -> None:
-    """Forget ``engine``'s parameters (it closed), and entries whose engine or parameter died."""
+    """Forget ``engine``'s parameters (it closed), and entries whose engine or parameter died;
+    with no parameter owned any more, torch's ``clip_grad_norm_`` is torch's own again."""
     for key, (param_ref, engine_ref) in list(_OWNER.items()):
         if engine_ref() in (engine, None) or param_ref() is None:
             del _OWNER[key]
+    if not _OWNER:
+        _unguard_clip_grad_norm()
 
 
 def _guard_clip_grad_norm() -> None:
     """Make ``torch.nn.utils.clip_grad_norm_`` refuse parameters whose gradients an engine holds.
 
-    Installed once, when the first engine hooks its parameters; parameters no engine trains go
-    straight to torch's function. A name imported before (``from torch.nn.utils import
-    clip_grad_norm_`` ahead of building the optimizer) keeps torch's unguarded function.
+    Parameters no engine trains go straight to torch's function. A name imported before
+    (``from torch.nn.utils import clip_grad_norm_`` ahead of building the optimizer) keeps
+    torch's unguarded function.
     """
     original = torch.nn.utils.clip_grad_norm_
     if getattr(original, "_acco_guarded", False):
@@ -82,3 +89,13 @@ def _guard_clip_grad_norm() -> None:
     clip_grad_norm_._acco_guarded = True  # type: ignore[attr-defined]
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _unguard_clip_grad_norm() -> None:
+    """Put torch's own ``clip_grad_norm_`` back, unless someone wrapped ours meanwhile."""
+    guard = torch.nn.utils.clip_grad_norm_
+    if not getattr(guard, "_acco_guarded", False):
+        return
+    torch.nn.utils.clip_grad_norm_ = guard.__wrapped__
+    if torch.nn.utils.clip_grad.clip_grad_norm_ is guard:
+        torch.nn.utils.clip_grad.clip_grad_norm_ = guard.__wrapped__

@@ -1,4 +1,4 @@
-"""The flat buffer layout: how one parameter group is laid out, sharded and buffered.
+"""The flat buffer layout: how the engine's parameter groups are laid out, sharded and buffered.
 
 A group's parameters are laid end to end in one flat vector padded with zeros to a multiple of
 the data-parallel world size N; rank r owns elements ``[r*shard, (r+1)*shard)``. Each group has:
@@ -29,7 +29,7 @@ estimate step adds no memory for AdamW, Adam and SGD.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,7 +37,55 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["GroupBuffers", "build_shard", "local_tensor", "memory_bytes"]
+__all__ = ["GroupBuffers", "build_shard", "local_tensor", "memory_bytes", "normalize_param_groups"]
+
+
+def normalize_param_groups(
+    params: Iterable[Any],
+) -> tuple[list[dict[str, Any]], list[tuple[str, Tensor]]]:
+    """Parameter groups as dicts with ``params`` and ``names``, and the frozen parameters
+    (``requires_grad=False``) left out of them, by name.
+
+    All on one device, each tensor once, floating point.
+    """
+    if isinstance(params, Tensor):
+        raise TypeError("acco_hooks: params must be an iterable of tensors or dicts, got a Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("acco_hooks: got an empty parameter list")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    normalized, seen, frozen = [], set(), []
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise TypeError("acco_hooks: mix of parameter-group dicts and tensors in params")
+        members = group["params"]
+        members = [members] if isinstance(members, Tensor) else list(members)
+        tensors, names = [], []
+        for pi, item in enumerate(members):
+            name, p = item if isinstance(item, tuple) else (f"params[{gi}][{pi}]", item)
+            if not isinstance(p, Tensor):
+                raise TypeError(f"acco_hooks: {name} is a {type(p).__name__}, not a tensor")
+            if p in seen:
+                raise ValueError(f"acco_hooks: {name} appears more than once in params")
+            seen.add(p)
+            if not p.requires_grad:
+                frozen.append((name, p))
+                continue
+            if not p.is_floating_point():
+                raise TypeError(f"acco_hooks: {name} has dtype {p.dtype}; only floating parameters train")
+            tensors.append(p)
+            names.append(name)
+        if tensors:
+            normalized.append({**group, "params": tensors, "names": names})
+    if not normalized:
+        raise ValueError("acco_hooks: none of the given parameters requires grad")
+    devices = {p.device for g in normalized for p in g["params"]}
+    if len(devices) != 1:
+        raise ValueError(
+            f"acco_hooks: parameters are on several devices {sorted(map(str, devices))}; "
+            "move the whole model to one device before building the optimizer"
+        )
+    return normalized, frozen
 
 
 class GroupBuffers:
@@ -123,53 +171,6 @@ class GroupBuffers:
         ]  # fmt: skip
 
 
-def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
-
-
-def local_tensor(param: Tensor) -> Tensor:
-    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return local.detach()
-
-
-def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
-    """On how many ranks outside the data-parallel group a parameter's local values repeat.
-
-    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
-    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
-    hold the same values by construction: it does not count.
-    """
-    if not isinstance(param, DTensor):
-        return 1
-    mesh = param.device_mesh
-    return math.prod(
-        mesh.size(dim) for dim, placement in enumerate(param.placements)
-        if isinstance(placement, Replicate)
-        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
-    )  # fmt: skip
-
-
-def _norm_discounts(
-    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
-    data_parallel_ranks: tuple[int, ...],
-) -> list[tuple[int, int, float]]:  # fmt: skip
-    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
-    discounts, offset = [], 0
-    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
-    for param, local in zip(params, locals_):
-        replication = _replication(param, data_parallel_ranks)
-        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
-        if replication > 1 and start < end:
-            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
-        offset += local.numel()
-    return discounts
-
-
 def build_shard(
     param_groups: list[dict[str, Any]], world_size: int, rank: int,
     data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype, carry: bool,
@@ -223,3 +224,50 @@ def memory_bytes(
             if t is not None
         }.values()),
     }
+
+
+def local_tensor(param: Tensor) -> Tensor:
+    """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.detach()
+
+
+def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
+    """On how many ranks outside the data-parallel group a parameter's local values repeat.
+
+    A DTensor replicated over a tensor-parallel mesh dimension repeats its values there. The
+    replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
+    hold the same values by construction: it does not count.
+    """
+    if not isinstance(param, DTensor):
+        return 1
+    mesh = param.device_mesh
+    return math.prod(
+        mesh.size(dim) for dim, placement in enumerate(param.placements)
+        if isinstance(placement, Replicate)
+        and tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim)))) != data_parallel_ranks
+    )  # fmt: skip
+
+
+def _norm_discounts(
+    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
+    data_parallel_ranks: tuple[int, ...],
+) -> list[tuple[int, int, float]]:  # fmt: skip
+    """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
+    discounts, offset = [], 0
+    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
+    for param, local in zip(params, locals_):
+        replication = _replication(param, data_parallel_ranks)
+        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
+        if replication > 1 and start < end:
+            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
+        offset += local.numel()
+    return discounts

@@ -1,0 +1,22 @@
+"""The ACCO engine: one class (``engine.ACCOEngine``), the settings every front-end takes from
+(``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
+thread with its process groups and its per-round job (``communication``), the collectives
+(``collectives``), the estimate step (``peek``) and parameter ownership (``ownership``).
+
+Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
+"""
+
+from acco_hooks.engine.communication import ACCOCommunicationError
+from acco_hooks.engine.engine import ACCOEngine
+from acco_hooks.engine.settings import (
+    MODES,
+    NONFINITE_POLICIES,
+    REDUCE_DTYPES,
+    ACCOSettings,
+    EngineSettings,
+    SettingError,
+    real_updates,
+)
+
+__all__ = ["ACCOCommunicationError", "ACCOEngine", "ACCOSettings", "EngineSettings", "MODES",
+           "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError", "real_updates"]  # fmt: skip

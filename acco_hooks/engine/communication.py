@@ -1,0 +1,436 @@
+"""The communication side of the engine: its thread, the thread's process groups, and the job
+the thread runs for each round.
+
+**The thread.** One background thread (:class:`CommWorker`) runs each round's job while the
+training loop goes on. Why not async collectives from the training loop: gloo's ``Work``
+objects cannot be polled (``is_completed()`` stays False until ``wait()``) and have no futures,
+so the chain reduce-scatter -> shard step -> all-gather cannot be driven from the main thread
+without blocking it. A thread that runs the chain with blocking collectives overlaps 0.91-0.97
+of the communication on a bandwidth-capped link; torch ops and gloo collectives release the
+GIL, so the training loop keeps running. On CUDA the thread runs its work on a side stream of
+its own. Two events order it with the training loop: a job starts (on that stream) after the
+work the caller had queued when it submitted the job, and the job's future completes only once
+its device work has finished, not once its kernels and collectives are queued. NCCL
+collectives return to the host as soon as they are enqueued, so a future set at that point
+would say "done" while the all-gather still runs: ``accumulate_until_ready`` would end rounds
+early and the advisor would time the enqueueing.
+
+**Its process groups.** Two threads issuing collectives on one group deadlock, and
+``init_device_mesh`` hands out the WORLD group for a dimension that spans every rank: the
+thread therefore never shares a group with the training loop. The engine builds up to three
+groups for it (once, in the same order on every rank) and destroys them when it closes:
+
+- ``data``: the data-parallel ranks: reduce-scatter and all-gather;
+- ``count``: the ranks whose gradients make up one averaged gradient (with HSDP every FSDP
+  shard of every replica): the micro-batch weights and the "non-finite" flags are summed there;
+- ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
+  ranks): the squared gradient norm is summed there.
+
+**One round's job** (:func:`communicate`)::
+
+    reduce-scatter Σ gradients ─► ÷ global weight ─► clip ─► UPDATE: step the shard optimizer
+                                                             ESTIMATE: Peek (no state changes)
+                               ─► all-gather the new shard (θ_{t+1} or θ̃_{t+1})
+
+Only this thread touches the shard side of the buffers (``shard_sum``, ``master``,
+``gather_input``), the shard optimizer and the engine's process groups while a job runs; the
+training loop reads ``gathered`` once the job's future is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from acco_hooks.engine.buffers import GroupBuffers
+from acco_hooks.engine.collectives import all_gather, reduce_scatter_sum
+from acco_hooks.engine.peek import peek
+
+__all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundResult",
+           "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
+           "build_engine_groups", "communicate", "release_communication"]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+
+class ACCOCommunicationError(RuntimeError):
+    """A round's communication failed (a peer died or hung, a collective or the shard step
+    raised). Every rank of the group fails its round the same way: a collective cannot complete
+    without all its ranks. The engine cannot continue: restart from the last complete checkpoint.
+    """
+
+
+# --------------------------------------------------------------------------------- the thread
+
+# How often a waiting training loop re-checks that the worker thread is still alive.
+_LIVENESS_POLL_S = 1.0
+
+
+class CommWorker:
+    """A FIFO of jobs executed in order on one daemon thread.
+
+    Every job's outcome (its return value or any exception, ``BaseException`` included) is
+    delivered through the ``Future`` returned by :meth:`submit`, so a failure on the
+    communication side always reaches the training loop instead of killing the thread silently.
+
+    Args:
+        device: the device the jobs compute on. For CUDA the jobs run on a dedicated stream,
+            and the thread makes ``device`` its current device (the CUDA current device is
+            per thread: a new thread would otherwise allocate on device 0).
+        name: the thread's name (shows up in ``py-spy`` dumps and tracebacks).
+    """
+
+    __slots__ = ("_jobs", "_thread", "_stream", "_closed")
+
+    def __init__(self, device: torch.device, name: str = "acco-comm") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._stream = torch.cuda.Stream(torch.device("cuda", index))
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; return the future of its result.
+
+        On CUDA the job waits (on the worker's stream) for all work already queued on the
+        caller's current stream, so buffers the caller just wrote are complete when it reads
+        them. The future completes once the job's device work has finished (the thread waits
+        for an event recorded after it), so ``future.done()`` means the result is in memory;
+        :meth:`wait` also orders the caller's stream after the worker's.
+        """
+        if self._closed:
+            raise RuntimeError("acco_hooks: the communication worker is closed")
+        future: Future = Future()
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._stream.device))
+        self._jobs.put((future, fn, args, ready))
+        return future
+
+    def wait(self, future: Future, timeout_s: float | None = None) -> Any:
+        """Block until ``future`` is done and return its result (re-raising its exception).
+
+        Re-checks every second that the worker thread is alive, so a dead worker can never
+        leave the training loop waiting forever. ``timeout_s`` bounds the whole wait.
+        """
+        waited = 0.0
+        while True:
+            try:
+                result = future.result(timeout=_LIVENESS_POLL_S)
+                break
+            except FutureTimeoutError:  # the builtin TimeoutError only from Python 3.11
+                waited += _LIVENESS_POLL_S
+                if not self._thread.is_alive():
+                    raise RuntimeError(
+                        "acco_hooks: the communication worker thread died without reporting "
+                        "an error; the in-flight round is lost"
+                    ) from None
+                if timeout_s is not None and waited >= timeout_s:
+                    raise TimeoutError(
+                        f"acco_hooks: communication did not finish within {timeout_s:.0f} s; "
+                        "a peer rank is probably dead or stuck"
+                    ) from None
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return result
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let the thread finish the queued jobs, exit, and join it. Idempotent.
+
+        Joining matters: a process that tears down its process groups while this thread is
+        still alive can abort in gloo's destructors.
+        """
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self._stream.device)
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            future, fn, args, ready = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if self._stream is not None:
+                    result = self._run_on_stream(fn, args, ready)
+                else:
+                    result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the loop
+                logger.debug("acco_hooks: communication job failed", exc_info=True)
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _run_on_stream(self, fn: Callable[..., Any], args: tuple, ready: Any) -> Any:
+        """Run ``fn(*args)`` on the stream after ``ready``; return when its device work is done."""
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            result = fn(*args)
+        # blocking: the thread sleeps until the device gets there instead of spinning on a core
+        # the training loop needs.
+        finished = torch.cuda.Event(blocking=True)
+        finished.record(self._stream)
+        finished.synchronize()
+        return result
+
+
+# ------------------------------------------------------------------------- its process groups
+
+@dataclasses.dataclass(frozen=True)
+class EngineGroups:
+    """The engine's groups (``None``: a single local worker) and its place in them."""
+
+    data: dist.ProcessGroup | None
+    count: dist.ProcessGroup | None
+    norm: dist.ProcessGroup | None
+    data_parallel_ranks: tuple[int, ...]
+    world_size: int
+    rank: int
+    fsdp_world_size: int
+
+    @property
+    def owned(self) -> tuple[dist.ProcessGroup, ...]:
+        """Each group once, in creation order: what close() destroys."""
+        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm) if g is not None))
+
+
+def build_engine_groups(
+    process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None
+) -> EngineGroups:
+    """Dedicated copies of the data-parallel, count and norm groups (see the module docstring)."""
+    data_parallel_ranks = _ranks_of(process_group)
+    data = _dedicated_group(data_parallel_ranks, timeout)
+    count, fsdp_world_size = data, 1
+    if fsdp_process_group is not None:
+        fsdp_ranks = _ranks_of(fsdp_process_group)
+        if fsdp_ranks is None:
+            raise ValueError("acco_hooks: fsdp_process_group needs torch.distributed to be initialized")
+        fsdp_world_size = len(fsdp_ranks)
+        count = _dedicated_group(_product_ranks(data_parallel_ranks, fsdp_ranks), timeout)
+    norm = count if norm_process_group is None else _dedicated_group(_ranks_of(norm_process_group), timeout)
+    return EngineGroups(
+        data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
+        world_size=1 if data is None else dist.get_world_size(data),
+        rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
+    )  # fmt: skip
+
+
+def _ranks_of(process_group: Any) -> tuple[int, ...] | None:
+    """The sorted global ranks of a ``ProcessGroup`` or 1-D ``DeviceMesh``.
+
+    ``None`` (and no ``torch.distributed``): a single local worker, returned as ``None``.
+    """
+    if process_group is not None and hasattr(process_group, "get_group"):  # a DeviceMesh
+        if process_group.ndim != 1:
+            raise ValueError(
+                f"acco_hooks: got a {process_group.ndim}-D DeviceMesh; pass one dimension of it, "
+                "e.g. mesh['dp_replicate']"
+            )
+        process_group = process_group.get_group()
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    return tuple(sorted(dist.get_process_group_ranks(process_group)))
+
+
+def _product_ranks(
+    data_parallel_ranks: tuple[int, ...] | None, fsdp_ranks: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The ranks of the data-parallel × FSDP grid through this rank.
+
+    Every rank gathers every rank's two groups; the grid is the union of the FSDP groups of
+    this rank's data-parallel peers (the same set on every rank of the grid).
+    """
+    data_parallel_ranks = data_parallel_ranks or (dist.get_rank(),)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (dist.get_rank(), fsdp_ranks))
+    fsdp_of = dict(every)
+    return tuple(sorted({r for peer in data_parallel_ranks for r in fsdp_of[peer]}))
+
+
+def _dedicated_group(
+    my_ranks: tuple[int, ...] | None, timeout: float | None = None
+) -> dist.ProcessGroup | None:
+    """A new process group over ``my_ranks``, for the worker thread alone.
+
+    ``new_group`` must be called by every rank for every group in the same order: the rank sets
+    of every rank are gathered first.
+    """
+    if my_ranks is None:
+        return None  # a single local worker
+    every_ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ranks, my_ranks)
+    mine = None
+    for ranks in sorted(set(map(tuple, every_ranks))):
+        group = dist.new_group(
+            list(ranks), timeout=None if timeout is None else datetime.timedelta(seconds=timeout)
+        )
+        if ranks == my_ranks:
+            mine = group
+    return mine
+
+
+def barrier_each(groups: tuple[dist.ProcessGroup, ...]) -> None:
+    for group in groups:  # the same order on every rank: the order they were created in
+        dist.barrier(group=group)
+
+
+def release_communication(worker: CommWorker, groups: tuple[dist.ProcessGroup, ...]) -> None:
+    """Join the worker thread, then destroy the groups it was the only user of."""
+    worker.close()
+    if not dist.is_available() or not dist.is_initialized():
+        return  # the user already destroyed every group, ours included
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            pass  # destroyed already
+
+
+@torch.no_grad()
+def broadcast_from_first_rank(params: list[Tensor], group: dist.ProcessGroup) -> None:
+    """Start every replica from the first rank's parameters, as DDP does."""
+    src = dist.get_global_rank(group, 0)
+    for p in params:
+        dist.broadcast(p.detach(), src=src, group=group)
+
+
+# ---------------------------------------------------------------------------- one round's job
+
+class Job(enum.Enum):
+    """What one round's communication computes from its averaged gradient."""
+
+    UPDATE = "update"  # θ_{t+1} = Opt(θ_t, g): the optimizer state and LR schedule advance
+    ESTIMATE = "estimate"  # θ̃_{t+1} = Peek(θ_t, g): nothing advances
+
+
+class RoundResult(NamedTuple):
+    """What a finished job reports to the training loop."""
+
+    global_count: float  # Σ micro-batch weights over every rank of the averaged gradient
+    grad_norm: float | None  # before clipping; None without max_grad_norm
+    nonfinite: bool  # NaN/Inf in the averaged gradient: nothing was stepped, θ was re-gathered
+    updated: bool  # the shard optimizer stepped (a real update θ_t -> θ_{t+1})
+    comm_s: float  # how long the job took on the communication thread
+
+
+def communicate(
+    job: Job, local_count: float, buffers: list[GroupBuffers], groups: EngineGroups,
+    optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
+) -> RoundResult:  # fmt: skip
+    """reduce-scatter -> average -> clip -> step or estimate -> all-gather."""
+    start = time.perf_counter()
+    if groups.data is None:
+        for g in buffers:
+            g.shard_sum.copy_(g.comm_input)
+    else:
+        for g in buffers:
+            reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
+    # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
+    # update averages both rounds, and no rank keeps a model-sized carry between rounds.
+    carried = [g.carried for g in buffers if g.carried is not None]
+    if carried and job is Job.ESTIMATE:
+        torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
+    add_carried = bool(carried) and job is Job.UPDATE
+    # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
+    # whether to skip, although each has seen only its own shard. A NaN estimate round also
+    # skips the update that carries it.
+    sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
+    finite = all(bool(torch.isfinite(t).all()) for t in sums)
+    counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
+                          device=buffers[0].master.device)  # fmt: skip
+    if groups.count is not None:
+        dist.all_reduce(counts, group=groups.count)
+    global_count, nonfinite = counts[0].item(), counts[1].item() > 0
+    if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
+        for g in buffers:
+            g.gather_input.copy_(g.master)
+        all_gather_shards(buffers, groups)
+        return RoundResult(global_count, None, True, False, time.perf_counter() - start)
+    if global_count <= 0:
+        raise RuntimeError(
+            "acco_hooks: no rank contributed a micro-batch to this round (the global count "
+            "is 0); at least one rank must run a real micro-batch in every round"
+        )
+
+    grads = []
+    for g in buffers:
+        if g.shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
+            total = g.shard_sum
+        else:
+            if g.master.grad is None or g.master.grad is g.shard_sum:
+                g.master.grad = torch.empty_like(g.master)
+            total = g.master.grad.copy_(g.shard_sum)
+        if add_carried:
+            total.add_(g.carried)
+        g.master.grad = total.div_(global_count)
+        grads.append(g.master.grad)
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = _clip_(grads, buffers, max_grad_norm, groups.norm)
+
+    if job is Job.UPDATE:
+        optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        for g in buffers:
+            g.gather_input.copy_(g.master)
+    else:
+        peek(optimizer, [g.gather_input for g in buffers])
+    all_gather_shards(buffers, groups)
+    return RoundResult(
+        global_count, grad_norm, False, job is Job.UPDATE, time.perf_counter() - start
+    )
+
+
+def _clip_(
+    grads: list[Tensor], buffers: list[GroupBuffers], max_norm: float,
+    norm_group: dist.ProcessGroup | None,
+) -> float:  # fmt: skip
+    """Clip the averaged gradient to ``max_norm`` (global L2 norm, as torch does)."""
+    terms = []
+    for g, grad in zip(buffers, grads):
+        terms.append(grad.double().pow(2).sum())
+        for start, end, discount in g.norm_discounts:  # replicated: count each value once
+            terms.append(-discount * grad[start:end].double().pow(2).sum())
+    sq = torch.stack(terms).sum().reshape(1)
+    if norm_group is not None:
+        dist.all_reduce(sq, group=norm_group)
+    norm = sq.sqrt().float().squeeze(0)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return norm.item()
+
+
+def all_gather_shards(buffers: list[GroupBuffers], groups: EngineGroups) -> None:
+    """``gathered`` = every rank's ``gather_input``, end to end."""
+    if groups.data is None:
+        for g in buffers:
+            g.gathered.copy_(g.gather_input)
+        return
+    for g in buffers:
+        all_gather(g.gathered, g.gather_input, groups.data)

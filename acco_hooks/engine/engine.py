@@ -1,0 +1,804 @@
+"""The ACCO engine: the round schedule of a sharded (ZeRO-1) optimizer that overlaps communication.
+
+This module is the one place where the algorithm's schedule lives; the front-ends
+(``ACCOOptimizer``, the DDP hook, the torchtitan and Hugging Face trainers) only build its
+settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The contract is
+``shared/spec/acco-algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
+allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
+``communication`` (the thread, its process groups and the job it runs each round),
+``collectives``, ``peek`` (the estimate step) and ``ownership`` (one engine per parameter).
+
+The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
+
+    round   compute side (main thread)   communication side (worker thread)         live after
+    -----   -------------------------    -----------------------------------------  ----------
+      0     acc = G̃_0 at θ_0             (nothing in flight)                        θ_0
+      1     acc = G_0 at θ_0             θ̃_1 = Peek(θ_0, ΣG̃_0 / Σc̃_0); keep ΣG̃_0     θ̃_1
+      2     acc = G̃_1 at θ̃_1             θ_1 = Opt(θ_0, (ΣG̃_0 + ΣG_0) / Σ(c̃_0+c_0))  θ_1
+      3     acc = G_1 at θ_1             θ̃_2 = Peek(θ_1, ΣG̃_1 / Σc̃_1); keep ΣG̃_1     θ̃_2
+      …
+
+Follow one gradient. ``backward()`` produces it; a post-accumulate-grad hook adds it to the
+fp32 accumulator (:meth:`ACCOEngine.accumulate_grad`) and drops ``.grad``. The front-end then
+calls :meth:`~ACCOEngine.microbatch_done`, which counts the micro-batch; the round ends after
+``accumulation_steps`` of them (or later, with ``accumulate_until_ready``, while the previous
+round still communicates). At the round end (:meth:`~ACCOEngine._end_round`) the main thread
+
+1. waits for the communication launched at the end of the previous round and copies its
+   all-gathered result into the model: it becomes the live parameters of the next round;
+2. copies the accumulator into the communication buffer and zeroes it (in ``acco`` the
+   estimate round's job keeps its reduce-scattered sum ΣG̃ on the shard side, and the update
+   round's job adds it: every update averages two rounds of gradients);
+3. hands that payload to the worker thread: reduce-scatter -> divide by the global weight ->
+   clip -> step (or Peek) this rank's 1/N fp32 master shard -> all-gather
+   (``communication.communicate``);
+4. returns at once: the next round's micro-batches run while the network works.
+
+``dpu`` does the same with a real step every round and no carry; ``ddp`` waits for its own
+payload at once (synchronous ZeRO-1).
+
+Around the schedule, in the order of the class: the real weights θ (``flush()``,
+``real_weights()``), checkpoints (``state_dict()``, a format only the same rank of a run of the
+same shape can load) and closing (``close()``, which joins the thread and destroys its groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from acco_hooks.advisor import Advisor
+from acco_hooks.engine import ownership
+from acco_hooks.engine.buffers import (
+    GroupBuffers,
+    build_shard,
+    local_tensor,
+    memory_bytes,
+    normalize_param_groups,
+)
+from acco_hooks.engine.communication import (
+    ACCOCommunicationError,
+    CommWorker,
+    Job,
+    RoundResult,
+    all_gather_shards,
+    barrier_each,
+    broadcast_from_first_rank,
+    build_engine_groups,
+    communicate,
+    release_communication,
+)
+from acco_hooks.engine.peek import has_functional_peek
+from acco_hooks.engine.settings import EngineSettings
+
+__all__ = ["ACCOEngine", "STATE_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+# 2: the half-batch acco carries is a reduce-scattered shard; the accumulator is saved only
+# mid-round. Version 1 carried it in the full accumulator.
+STATE_VERSION = 2
+
+
+class RoundInFlight:
+    """A round whose communication was launched and whose result is not applied yet."""
+
+    __slots__ = ("future", "job", "round_index", "seen")
+
+    def __init__(self, future: Future, job: Job, round_index: int) -> None:
+        self.future = future  # of the job's RoundResult (None for a re-gather after a load)
+        self.job = job  # what the result is: a real update θ, or an estimate θ̃
+        self.round_index = round_index  # the round whose gradients it communicates
+        self.seen = False  # its RoundResult was read (counted) already, e.g. by state_dict()
+
+
+class ACCOEngine:
+    """Sharded optimizer with ACCO, DPU or synchronous ZeRO-1 rounds over one process group.
+
+    A front-end feeds it each micro-batch's gradients (:meth:`accumulate_grad`, or the hooks of
+    :meth:`hook_param_grads`), then calls :meth:`microbatch_done`; the engine decides when a
+    round ends and runs each round's communication on a background thread.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or parameter-group dicts, as for any
+            torch optimizer.
+        optimizer_class: the torch optimizer class stepped on this rank's fp32 master shard.
+        settings: the :class:`~acco_hooks.engine.EngineSettings`; or give them as keyword
+            arguments (``mode="acco"``, ``accumulation_steps=4``, ...), which
+            :class:`acco_hooks.ACCOOptimizer` documents.
+        process_group: the data-parallel ``ProcessGroup`` or 1-D ``DeviceMesh``; default: the
+            whole world (one local worker without ``torch.distributed``).
+        lr_scheduler: ``callable(shard_optimizer) -> LRScheduler``, stepped after each real
+            update.
+        norm_process_group: 3-D runs: every rank whose shards make up the model
+            (data-parallel × tensor/pipeline-parallel ranks), for the global gradient norm.
+        fsdp_process_group: HSDP: the ranks over which FSDP2 shards each replica. Gradients
+            then arrive summed over it, and the engine shards each local FSDP shard again over
+            ``process_group``.
+        **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
+            ``optimizer_class`` (``lr``, ``betas``, ...).
+    """
+
+    __slots__ = (
+        # Configuration
+        "settings", "device",
+        # The worker thread's process groups, and this rank's place in them
+        "_groups", "world_size", "rank", "fsdp_world_size",
+        # Buffers (one per parameter group) and the shard optimizer
+        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler",
+        # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
+        "_worker", "_hook_handles", "_release", "__weakref__",
+        # The round in flight (launched, not yet applied), and the failure that stopped the engine
+        "_in_flight", "_failure",
+        # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
+        "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
+        "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches",
+        "last_global_count", "last_grad_norm",
+        # The advisor's clocks: when this round and this micro-batch started, and whether a
+        # communication was in flight when the micro-batch started
+        "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        settings: EngineSettings | None = None,
+        process_group: Any = None,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        norm_process_group: Any = None,
+        fsdp_process_group: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
+        split_by = [name for name, group in (("fsdp_process_group", fsdp_process_group),
+                                             ("norm_process_group", norm_process_group))
+                    if group is not None]  # fmt: skip
+        settings.check_until_ready(" and ".join(split_by) or None)
+        _check_optimizer_class(optimizer_class)
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(
+                "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
+                "optimizer, e.g. lr_scheduler=lambda opt: CosineAnnealingLR(opt, T_max=1000)"
+            )
+        self.settings = settings
+        param_groups, self._frozen = normalize_param_groups(params)
+        self.device = param_groups[0]["params"][0].device
+
+        # No local name holds the groups: a traceback through here must not keep them alive.
+        self._groups = build_engine_groups(
+            process_group, fsdp_process_group, norm_process_group, settings.timeout
+        )
+        self.world_size, self.rank = self._groups.world_size, self._groups.rank
+        self.fsdp_world_size = self._groups.fsdp_world_size
+        self._worker = CommWorker(self.device)
+        self._hook_handles: list[Any] = []
+        # Every group built above is this engine's alone; close() destroys them. An engine its
+        # owner never closes is released when it is garbage-collected or at interpreter exit:
+        # a gloo group destructed during interpreter finalization can abort the process.
+        self._release = weakref.finalize(self, _release, self._worker, self._groups.owned)
+        try:
+            if self._groups.data is not None:  # every replica starts from the first rank's
+                broadcast_from_first_rank(
+                    [local_tensor(p) for g in param_groups for p in g["params"]], self._groups.data
+                )
+            self._buffers, self.optimizer, self.lr_scheduler = build_shard(
+                param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
+                settings.reduce_torch_dtype, settings.mode == "acco", optimizer_class,
+                optimizer_kwargs, lr_scheduler,
+            )  # fmt: skip
+        except BaseException:
+            self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
+            self._groups = None
+            raise
+        self._slot_of = {
+            p: (gi, pi) for gi, g in enumerate(self._buffers) for pi, p in enumerate(g.params)
+        }
+        self._in_flight: RoundInFlight | None = None
+        self._failure: ACCOCommunicationError | None = None
+        self.round_index = self.num_updates = self.skipped_rounds = 0
+        self._round_microbatches, self._local_count = 0, 0.0
+        self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
+        self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
+        # measures K, C and the round time; predicts ACCO's per-token speedup
+        self.advisor = Advisor(settings.accumulation_steps, overlapping=settings.mode != "ddp")
+        self._round_started: float | None = None
+        self._microbatch_started: float | None = None
+        self._microbatch_overlapped = False
+        self.last_wait_s, self.last_round_microbatches = 0.0, 0
+        self.last_global_count, self.last_grad_norm = 0.0, None
+        logger.info(
+            "acco_hooks: %s world_size=%d fsdp_world_size=%d %s (%s estimate), %d params",
+            settings, self.world_size, self.fsdp_world_size, optimizer_class.__name__,
+            "functional" if has_functional_peek(self.optimizer) else "snapshot", len(self._slot_of),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ gradients in (main thread)
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The model parameters the engine trains, in layout order."""
+        return [p for g in self._buffers for p in g.params]
+
+    def hook_param_grads(self, on_grad: Callable[[Tensor], None] | None = None) -> None:
+        """Register a post-accumulate-grad hook on every parameter; :meth:`close` removes them.
+
+        Args:
+            on_grad: what the hook does with the parameter. Default: hand ``.grad`` to
+                :meth:`accumulate_grad` and drop it, so ``.grad`` is ``None`` after backward.
+                The DDP hook passes its own (DDP's buckets deliver the gradients there).
+        """
+        if on_grad is None:
+            # A weak reference: the parameters must not keep an engine its owner dropped alive
+            # (it is then released); their gradients then stay in ``.grad`` as usual.
+            engine_ref = weakref.ref(self)
+
+            def on_grad(param: Tensor) -> None:
+                engine = engine_ref()
+                if engine is not None:
+                    engine.accumulate_grad(param, param.grad)
+                    param.grad = None
+
+        params = self.params
+        try:
+            ownership.claim(self, params, [name for g in self._buffers for name in g.names])
+        except RuntimeError:
+            self.close(flush=False, barrier=False)  # its groups go now, not with the traceback
+            raise
+        self._hook_handles += [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+
+    def accumulate_grad(self, param: Tensor, grad: Tensor) -> None:
+        """Add one micro-batch gradient of ``param`` to the fp32 accumulator."""
+        try:
+            gi, pi = self._slot_of[param]
+        except KeyError:
+            raise KeyError(
+                "acco_hooks: accumulate_grad: this tensor is not one of the engine's parameters"
+            ) from None
+        if grad.layout != torch.strided:  # nn.Embedding(sparse=True), a sparse matmul, ...
+            raise RuntimeError(
+                f"acco_hooks: {self._buffers[gi].names[pi]} got a {grad.layout} gradient; the "
+                "engine sums and shards dense gradients only, and a dense step is not the step "
+                "torch's optimizers take on a sparse gradient. Use nn.Embedding(..., "
+                "sparse=False) (the default)"
+            )
+        if isinstance(grad, DTensor):
+            if grad.placements != param.placements:  # e.g. Partial sums over tensor-parallel ranks
+                grad = grad.redistribute(grad.device_mesh, param.placements)
+            grad = grad.to_local()
+        self._buffers[gi].accumulator_views[pi].add_(grad)
+        self._grad_arrived[gi][pi] = True
+        self.grads_received += 1
+
+    # ------------------------------------------------------------ the round schedule
+
+    @property
+    def microbatches_in_round(self) -> int:
+        """Micro-batches counted so far in the round being accumulated."""
+        return self._round_microbatches
+
+    @property
+    def communication_in_flight(self) -> bool:
+        """Whether a round's communication was launched and has not finished yet.
+
+        On CUDA "finished" means its device work is done, not only enqueued: the worker's
+        future completes after an event recorded behind the all-gather (``communication``).
+        """
+        return self._in_flight is not None and not self._in_flight.future.done()
+
+    def microbatch_done(self, weight: float = 1.0) -> bool:
+        """Count one micro-batch; end the round when it may. Returns whether a round ended.
+
+        An exception raised in this thread while the call waits for the network (Ctrl-C's
+        ``KeyboardInterrupt``) leaves the engine as if the call had not happened: call it
+        again to count the micro-batch.
+
+        Args:
+            weight: how many units the micro-batch's loss sums over (1 for a per-micro-batch
+                mean loss; the number of tokens for a token-summed loss). The averaged gradient
+                is Σ gradients / Σ weights over all ranks.
+        """
+        if not weight > 0:
+            raise ValueError(f"acco_hooks: micro-batch weight must be > 0, got {weight}")
+        return self._count_microbatch(float(weight))
+
+    def skip_microbatch(self) -> bool:
+        """Count a micro-batch that contributes nothing, e.g. on a rank that ran out of data.
+
+        Keeps this rank's rounds (and so its collectives) in step with the other ranks; the
+        averaged gradient is taken over the ranks that did contribute.
+        """
+        for arrived in self._grad_arrived:
+            arrived[:] = [True] * len(arrived)
+        return self._count_microbatch(0.0)
+
+    def _count_microbatch(self, weight: float) -> bool:
+        self._raise_if_failed()
+        if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
+            elapsed = time.perf_counter() - self._microbatch_started
+            self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
+        try:
+            return self._count_or_end_round(weight)
+        finally:  # the next micro-batch's compute starts now
+            self._microbatch_started = time.perf_counter()
+            self._microbatch_overlapped = self.communication_in_flight
+
+    def _count_or_end_round(self, weight: float) -> bool:
+        if self.settings.mode == "ddp" and self._in_flight is not None:
+            # A step() interrupted while it waited for its own round: this call completes it.
+            self._finish_in_flight(apply=True)
+            return True
+        counted = (self._round_microbatches, self._local_count)
+        self._round_microbatches += 1
+        self._local_count += weight
+        if self._round_microbatches < self.settings.accumulation_steps:
+            return False
+        if self.settings.accumulate_until_ready and self.communication_in_flight:
+            return False  # the caller runs another micro-batch while the network works
+        round_index = self.round_index
+        try:
+            self._end_round()
+        except BaseException:
+            if self.round_index == round_index and self._failure is None:
+                # Interrupted before the round was launched (while waiting for the previous
+                # one): nothing was lost, the call can be repeated.
+                self._round_microbatches, self._local_count = counted
+            raise
+        return True
+
+    def _end_round(self) -> None:
+        _check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen)
+        start = time.perf_counter()
+        self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
+        self.last_wait_s = time.perf_counter() - start
+
+        # 2. the payload; the accumulator restarts. acco's update round averages both halves:
+        #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side, and
+        #    its count c̃ stays in the local count.
+        estimate = self.settings.mode == "acco" and self.round_index % 2 == 0
+        for g in self._buffers:
+            g.comm_input.copy_(g.accumulator)
+            g.accumulator.zero_()
+        count = self._local_count
+        if not estimate:
+            self._local_count = 0.0
+        # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
+        job = Job.ESTIMATE if estimate else Job.UPDATE
+        future = self._worker.submit(
+            communicate, job, count, self._buffers, self._groups, self.optimizer,
+            self.lr_scheduler, self.settings.max_grad_norm,
+        )  # fmt: skip
+        self._in_flight = RoundInFlight(future, job, self.round_index)
+
+        self.last_round_microbatches = self._round_microbatches
+        self._round_microbatches = 0
+        self.round_index += 1
+        for arrived in self._grad_arrived:
+            arrived[:] = [False] * len(arrived)
+        if self.settings.mode == "ddp":  # synchronous: its own result is the next parameters
+            self._finish_in_flight(apply=True)
+        # 4. return: the next round computes while the network works
+        now = time.perf_counter()
+        if self._round_started is not None:  # round end to round end, for the advisor
+            self.advisor.record_round(now - self._round_started, self.last_round_microbatches)
+        self._round_started = now
+
+    def _finish_in_flight(self, apply: bool) -> None:
+        """Wait for the round in flight; with ``apply``, its result becomes the live parameters.
+
+        The one place that waits for the communication thread and applies its result.
+        """
+        flight = self._in_flight
+        if flight is None:
+            return
+        if self._failure is not None:
+            raise self._failure
+        # Backstop only: a dead peer fails the collective within the group's timeout.
+        timeout = self.settings.timeout
+        try:
+            result = self._worker.wait(
+                flight.future, timeout_s=None if timeout is None else timeout + 60.0
+            )
+        except Exception as exc:  # not KeyboardInterrupt: the communication itself goes on
+            self._failure = ACCOCommunicationError(
+                f"acco_hooks: the communication of round {flight.round_index} failed on rank "
+                f"{self.rank} of the data-parallel group: {type(exc).__name__}: {exc}. The other "
+                "ranks fail their round too; restart from the last complete checkpoint"
+            )
+            raise self._failure from exc
+        if result is not None and not flight.seen:  # None: a re-gather after a load
+            flight.seen = True
+            self._take_result(result, flight)
+        if apply:
+            with torch.no_grad():
+                for g in self._buffers:
+                    g.copy_gathered_into_params()
+            self._in_flight = None
+
+    def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
+        self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
+        self.num_updates += result.updated
+        self.advisor.record_comm(result.comm_s)
+        if not result.nonfinite:
+            return
+        what = flight.job.value
+        if self.settings.nonfinite == "raise":
+            self._failure = ACCOCommunicationError(
+                f"acco_hooks: non-finite gradient (NaN/Inf) in round {flight.round_index}; "
+                "nonfinite='raise'"
+            )
+            raise FloatingPointError(
+                f"acco_hooks: the averaged gradient of round {flight.round_index} has NaN/Inf "
+                f"values (nonfinite='raise'); the {what} was not applied and the optimizer "
+                "state is unchanged"
+            )
+        self.skipped_rounds += 1
+        warnings.warn(
+            f"acco_hooks: non-finite gradient (NaN/Inf) in round {flight.round_index}: every "
+            f"rank skipped this {what}; the optimizer state and learning rate are unchanged "
+            f"({self.skipped_rounds} rounds skipped so far)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _raise_if_failed(self) -> None:
+        """Raise at once if a round's communication failed, even before the round end."""
+        if self.closed:
+            raise RuntimeError(
+                "acco_hooks: the engine is closed (close() ran, or its with-block ended); "
+                "build a new optimizer to train on"
+            )
+        if self._failure is not None:
+            raise self._failure
+        flight = self._in_flight
+        if flight is not None and flight.future.done() and flight.future.exception():
+            self._finish_in_flight(apply=False)
+
+    # ------------------------------------------------------------ the real weights θ
+
+    def flush(self) -> None:
+        """Wait for in-flight communication and leave the latest real parameters θ in the model.
+
+        An estimate in flight is kept and applied at the next round end as usual (the model
+        already holds the real θ it was computed from), so training may go on exactly. A real
+        update in flight is applied now; training may go on from it (the next round then
+        computes at θ_{t+1} where it would have used θ̃_{t+1}: the estimate is exact). Use
+        :meth:`real_weights` to look at θ without changing the trajectory.
+        """
+        if self._in_flight is not None:
+            self._finish_in_flight(apply=self._in_flight.job is Job.UPDATE)
+
+    @contextlib.contextmanager
+    def real_weights(self) -> Iterator[dict[str, Tensor] | None]:
+        """Within the block the model holds the real parameters θ; after it, what it held before.
+
+        The real θ is what :meth:`flush` would leave in the model. When a real update is in
+        flight (``acco`` after an estimate was applied, ``dpu``), the block waits for it, as
+        the next round end would, but does not apply it: its result stays pending and is
+        applied at the round end as usual, so evaluating inside the block never changes the
+        training trajectory. Costs one copy of the live parameters while the block runs.
+
+        Yields:
+            The live parameters the block replaced (by name), or ``None`` when the model
+            already held θ.
+
+        Example::
+
+            >>> with opt.real_weights():
+            ...     val_loss = evaluate(model)
+        """
+        self._raise_if_failed()
+        if self._in_flight is None or self._in_flight.job is not Job.UPDATE:
+            yield None
+            return
+        self._finish_in_flight(apply=False)
+        live = {n: t.clone() for g in self._buffers for n, t in zip(g.names, g.locals)}
+        with torch.no_grad():
+            for g in self._buffers:
+                g.copy_gathered_into_params()
+        try:
+            yield live
+        finally:
+            with torch.no_grad():
+                for g in self._buffers:
+                    torch._foreach_copy_(g.locals, [live[n] for n in g.names])
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-exactly, for this rank.
+
+        The state is this rank's alone: its master shard, optimizer state, pending result shard
+        and, in ``acco``, the carried half-batch shard, all 1/N of the model; the model-sized
+        accumulator only when saved in the middle of a round. In-flight communication is waited
+        for first; its result is kept, not applied, so saving never changes the training
+        trajectory. Save the model's ``state_dict()`` too: it holds the live parameters (in
+        ``acco``, possibly the estimate θ̃).
+
+        Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
+        the next ``step()``.
+        """
+        self._finish_in_flight(apply=False)
+        flight = self._in_flight
+        return {
+            "version": STATE_VERSION, "mode": self.settings.mode, "world_size": self.world_size,
+            "fsdp_world_size": self.fsdp_world_size, "param_shapes": self._param_shapes(),
+            "accumulation_steps": self.settings.accumulation_steps,
+            "round_index": self.round_index, "num_updates": self.num_updates,
+            "skipped_rounds": self.skipped_rounds,
+            "round_microbatches": self._round_microbatches, "local_count": self._local_count,
+            "grad_arrived": [list(a) for a in self._grad_arrived],
+            # Zero at a round boundary: saved only mid-round, the one model-sized tensor.
+            "accumulator": (
+                [g.accumulator for g in self._buffers] if self._round_microbatches else None
+            ),
+            "carried": None if self.settings.mode != "acco" else [g.carried for g in self._buffers],
+            "master": [g.master for g in self._buffers],
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "pending_job": None if flight is None else flight.job.value,
+            "pending_shard": [g.gather_input for g in self._buffers],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output saved by the same rank of a same-sized run.
+
+        Loading gathers the saved pending shards again, rebuilding a pending result bit for bit.
+        """
+        _check_compatible(state, self)
+        self._finish_in_flight(apply=False)
+        accumulators = state["accumulator"] or [None] * len(self._buffers)
+        carried = state["carried"] or [None] * len(self._buffers)
+        with torch.no_grad():
+            for g, acc, kept, master, shard in zip(
+                self._buffers, accumulators, carried, state["master"], state["pending_shard"]
+            ):
+                if acc is None:
+                    g.accumulator.zero_()
+                else:
+                    g.accumulator.copy_(acc)
+                if kept is not None:
+                    g.carried.copy_(kept)
+                g.master.copy_(master)
+                g.gather_input.copy_(shard)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.round_index, self.num_updates = state["round_index"], state["num_updates"]
+        self.skipped_rounds = state.get("skipped_rounds", 0)
+        self._round_microbatches = state["round_microbatches"]
+        self._local_count = state["local_count"]
+        self._grad_arrived = [list(a) for a in state["grad_arrived"]]
+        self._in_flight = None
+        if state["pending_job"] is not None:
+            # The saved run had a finished, not yet applied result: every rank kept its shard of
+            # it; gathering the shards again rebuilds the full result bit for bit.
+            future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
+            self._in_flight = RoundInFlight(future, Job(state["pending_job"]), self.round_index - 1)
+
+    def _param_shapes(self) -> list[list[tuple[int, ...]]]:
+        return [[tuple(p.shape) for p in g.params] for g in self._buffers]
+
+    def reset_master_from_params(self) -> None:
+        """Take the fp32 master shard from the model's current parameters.
+
+        The master shard is copied from the model when the engine is built. Call this after
+        loading model weights that come without engine state (a pretrained or seed checkpoint),
+        before the first round.
+        """
+        if self.round_index != 0 or self._in_flight is not None:
+            raise RuntimeError(
+                "acco_hooks: reset_master_from_params() after training started would drop the "
+                "optimizer's progress; call it right after loading weights, before the first step"
+            )
+        for g in self._buffers:
+            g.reset_master(self.rank)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by the categories of the spec's memory table."""
+        return memory_bytes(self._buffers, self.optimizer, self.settings.reduce_torch_dtype)
+
+    # ------------------------------------------------------------ closing
+
+    @property
+    def process_groups(self) -> tuple[Any, ...]:
+        """The process groups this engine built for its thread (empty once closed)."""
+        return () if self._groups is None else self._groups.owned
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the thread is joined and the process groups destroyed."""
+        return not self._release.alive
+
+    def close(self, *, flush: bool = True, barrier: bool = True) -> None:
+        """Finish or drop the round in flight, stop the thread, destroy the engine's groups.
+
+        Args:
+            flush: ``True``: a real update in flight is applied, and the model ends at the real
+                parameters θ, as after :meth:`flush`. ``False``: it is dropped, and the model
+                keeps the live parameters (in ``acco`` possibly the estimate θ̃). Skipped after
+                a communication failure.
+            barrier: meet the other ranks at a barrier on each of the engine's groups first,
+                so that no rank tears a group down while a peer still finishes its last
+                collective on it. Every rank must then call ``close()`` (as each one does when
+                it ends training). Pass ``False`` when closing after an error on this rank
+                alone: the peers then fail their next collective with a clear error instead
+                of waiting. Skipped anyway after a communication failure.
+
+        Removes the gradient hooks. Idempotent; the engine runs no round afterwards.
+        """
+        if self.closed:
+            return
+        try:
+            if self._in_flight is not None and self._failure is None:
+                self._finish_in_flight(apply=flush and self._in_flight.job is Job.UPDATE)
+        except (ACCOCommunicationError, FloatingPointError):
+            pass  # already reported to the training loop by the call that failed
+        finally:
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+            ownership.release(self)
+            if barrier and self._failure is None and self.process_groups:
+                self._meet_peers()
+            self._release()
+            # Drop the last references too: the groups' C++ objects go now, not at exit. A
+            # result not applied above is dropped for good (a later flush() applies nothing).
+            self._groups = None
+            self._in_flight = None
+
+    def _meet_peers(self) -> None:
+        timeout = self.settings.timeout
+        try:
+            job = self._worker.submit(barrier_each, self.process_groups)
+            self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+        except Exception:  # noqa: BLE001 - a peer died meanwhile: tear down anyway
+            logger.warning("acco_hooks: close(): a peer never reached the barrier", exc_info=True)
+
+    def __enter__(self) -> ACCOEngine:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close(flush=exc_type is None, barrier=exc_type is None)
+
+
+# ---------------------------------------------------------------- what the engine refuses
+
+
+def _release(worker: CommWorker, groups: tuple[Any, ...]) -> None:
+    """What an engine holds outside itself: the thread, its groups, its parameters' claim."""
+    release_communication(worker, groups)
+    ownership.release(None)  # the claims of engines that are gone
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    """A first-order torch optimizer class, which can step a flat shard on the thread."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"acco_hooks: optimizer_class must be a torch.optim.Optimizer subclass such as "
+            f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
+        )
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"acco_hooks: {optimizer_class.__name__}.step() needs a closure that re-evaluates "
+            "the loss, which a sharded step on the communication thread cannot run; use a "
+            "first-order optimizer such as torch.optim.AdamW or SGD"
+        )
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise TypeError(
+            "acco_hooks: torch.optim.SparseAdam steps sparse gradients, and the engine sums "
+            "and shards dense ones; use torch.optim.Adam or AdamW with dense gradients"
+        )
+
+
+def _check_round_inputs(
+    buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int,
+    frozen: list[tuple[str, Tensor]],
+) -> None:  # fmt: skip
+    """Every parameter got a gradient, none was moved since the engine was built, and none of
+    those frozen then was unfrozen since (a torch optimizer would train it now)."""
+    unfrozen = [name for name, p in frozen if p.requires_grad]
+    if unfrozen:
+        raise RuntimeError(
+            f"acco_hooks: {_some(unfrozen)} had requires_grad=False when the optimizer was "
+            "built and requires grad now: the engine left it out and would never train it "
+            "(a torch optimizer given it would). Build the optimizer after unfreezing, or "
+            "give the unfrozen parameters to a new one"
+        )
+    moved = [name for g in buffers for name in g.moved_params()]
+    if moved:
+        raise RuntimeError(
+            f"acco_hooks: {_some(moved)} moved or changed dtype after the optimizer was "
+            "built (model.to(), a dtype cast, param.data = ...): the engine holds views of "
+            "the old memory and would train parameters the model no longer uses. Move or "
+            "cast the model first, then build the optimizer"
+        )
+    missing = [
+        g.names[pi]
+        for g, arrived in zip(buffers, grad_arrived)
+        for pi, ok in enumerate(arrived)
+        if not ok
+    ]
+    if missing and len(missing) == sum(len(g.params) for g in buffers):
+        raise RuntimeError(
+            f"acco_hooks: no gradient reached any parameter during round {round_index}: "
+            "call loss.backward() before each step()"
+        )
+    if missing:
+        raise RuntimeError(
+            f"acco_hooks: no gradient reached {_some(missing)} during round "
+            f"{round_index}. Every trained parameter must get a gradient in every "
+            "round: run backward() before step(), and set requires_grad=False on parameters "
+            "that are not trained (or leave them out of the optimizer's params)"
+        )
+
+
+def _check_compatible(state: dict[str, Any], engine: ACCOEngine) -> None:
+    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``."""
+    mode, steps = engine.settings.mode, engine.settings.accumulation_steps
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint has engine state version "
+            f"{state.get('version')!r}, this acco_hooks reads version {STATE_VERSION} (version "
+            "1 kept acco's carried half-batch in the full accumulator, which this version no "
+            "longer holds). Resume it with the acco_hooks that wrote it"
+        )
+    if state["world_size"] != engine.world_size:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with a data-parallel world "
+            f"size of {state['world_size']}, this run has {engine.world_size}. Resharding the "
+            f"optimizer state is not supported yet: resume with {state['world_size']} "
+            "data-parallel ranks"
+        )
+    saved_fsdp = state.get("fsdp_world_size", 1)
+    if saved_fsdp != engine.fsdp_world_size:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
+            f"{saved_fsdp} ways by FSDP inside each replica, this run shards it "
+            f"{engine.fsdp_world_size} ways. Resharding the optimizer state is not supported "
+            f"yet: resume with an FSDP (data_parallel_shard) degree of {saved_fsdp}"
+        )
+    if state["mode"] != mode:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
+            f"this engine has mode={mode!r}; build the optimizer with "
+            f"mode={state['mode']!r} to resume"
+        )
+    if state["accumulation_steps"] != steps:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
+            f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "
+            "the resumed run would take another batch per update than the saved one. Build "
+            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
+        )
+    if [[tuple(s) for s in g] for g in state["param_shapes"]] != engine._param_shapes():
+        raise ValueError(
+            "acco_hooks: load_state_dict: the checkpoint's parameter groups and shapes differ "
+            "from this optimizer's; build it over the same parameters in the same order"
+        )
+    has_lr_scheduler = engine.lr_scheduler is not None
+    if has_lr_scheduler != (state["lr_scheduler"] is not None):
+        raise ValueError(
+            "acco_hooks: load_state_dict: the checkpoint "
+            + ("has no" if state["lr_scheduler"] is None else "has an")
+            + " LR scheduler state but this optimizer "
+            + ("has one" if has_lr_scheduler else "has none")
+            + "; pass the same lr_scheduler argument as the saved run"
+        )
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

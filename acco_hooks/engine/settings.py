@@ -1,0 +1,328 @@
+"""The engine's settings, each declared once: its default, its allowed values and its check.
+
+Every front-end takes its ACCO settings from here. ``ACCOOptimizer``, ``ACCOState`` and
+``ACCOHSDPOptimizer`` pass them as keyword arguments to :class:`~acco_hooks.engine.ACCOEngine`,
+which gathers them into an :class:`EngineSettings`; the torchtitan ``[acco]`` section and the
+Hugging Face ``ACCOArguments`` subclass :class:`ACCOSettings` and add only what is their own.
+A value one front-end accepts, every front-end accepts, and each refusal names the setting in
+the front-end's own spelling (``mode='x'``, ``[acco] mode = 'x'``, ``ACCOArguments.mode='x'``).
+
+There are two classes because two of the engine's settings are ones a trainer already has a
+word for:
+
+* :class:`ACCOSettings` holds what only ACCO knows (``mode``, ``accumulate_until_ready``,
+  ``reduce_dtype``, ``nonfinite``, ``timeout``), spelled alike in a Python call, a TOML section
+  and a command-line flag;
+* :class:`EngineSettings` adds the round size (``accumulation_steps``) and the clipping
+  (``max_grad_norm``), which torchtitan and the Trainer take from their own configuration
+  (gradient accumulation, ``max_norm``).
+
+Each class's ``checks`` table, right under its fields, holds each field's check: a function of
+the value that returns ``None`` for an allowed value, else what the value must be. The docstring
+under each field is its ``--help`` text, for tyro (torchtitan) and, through
+``metadata["help"]``, HfArgumentParser.
+
+No ``from __future__ import annotations``: torchtitan's config parser and HfArgumentParser read
+the field types of the front-end subclasses.
+"""
+
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+
+__all__ = ["ACCOSettings", "EngineSettings", "MODES", "NONFINITE_POLICIES", "REDUCE_DTYPES",
+           "SettingError", "boolean", "check_accumulation_steps", "real_updates",
+           "with_own_fields"]  # fmt: skip
+
+MODES = ("acco", "dpu", "ddp")
+NONFINITE_POLICIES = ("skip", "raise")
+# Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
+REDUCE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float64": torch.float64,
+}  # fmt: skip
+# Seconds a process group's timeout can hold: gloo counts whole milliseconds, and a
+# ``datetime.timedelta`` of more than 999,999,999 days overflows.
+TIMEOUT_RANGE_S = (1e-3, 1e12)
+
+Check = Callable[[Any], Optional[str]]
+Spelling = Callable[[str, Any], str]
+
+
+class SettingError(ValueError):
+    """A setting outside its allowed values (``setting``: the field's name)."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
+def python_spelling(name: str, value: Any) -> str:
+    """How a refusal names a setting passed as a keyword argument."""
+    return f"acco_hooks: {name}={value!r}"
+
+
+def real_updates(mode: str, rounds: int) -> int:
+    """Real optimizer updates in ``rounds`` rounds: every other round in ``acco``, every round
+    in ``dpu`` and ``ddp``. Schedules counted in updates use it."""
+    return rounds // 2 if mode == "acco" else rounds
+
+
+# ------------------------------------------------------------------------------ the checks
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    """Allows exactly the strings ``choices``."""
+
+    def check(value: Any) -> Optional[str]:
+        if isinstance(value, str) and value in choices:
+            return None
+        return f"is not one of {', '.join(map(repr, choices))}"
+
+    return check
+
+
+def boolean(value: Any) -> Optional[str]:
+    return None if isinstance(value, bool) else "must be True or False"
+
+
+def _number_within(value: Any, low: float, high: float = math.inf) -> bool:
+    """A real number (not a bool), finite as a float, > 0 and within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond the float range
+        return False
+    return math.isfinite(as_float) and as_float > 0 and low <= as_float <= high
+
+
+def check_accumulation_steps(value: Any) -> Optional[str]:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return "must be an integer >= 1 (the number of micro-batches per round)"
+
+
+def _check_reduce_dtype(value: Any) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value in REDUCE_DTYPES):
+        return None
+    if isinstance(value, torch.dtype) and value in REDUCE_DTYPES.values():
+        return None
+    return (f"must be one of {', '.join(map(repr, REDUCE_DTYPES))} (the dtypes collectives can "
+            "sum), as a name or a torch.dtype, or None for float32")  # fmt: skip
+
+
+def _check_max_grad_norm(value: Any) -> Optional[str]:
+    if value is None or _number_within(value, 0.0):
+        return None
+    return "must be a finite number > 0, or None for no clipping"
+
+
+def _check_timeout(value: Any) -> Optional[str]:
+    if value is None or _number_within(value, *TIMEOUT_RANGE_S):
+        return None
+    low, high = TIMEOUT_RANGE_S
+    return f"must be a number of seconds between {low:g} and {high:g}, or None for the default"
+
+
+# ---------------------------------------------------------------------------- the settings
+
+
+@dataclass
+class ACCOSettings:
+    """What only ACCO has a word for: every front-end takes these settings as they are.
+
+    Tuning:
+
+    1. ``mode="acco"`` for training; ``"ddp"`` (synchronous ZeRO-1) is the baseline ACCO should
+       match per token; ``"dpu"`` (delayed update without the estimate) only reproduces the
+       paper's comparison.
+    2. ``accumulate_until_ready=True`` on heterogeneous hardware, where one replica is a model
+       replica on one rank.
+    3. ``reduce_dtype="bfloat16"`` halves the bytes on the wire; accumulation stays in float32.
+    """
+
+    mode: str = "acco"
+    """'acco' (overlapped, with the estimate step), 'dpu' (overlapped, one-round-delayed update
+    without estimate) or 'ddp' (synchronous ZeRO-1, the baseline). A round is one training step
+    of the torchtitan and Hugging Face trainers; in 'acco' a real optimizer update happens
+    every other round, on both rounds' gradients, in 'dpu' and 'ddp' every round."""
+
+    accumulate_until_ready: bool = False
+    """Keep running micro-batches past the round's size while the previous round still
+    communicates, instead of waiting (heterogeneous hardware: a fast rank contributes more
+    micro-batches, each counted by its weight). Every rank of a model replica must be free to
+    run its own number: refused with FSDP, tensor or pipeline parallelism inside a replica.
+    Runs are then no longer bit-reproducible."""
+
+    reduce_dtype: str = "float32"
+    """Dtype of the gradients on the wire: 'float32', 'bfloat16', 'float16' or 'float64' (a
+    torch.dtype works too, and None means float32). Accumulation and the optimizer's master
+    weights stay float32."""
+
+    nonfinite: str = "skip"
+    """What a round whose averaged gradient has NaN/Inf does: 'skip' (every rank skips that
+    update and warns) or 'raise' (FloatingPointError)."""
+
+    timeout: Optional[float] = None
+    """Seconds after which a collective of the engine fails when a peer hangs (a dead peer fails
+    it at once). None: the default of the process group (the Hugging Face Trainer passes its
+    ddp_timeout)."""
+
+    checks: ClassVar[dict[str, Check]] = {
+        "mode": one_of(MODES),
+        "accumulate_until_ready": boolean,
+        "reduce_dtype": _check_reduce_dtype,
+        "nonfinite": one_of(NONFINITE_POLICIES),
+        "timeout": _check_timeout,
+    }
+    """What each field allows (a subclass extends it with its own fields)."""
+
+    def check(self, spell: Spelling = python_spelling, names: Optional[tuple[str, ...]] = None) -> None:
+        """Raise :class:`SettingError` for the first field outside its allowed values.
+
+        Args:
+            spell: how the front-end names a setting and its value, e.g.
+                ``lambda name, value: f"[acco] {name} = {value!r}"``.
+            names: check only these fields (default: every one).
+        """
+        for field in dataclasses.fields(self):
+            if names is not None and field.name not in names:
+                continue
+            value = getattr(self, field.name)
+            requirement = self.checks[field.name](value)
+            if requirement is not None:
+                raise SettingError(f"{spell(field.name, value)} {requirement}", field.name)
+
+    def check_until_ready(self, replica_split_by: Optional[str], spell: Spelling = python_spelling) -> None:
+        """Refuse ``accumulate_until_ready`` where the ranks of one model replica compute together.
+
+        Args:
+            replica_split_by: how each model replica is split over several ranks, in the
+                front-end's words (``"fsdp_process_group"``, ``"data_parallel_shard_degree =
+                2"``), or ``None`` when one rank holds a whole replica.
+        """
+        if self.accumulate_until_ready and replica_split_by:
+            raise SettingError(
+                f"{spell('accumulate_until_ready', True)} needs every rank of a model replica to "
+                "run the same micro-batches, which the ranks of a replica split by "
+                f"{replica_split_by} cannot agree on: set it to false there",
+                "accumulate_until_ready",
+            )
+
+    def to_engine_settings(self, **more: Any) -> "EngineSettings":
+        """These settings, with the engine's others (``accumulation_steps``, ``max_grad_norm``)
+        from ``more``: what a trainer front-end hands the engine."""
+        own = {field.name: getattr(self, field.name) for field in dataclasses.fields(ACCOSettings)}
+        return EngineSettings(**{**own, **more})
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        """``reduce_dtype`` as a ``torch.dtype``."""
+        if isinstance(self.reduce_dtype, torch.dtype):
+            return self.reduce_dtype
+        return REDUCE_DTYPES[self.reduce_dtype or "float32"]
+
+
+@dataclass
+class EngineSettings(ACCOSettings):
+    """Every setting of :class:`~acco_hooks.engine.ACCOEngine`; checked at construction.
+
+    Tuning ``accumulation_steps``: a real update in ``acco`` uses two rounds of gradients, so
+    ``k`` in ``acco`` matches ``2k`` in ``ddp`` per update. Raise it until the compute of one
+    round hides its communication (the advisor's log line says where that is).
+    """
+
+    accumulation_steps: int = 1
+    """Micro-batches per round (the minimum with accumulate_until_ready)."""
+
+    max_grad_norm: Optional[float] = None
+    """Clip the averaged gradient to this global L2 norm before each step or estimate; None:
+    no clipping."""
+
+    checks: ClassVar[dict[str, Check]] = {
+        **ACCOSettings.checks,
+        "accumulation_steps": check_accumulation_steps,
+        "max_grad_norm": _check_max_grad_norm,
+    }
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @classmethod
+    def from_keywords(
+        cls, settings: "EngineSettings | None", keywords: dict[str, Any]
+    ) -> tuple["EngineSettings", dict[str, Any]]:
+        """Split keyword arguments into the engine's settings and the rest.
+
+        Args:
+            settings: settings built beforehand, or ``None`` to take them from ``keywords``.
+            keywords: keyword arguments, some of which may name settings.
+
+        Returns:
+            ``(settings, the keywords that are no setting)``.
+        """
+        names = {field.name for field in dataclasses.fields(cls)}
+        given = {name: value for name, value in keywords.items() if name in names}
+        rest = {name: value for name, value in keywords.items() if name not in names}
+        if settings is None:
+            return cls(**given), rest
+        if not isinstance(settings, cls):
+            raise TypeError(f"acco_hooks: settings must be an EngineSettings, got {settings!r}")
+        if given:
+            raise TypeError(
+                f"acco_hooks: {', '.join(sorted(given))} given both in settings= and as keyword "
+                "arguments; pass each setting once"
+            )
+        return settings, rest
+
+
+def with_own_fields(cls: type) -> type:
+    """Redeclare the fields ``cls`` inherits as its own (fresh ``dataclasses.Field`` objects with
+    the same type, default and help); apply it under ``@dataclass``.
+
+    HfArgumentParser rewrites the fields it is given (an ``Optional``'s type becomes the inner
+    type): on inherited fields that would change the engine's own classes for every front-end.
+    """
+    annotations = {}
+    for field in dataclasses.fields(cls):
+        annotations[field.name] = field.type
+        setattr(cls, field.name, dataclasses.field(default=field.default,
+                                                   metadata=dict(field.metadata)))  # fmt: skip
+    cls.__annotations__ = {**annotations, **cls.__dict__.get("__annotations__", {})}
+    return cls
+
+
+def _docstrings_as_help(cls: type) -> None:
+    """Copy the docstring under each field of ``cls`` into its ``metadata["help"]``.
+
+    One source of truth: the docstrings read in the code are the ``--help`` of the flags
+    HfArgumentParser makes (tyro reads the docstrings itself).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # no source (a frozen application): flags without help
+        return
+    body = tree.body[0].body
+    docs = {
+        node.target.id: " ".join(after.value.value.split())
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }  # fmt: skip
+    for field in dataclasses.fields(cls):
+        if field.name in docs:
+            field.metadata = types.MappingProxyType({**field.metadata, "help": docs[field.name]})
+
+
+_docstrings_as_help(ACCOSettings)
+_docstrings_as_help(EngineSettings)
