@@ -1,16 +1,21 @@
 """torchtitan training with ACCO on the data-parallel dimension.
 
     torchrun --nproc_per_node=N train_titan.py --job.config_file torchtitan_configs/llama3_8b_acco.toml
+    torchrun --nproc_per_node=N train_titan.py --module acco_hooks.titan --config llama3_8b_acco  # 0.3.0
 
 Reads a torchtitan TOML job config extended with an ``[acco]`` section (no
 ``custom_config_module`` line needed); CLI overrides such as ``--acco.mode dpu`` work. The
 installed torchtitan decides the path: 0.2.2 reads the TOML itself; 0.3.0 (which has no TOML
 configs) gets it translated into a ``Trainer.Config`` by ``acco_hooks.titan.toml_compat``,
-which refuses any key without a 0.3.0 meaning before anything is built. With
-``[acco] enable = true`` the run uses ``ACCOTrainer``; without it, torchtitan's own
-``Trainer`` (the native DDP/FSDP baselines). With no CUDA device the run goes to the CPU with
-gloo (``acco_hooks.titan.cpu_shim``). With ``--training.dataset stdlib`` the embedded corpus and
-its tokenizer are built on first use, under ``./outputs/stdlib/``.
+which refuses any key without a 0.3.0 meaning before anything is built, or reads a registered
+config function with its own ``--module M --config NAME`` flags. With ``[acco] enable = true``
+the run uses ``ACCOTrainer``; without it, torchtitan's own ``Trainer`` (the native DDP/FSDP
+baselines).
+
+What the library does not do, this launcher does for the checkout (``scaffolding/``): with no
+CUDA device the run goes to the CPU with gloo (``scaffolding.cpu_shim``), and with the dataset
+``stdlib`` the embedded corpus and its tokenizer are built on first use, under
+``./outputs/stdlib/``, and registered with torchtitan.
 
 One rank logs (rank 0, or with pipeline parallelism the first rank of the last stage, whose
 step lines carry the loss); the others log errors only. ``LOG_RANK=0,3`` or ``LOG_RANK=all``
@@ -31,14 +36,14 @@ from acco_hooks.titan import TITAN_030  # noqa: I001
 
 def main() -> None:
     if not torch.cuda.is_available():
-        import acco_hooks.titan.cpu_shim  # noqa: F401  (before torchtitan reads its device)
+        import scaffolding.cpu_shim  # noqa: F401  (installs it, before torchtitan reads its device)
 
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     rank = int(os.environ.get("RANK", "0"))
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)  # until the config is read
-    config, trainer_cls, acco = (_config_030 if TITAN_030 else _config_022)()
+    config, build_trainer, acco = (_config_030 if TITAN_030 else _config_022)()
     if rank in _logging_ranks(config):
         logger.setLevel(logging.INFO)
     else:
@@ -48,7 +53,7 @@ def main() -> None:
 
     trainer = None
     try:
-        trainer = trainer_cls(config)
+        trainer = build_trainer()
         if config.checkpoint.create_seed_checkpoint:  # as torchtitan's own main does
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
@@ -75,9 +80,8 @@ def _config_022():
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer
 
-    from acco_hooks.titan import stdlib_data
-    from acco_hooks.titan.config import JobConfig, validate_acco_config
-    from acco_hooks.titan.trainer import ACCOTrainer
+    from acco_hooks.titan.v022 import ACCOTrainer, JobConfig, validate_acco_config
+    from scaffolding import stdlib_data
 
     class _ConfigManager(ConfigManager):
         def _validate_config(self) -> None:
@@ -90,36 +94,49 @@ def _config_022():
 
     config = _ConfigManager(JobConfig).parse_args()
     validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
-    return config, (ACCOTrainer if config.acco.enable else Trainer), config.acco.enable
+    trainer_cls = ACCOTrainer if config.acco.enable else Trainer
+    return config, lambda: trainer_cls(config), config.acco.enable
 
 
 def _config_030():
-    """torchtitan 0.3.0: the TOML and the overrides, translated into a ``Trainer.Config``."""
+    """torchtitan 0.3.0: a TOML and its overrides, translated into a ``Trainer.Config``, or
+    torchtitan's own ``--module M --config NAME`` and its overrides."""
     import importlib
     import sys
 
-    from torchtitan.trainer import Trainer
+    from torchtitan.config import ConfigManager
 
-    from acco_hooks.titan import stdlib_data
     from acco_hooks.titan.toml_compat import load_toml_config, parse_overrides, read_toml
-    from acco_hooks.titan.v030 import ACCOTrainer, validate_acco_config
+    from acco_hooks.titan.v030 import validate_acco_config
+    from scaffolding import stdlib_data
 
     args = sys.argv[1:]
-    if "--job.config_file" not in args or args.index("--job.config_file") + 1 >= len(args):
-        raise SystemExit("train_titan.py: --job.config_file <file.toml> is required")
-    at = args.index("--job.config_file")
-    path, overrides = args[at + 1], args[:at] + args[at + 2:]
-    settings = {**read_toml(path), **parse_overrides(overrides, strict=False)}
-    if settings.get("experimental.custom_import"):
-        # 0.2.2's hook for user code, imported before building (0.3.0 has no such option)
-        importlib.import_module(settings["experimental.custom_import"])
-    stdlib_data.prepare_if_stdlib(settings.get("training.dataset"),
-                                  settings.get("training.dataset_path"),
-                                  settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
-    config = load_toml_config(path, overrides)
+    if "--module" in args or any(a.startswith("--module=") for a in args):
+        # Registered configs name their dataset: the embedded one must resolve while they are
+        # read, and its files must exist before the trainer builds its tokenizer.
+        stdlib_data.register_stdlib_datasets()
+        config = ConfigManager().parse_args(args)
+        stdlib_data.prepare_if_stdlib(config.dataloader.dataset, config.dataloader.dataset_path,
+                                      config.hf_assets_path)  # fmt: skip
+    else:
+        if "--job.config_file" not in args or args.index("--job.config_file") + 1 >= len(args):
+            raise SystemExit(
+                "train_titan.py: --job.config_file <file.toml> (or, on torchtitan 0.3.0, "
+                "--module M --config NAME) is required"
+            )
+        at = args.index("--job.config_file")
+        path, overrides = args[at + 1], args[:at] + args[at + 2:]
+        settings = {**read_toml(path), **parse_overrides(overrides, strict=False)}
+        if settings.get("experimental.custom_import"):
+            # 0.2.2's hook for user code, imported before building (0.3.0 has no such option)
+            importlib.import_module(settings["experimental.custom_import"])
+        stdlib_data.prepare_if_stdlib(settings.get("training.dataset"),
+                                      settings.get("training.dataset_path"),
+                                      settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
+        config = load_toml_config(path, overrides)
     validate_acco_config(config)  # a bad acco value fails here, before anything is built
-    acco = isinstance(config, ACCOTrainer.Config)
-    return config, (ACCOTrainer if acco else Trainer), acco
+    # config.build(): ACCOTrainer for an ACCOTrainer.Config, torchtitan's Trainer otherwise
+    return config, config.build, getattr(config, "acco", None) is not None
 
 
 def _logging_ranks(config) -> set[int] | range:

@@ -42,7 +42,7 @@ CONFIG = ROOT / "torchtitan_configs" / "llama3_8b_acco.toml"
 OUT = ROOT / "docs" / "results" / "scaling.json"
 FIGURE = ROOT / "docs" / "figures" / "scaling.png"
 
-# The testbed (benchmarks.comm_only, gloo ring of acco_hooks.collectives): 2 ranks, the debug
+# The testbed (benchmarks.comm_only, gloo ring of acco_hooks.engine.collectives): 2 ranks, the debug
 # model's 6,163,712 fp32 parameters, fp32 reduce-scatter then fp32 all-gather, each moving
 # (N-1)/N of the buffer per rank (24,654,848 bytes of comm buffer, see throughput.json).
 TESTBED = {"ranks": 2, "params": 6_163_712, "reduce_bytes": 4, "gather_bytes": 4}

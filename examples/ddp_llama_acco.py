@@ -1,6 +1,6 @@
 """An existing DDP training loop of a Hugging Face Llama, switched to ACCO with two lines.
 
-    torchrun --standalone --nproc_per_node 2 examples/ddp_llama_acco.py --mode acco
+    torchrun --standalone --nproc_per_node 2 -m examples.ddp_llama_acco --mode acco
 
 The model is a small ``LlamaForCausalLM`` built from a config in code (no download), trained
 on the embedded stdlib corpus as bytes. The lines marked ``# ACCO`` are the whole change from
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from acco_hooks import ACCOState, acco_hook
-from acco_hooks.data import random_windows, stdlib_corpus
+from scaffolding.stdlib_data import random_windows, stdlib_corpus
 
 
 def parse_args() -> argparse.Namespace:

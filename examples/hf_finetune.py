@@ -4,11 +4,11 @@ Runs offline as it is (a tiny Llama built from a config, the Python standard lib
 data, the project's byte-level BPE tokenizer trained from it)::
 
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        examples/hf_finetune.py --mode acco
+        -m examples.hf_finetune --mode acco
 
 Adapt it by changing the model and the data; every ``TrainingArguments`` flag works::
 
-    torchrun --nproc_per_node 8 examples/hf_finetune.py \\
+    torchrun --nproc_per_node 8 -m examples.hf_finetune \\
         --model_name_or_path EleutherAI/gpt-neo-125m \\
         --train_file train.jsonl --validation_file val.jsonl --block_size 1024 --bf16 \\
         --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --max_steps 2000 \\
@@ -91,7 +91,7 @@ def main() -> None:
     train_file, validation_file = script_args.train_file, script_args.validation_file
     tokenizer_name = script_args.tokenizer_name or script_args.model_name_or_path
     if train_file is None or tokenizer_name is None:
-        from acco_hooks.titan.stdlib_data import (
+        from scaffolding.stdlib_data import (
             DEFAULT_DATASET_DIR,
             DEFAULT_TOKENIZER_DIR,
             ensure_stdlib_assets,

@@ -1,6 +1,6 @@
 """Train a small causal transformer with ACCOOptimizer on the embedded stdlib corpus.
 
-    torchrun --standalone --nproc_per_node 2 examples/train_small_transformer.py --mode acco
+    torchrun --standalone --nproc_per_node 2 -m examples.train_small_transformer --mode acco
 
 Runs on CPU (gloo) or one GPU per process (nccl). Prints one line per round (rank 0's loss,
 averaged over its micro-batches) and a summary line with the loss averaged over all ranks.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from acco_hooks import ACCOOptimizer
-from acco_hooks.data import random_windows, stdlib_corpus
+from scaffolding.stdlib_data import random_windows, stdlib_corpus
 
 
 class SmallTransformer(nn.Module):

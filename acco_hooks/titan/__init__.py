@@ -1,22 +1,29 @@
-"""torchtitan integration: the ACCO trainer, its ``[acco]`` config section and helpers.
+"""torchtitan integration: the ACCO trainer, its ``[acco]`` config section and its configs.
 
 Two torchtitan releases are supported, and the installed one decides the adapter at import:
 
-- 0.2.2 (TOML job configs, ``JobConfig``, train specs): ``config``, ``components``,
-  ``train_spec`` and ``trainer``;
+- 0.2.2 (TOML job configs, ``JobConfig``, train specs): ``v022``;
 - 0.3.0 (Python config functions, ``Trainer.Config``, model specs): ``v030``, with
   ``config_registry`` for ``-m torchtitan.train --module acco_hooks.titan --config <name>``
   and ``toml_compat``, which translates the TOMLs for ``train_titan.py``.
 
-What does not touch torchtitan's API is shared: the ``[acco]`` settings and their validation
-(``settings``), the trainer's round loop (``_round_loop``), the optimizer container's engine
-plumbing (``_container``), the embedded corpus (``stdlib_data``) and the CPU shim.
+What is the same in both releases is written once: the ``[acco]`` section and its checks
+(``config``), the optimizer container that holds the engine and the trainer whose step is one
+round (``base``). The job configs the project ships are package data (``configs/*.toml``).
 Importing this package checks the installed torchtitan (and torch) against the tested pairs,
-before torchtitan is asked to build anything; it imports nothing heavy.
+before torchtitan is asked to build anything; it imports nothing heavy and changes nothing in
+torchtitan.
 """
 
 import torch
-import torchtitan
+
+try:
+    import torchtitan
+except ImportError as exc:  # a lean install: pip install acco_hooks
+    raise ImportError(
+        "acco_hooks.titan needs torchtitan: pip install 'acco_hooks[titan]' (or "
+        "scripts/setup.sh in a checkout)"
+    ) from exc
 
 from acco_hooks import check_supported_versions
 
@@ -36,7 +43,7 @@ def require_release(release: str, module: str) -> None:
     if TITAN_VERSION.startswith(release[:4]):
         return
     use = ("acco_hooks.titan.v030 (ACCOTrainer), acco_hooks.titan.config_registry" if TITAN_030
-           else "acco_hooks.titan.trainer (ACCOTrainer), acco_hooks.titan.config")  # fmt: skip
+           else "acco_hooks.titan.v022 (ACCOTrainer, JobConfig)")  # fmt: skip
     raise ImportError(
         f"{module} is the torchtitan {release} adapter, but torchtitan {TITAN_VERSION} is "
         f"installed: use {use}, or train_titan.py (any release)"

@@ -1,37 +1,159 @@
-"""torchtitan 0.2.2: the job config with the ``[acco]`` section, and its validation.
+"""The ``[acco]`` section of a torchtitan run: its fields, its checks against the run's
+parallelism, and the engine settings it resolves to. For both torchtitan releases.
 
-No ``from __future__ import annotations`` here: torchtitan's ConfigManager reads the field types
-of the dataclasses (``dataclasses.fields(...).type``) to build nested sections from TOML.
+Nothing here imports torchtitan: the 0.2.2 adapter puts :class:`ACCO` into its ``JobConfig``
+(a TOML section), the 0.3.0 adapter into ``ACCOTrainer.Config`` (a config-function field and
+``--acco.*`` flags), and both validate it with :func:`validate_acco` before anything is built.
+torchtitan's ``ParallelismConfig`` and ``Training`` sections have the same field names in both
+releases.
+
+No ``from __future__ import annotations``: torchtitan 0.2.2's ConfigManager reads the field
+types (``dataclasses.fields(...).type``) to build nested sections from TOML.
 """
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
-from acco_hooks.titan import require_release
+from acco_hooks.engine import ACCOSettings, EngineSettings
+from acco_hooks.engine.settings import Check, boolean, check_accumulation_steps
 
-require_release("0.2.2", __name__)  # before any torchtitan import: a clear error on 0.3.0
+__all__ = ["ACCO", "engine_settings", "validate_acco"]
 
-from torchtitan.config import JobConfig as TitanJobConfig
 
-from acco_hooks.titan.settings import ACCO, REDUCE_DTYPES, validate_acco_settings
+def _spelling(name: str, value: Any) -> str:
+    return f"[acco] {name} = {value!r}"
 
-__all__ = ["ACCO", "JobConfig", "validate_acco_config", "REDUCE_DTYPES"]
+
+def _zero_or_micro_batches(value: Any) -> Optional[str]:
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return None
+    if check_accumulation_steps(value) is None:
+        return None
+    return ("must be an integer >= 1 (micro-batches per round), or 0 to use torchtitan's "
+            "gradient accumulation steps")  # fmt: skip
 
 
 @dataclass
-class JobConfig(TitanJobConfig):
-    """torchtitan's JobConfig with the ``[acco]`` section."""
+class ACCO(ACCOSettings):
+    """ACCO on the data_parallel_replicate dimension of a torchtitan run.
 
-    acco: ACCO = field(default_factory=ACCO)
+    ``mode``, ``accumulate_until_ready``, ``reduce_dtype``, ``nonfinite`` and ``timeout`` are the
+    engine's own settings (:class:`acco_hooks.engine.ACCOSettings`); the round size follows
+    torchtitan's gradient accumulation unless set here, clipping is ``training.max_norm``.
+    """
+
+    enable: bool = False
+    """Replace torchtitan's data-parallel wrapping and optimizer with the ACCO engine over the
+    data_parallel_replicate dimension. With data_parallel_shard_degree > 1 (HSDP), FSDP2 keeps
+    sharding each replica over the fsdp dimension and ACCO replaces only the cross-replica
+    all-reduce. Tensor and pipeline parallelism stay as configured."""
+
+    accumulation_steps: int = 0
+    """Micro-batches per round. 0: torchtitan's gradient accumulation steps, i.e.
+    training.global_batch_size / (training.local_batch_size x data-parallel degree)."""
+
+    fsdp_sync_every_microbatch: bool = False
+    """With data_parallel_shard_degree > 1: let FSDP reduce-scatter the gradients of every
+    micro-batch (less memory) instead of only the round's last one (less intra-replica
+    traffic; the default). Pipeline parallel schedules reduce-scatter every micro-batch anyway."""
+
+    checks: ClassVar[dict[str, Check]] = {
+        **ACCOSettings.checks,
+        "enable": boolean,
+        "accumulation_steps": _zero_or_micro_batches,
+        "fsdp_sync_every_microbatch": boolean,
+    }
 
 
-def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -> None:
-    """Refuse a bad ``[acco]`` section or an unsupported parallelism before anything is built.
+def _data_parallel_degrees(parallelism: Any, world_size: int) -> tuple[int, int]:
+    """``(replicate, shard)`` degrees, the shard degree -1 resolved as torchtitan does."""
+    others = (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
+              * parallelism.pipeline_parallel_degree)  # fmt: skip
+    replicate = parallelism.data_parallel_replicate_degree
+    shard = parallelism.data_parallel_shard_degree
+    if shard == -1 and replicate > 0:
+        shard = world_size // max(1, replicate * others)
+    return replicate, shard
+
+
+def validate_acco(
+    acco: ACCO,
+    parallelism: Any,
+    optimizer_names: list[str],
+    *,
+    early_step_in_backward: bool = False,
+    world_size: int | None = None,
+) -> None:
+    """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built.
+
+    Args:
+        acco: the section.
+        parallelism: torchtitan's ``ParallelismConfig`` (0.2.2 or 0.3.0).
+        optimizer_names: the optimizer of every parameter group (0.2.2 has exactly one).
+        early_step_in_backward: torchtitan 0.2.2's ``[optimizer]`` option of that name.
+        world_size: default ``$WORLD_SIZE``.
 
     Raises:
         ValueError: naming the setting and the fix.
     """
-    validate_acco_settings(
-        job_config.acco, job_config.parallelism, [job_config.optimizer.name],
-        early_step_in_backward=job_config.optimizer.early_step_in_backward,
-        world_size=world_size,
-    )  # fmt: skip
+    acco.check(_spelling, names=("enable",))
+    if not acco.enable:
+        return
+    acco.check(_spelling)
+    par = parallelism
+    replicate, shard = _data_parallel_degrees(
+        par, world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
+    # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
+    if replicate < 1 or (replicate == 1 and shard > 1):
+        raise ValueError(
+            f"[parallelism] data_parallel_replicate_degree = {replicate}: [acco] enable runs "
+            f"across model replicas; with data_parallel_shard_degree = {shard} set "
+            "data_parallel_replicate_degree >= 2 (FSDP then shards each replica: HSDP), or "
+            "[acco] enable = false for torchtitan's own FSDP"
+        )
+    if par.context_parallel_degree != 1 or par.expert_parallel_degree != 1:
+        raise ValueError(
+            "[acco] enable supports tensor and pipeline parallelism only: set "
+            "context_parallel_degree = 1 and expert_parallel_degree = 1"
+        )
+    split_by = [f"{name} = {degree}" for name, degree in (
+        ("data_parallel_shard_degree", shard), ("tensor_parallel_degree", par.tensor_parallel_degree),
+        ("pipeline_parallel_degree", par.pipeline_parallel_degree)) if degree > 1]  # fmt: skip
+    acco.check_until_ready(" and ".join(split_by) or None, _spelling)
+    if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
+        named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
+        raise ValueError(
+            f"[optimizer] name = {named!r}: the ACCO trainer supports one 'Adam' or 'AdamW' "
+            "optimizer over every parameter"
+        )
+    if early_step_in_backward:
+        raise ValueError(
+            "[optimizer] early_step_in_backward = true cannot be combined with [acco] enable: "
+            "the engine steps the optimizer on its communication thread"
+        )
+
+
+def engine_settings(
+    acco: ACCO, parallelism: Any, training: Any, world_size: int | None = None
+) -> EngineSettings:
+    """The engine's settings of a run that :func:`validate_acco` accepted.
+
+    ``[acco]``'s own settings as they are; micro-batches per round from ``accumulation_steps``,
+    or when it is 0 torchtitan's gradient accumulation steps (the global batch over the local
+    batch times the data-parallel degree, one step when ``global_batch_size`` is -1); clipping
+    at ``training.max_norm`` (off when <= 0).
+    """
+    steps = acco.accumulation_steps
+    if steps == 0:
+        replicate, shard = _data_parallel_degrees(
+            parallelism, world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        per_step = training.local_batch_size * replicate * shard
+        steps = max(1, training.global_batch_size // per_step)
+    return acco.to_engine_settings(
+        accumulation_steps=steps,
+        max_grad_norm=training.max_norm if training.max_norm > 0 else None,
+    )

@@ -1,108 +1,76 @@
 """Config functions for torchtitan 0.3.0: ``-m torchtitan.train --module acco_hooks.titan
---config <name>``, one per TOML the project ships (``torchtitan_configs/<name>.toml``).
+--config <name>``, one per job config the project ships (``acco_hooks/titan/configs/<name>.toml``,
+package data, so they work from an installed wheel).
 
 Each function translates its TOML with :mod:`acco_hooks.titan.toml_compat`, so the TOML stays
 the one source of truth and both torchtitan releases train the same job. ACCO configs return
 an ``ACCOTrainer.Config`` (``--acco.mode dpu`` etc. on the command line), the baselines a plain
 ``Trainer.Config``. Other overrides take 0.3.0's spelling (``--training.steps 4``,
 ``--dataloader.dataset stdlib``); the optimizer's hyperparameters live in its parameter group
-and are set in the TOML.
+and are set in the TOML. :data:`CONFIG_NAMES` lists them; each TOML's ``[job] description``
+says what it trains.
 
-Importing this module on a machine without an accelerator installs
-:mod:`acco_hooks.titan.cpu_shim` (torchtitan imports it before building the trainer) and
-registers the embedded ``stdlib`` datasets.
+The ``debug_cpu_*`` configs train on the embedded ``stdlib`` corpus on a machine without an
+accelerator, which this library does not ship: a checkout's launcher prepares both (``python -m
+torch.distributed.run ... train_titan.py --module acco_hooks.titan --config debug_cpu_acco``).
+Importing this module changes nothing in torchtitan.
 """
 
 from __future__ import annotations
 
-import pathlib
+import importlib.resources
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from acco_hooks.titan import require_release
 
 require_release("0.3.0", __name__)  # torchtitan 0.2.2: train_titan.py --job.config_file X.toml
-if not torch.cuda.is_available():
-    import acco_hooks.titan.cpu_shim  # noqa: F401, E402
 
-from acco_hooks.titan import stdlib_data  # noqa: E402
 from acco_hooks.titan.toml_compat import load_toml_config, read_toml  # noqa: E402
 
-__all__ = ["CONFIG_DIR", "debug_cpu_acco", "debug_cpu_ddp", "debug_cpu_dpu",
-           "debug_cpu_hsdp_acco", "debug_cpu_titan_ddp", "debug_cpu_titan_fsdp",
-           "llama3_8b_acco", "llama3_8b_acco_3d", "llama3_8b_hsdp_acco", "llama3_8b_zero1",
-           "llama3_8b_zero1_3d"]  # fmt: skip
+__all__ = ["CONFIG_DIR", "CONFIG_NAMES", "config_path"]
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "torchtitan_configs"
-"""The project's TOMLs (a checkout's ``torchtitan_configs/``)."""
+CONFIG_DIR = importlib.resources.files("acco_hooks.titan") / "configs"
+"""The job configs the project ships (package data)."""
+
+CONFIG_NAMES: tuple[str, ...] = tuple(
+    sorted(p.name.removesuffix(".toml") for p in CONFIG_DIR.iterdir() if p.name.endswith(".toml"))
+)
+
+
+def config_path(name: str) -> Any:
+    """The shipped TOML of config ``name`` (a ``Traversable``; ``str()`` of it is a path)."""
+    return CONFIG_DIR / f"{name}.toml"
 
 
 def _from_toml(name: str) -> Any:
-    path = CONFIG_DIR / f"{name}.toml"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: the acco_hooks.titan configs are the TOMLs of a checkout of "
-            "the project; install it from one (pip install -e .)"
-        )
-    settings = read_toml(path)
-    stdlib_data.prepare_if_stdlib(settings.get("training.dataset"),
-                                  settings.get("training.dataset_path"),
-                                  settings["model.hf_assets_path"])  # fmt: skip
-    return load_toml_config(path)
+    settings = read_toml(config_path(name))
+    if settings.get("training.dataset") == "stdlib":
+        from torchtitan.hf_datasets.text_datasets import DATASETS
+
+        if "stdlib" not in DATASETS:
+            raise ValueError(
+                f"--config {name} trains on the embedded stdlib corpus, which nothing has "
+                "registered with torchtitan in this process. From a checkout, launch it with "
+                f"train_titan.py (python -m torch.distributed.run ... train_titan.py --module "
+                f"acco_hooks.titan --config {name}), which builds and registers it, or override "
+                "--dataloader.dataset and --hf-assets-path with your own data"
+            )
+    return load_toml_config(config_path(name))
 
 
-def debug_cpu_acco() -> Any:
-    """ACCO, 2 CPU ranks: the README's main job."""
-    return _from_toml("debug_cpu_acco")
+def __getattr__(name: str) -> Callable[[], Any]:
+    """``acco_hooks.titan.config_registry.<name>``: the config function of a shipped TOML."""
+    if name not in CONFIG_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def config() -> Any:
+        return _from_toml(name)
+
+    config.__name__ = config.__qualname__ = name
+    config.__doc__ = read_toml(config_path(name)).get("job.description")
+    return config
 
 
-def debug_cpu_dpu() -> Any:
-    """DPU (delayed update, no estimate), 2 CPU ranks."""
-    return _from_toml("debug_cpu_dpu")
-
-
-def debug_cpu_ddp() -> Any:
-    """The engine's synchronous ZeRO-1 (``acco.mode = "ddp"``), 2 CPU ranks."""
-    return _from_toml("debug_cpu_ddp")
-
-
-def debug_cpu_hsdp_acco() -> Any:
-    """HSDP + ACCO, 4 CPU ranks: 2 replicas x 2 FSDP shards."""
-    return _from_toml("debug_cpu_hsdp_acco")
-
-
-def debug_cpu_titan_ddp() -> Any:
-    """torchtitan's own data parallelism over 2 replicas (in 0.3.0: FSDP2 with a replicate
-    dimension and 1-rank shards), the baseline."""
-    return _from_toml("debug_cpu_titan_ddp")
-
-
-def debug_cpu_titan_fsdp() -> Any:
-    """torchtitan's own FSDP2 over 2 CPU ranks, the baseline."""
-    return _from_toml("debug_cpu_titan_fsdp")
-
-
-def llama3_8b_acco() -> Any:
-    """Llama 3 8B, ACCO over every GPU."""
-    return _from_toml("llama3_8b_acco")
-
-
-def llama3_8b_acco_3d() -> Any:
-    """Llama 3 8B, TP x PP inside a node, ACCO across nodes."""
-    return _from_toml("llama3_8b_acco_3d")
-
-
-def llama3_8b_hsdp_acco() -> Any:
-    """Llama 3 8B, FSDP2 over 8 GPUs per node x ACCO across nodes (HSDP)."""
-    return _from_toml("llama3_8b_hsdp_acco")
-
-
-def llama3_8b_zero1() -> Any:
-    """Llama 3 8B, the engine's synchronous ZeRO-1 baseline."""
-    return _from_toml("llama3_8b_zero1")
-
-
-def llama3_8b_zero1_3d() -> Any:
-    """Llama 3 8B, TP x PP x the engine's synchronous ZeRO-1 baseline."""
-    return _from_toml("llama3_8b_zero1_3d")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *CONFIG_NAMES])

@@ -12,11 +12,15 @@ its config functions with :func:`load_toml_config`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from acco_hooks.titan.config import ACCO
 
 __all__ = ["KEYS", "TomlConfigError", "build_config", "load_toml_config", "parse_overrides",
            "read_toml"]
@@ -32,6 +36,16 @@ class Key:
     """The value's type (bool keys are flags on the command line)."""
     target: str | None
     """Where it goes in 0.3.0's ``Trainer.Config`` (dotted), or None for a special case."""
+
+
+def _acco_keys() -> dict[str, Key]:
+    """Every field of the ``[acco]`` section, with the type torchtitan 0.2.2 parses it as."""
+    keys = {}
+    for name, hint in typing.get_type_hints(ACCO).items():
+        # Optional[float] -> float: TOML has no None, a timeout is given as a number
+        type_ = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        keys[f"acco.{name}"] = Key(type_, f"acco.{name}")
+    return keys
 
 
 def _same(section: str, names: str, type_: type, target_section: str | None = None) -> dict:
@@ -88,9 +102,7 @@ KEYS: dict[str, Key] = {
     "validation.local_batch_size": Key(int, None),  # must equal training's (0.3.0 shares it)
     "validation.seq_len": Key(int, None),
     "experimental.custom_import": Key(str, None),  # imported by train_titan.py before building
-    **_same("acco", "enable accumulate_until_ready fsdp_sync_every_microbatch", bool),
-    "acco.accumulation_steps": Key(int, "acco.accumulation_steps"),
-    **_same("acco", "mode reduce_dtype", str),
+    **_acco_keys(),
 }
 
 # Keys of 0.2.2 that users may know, with what to do instead on 0.3.0.
@@ -233,8 +245,6 @@ def build_config(settings: dict[str, Any]) -> Any:
         TomlConfigError: naming every key without a 0.3.0 meaning, or a value of a wrong type.
     """
     _check(settings)
-    import dataclasses
-
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import (
         LRSchedulersContainer,
@@ -249,7 +259,6 @@ def build_config(settings: dict[str, Any]) -> Any:
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
-    from acco_hooks.titan.settings import ACCO
     from acco_hooks.titan.v030 import ACCO_SPMD_BACKEND, ACCOTrainer
 
     get = settings.get

@@ -2,17 +2,20 @@
 
 torchtitan 0.3.0 configures a run with a ``Trainer.Config`` returned by a Python function
 (``-m torchtitan.train --module M --config FN``); a component is a ``Configurable`` whose
-nested ``Config`` builds it. ACCO plugs in at three of them:
+nested ``Config`` builds it, with the runtime objects it needs passed to ``build``. ACCO plugs
+in at three of them:
 
 - :class:`ACCOTrainer` (``ACCOTrainer.Config`` = ``Trainer.Config`` plus an ``acco`` field,
   ``--acco.mode ...`` on the command line). Its ``__init__`` validates ``acco``, then swaps into
   the config what ACCO replaces before torchtitan builds anything: the model spec's
-  parallelize function (the same one, with the ``dp_replicate`` dimension hidden), the optimizer
-  container and the LR schedulers (the same settings, built on the engine). The round loop is
-  shared with the 0.2.2 adapter (:mod:`acco_hooks.titan._round_loop`).
+  parallelize function (the same one, with the ``dp_replicate`` dimension hidden) and its
+  ``post_optimizer_build_fn`` (which hands the meshes to the engine), the optimizer container
+  (whose config carries the engine's settings) and the LR schedulers.
 - :class:`ACCOOptimizersContainer`: the engine over every parameter of this rank, sharded over
   ``dp_replicate``, from the run's single Adam/AdamW parameter group.
 - :class:`ACCOLRSchedulersContainer`: torchtitan's schedules, counted in real updates.
+
+The training step (one ACCO round) is shared with the 0.2.2 adapter: :mod:`acco_hooks.titan.base`.
 
 Data parallelism in 0.3.0 is FSDP2 everywhere (torchtitan's "DDP" is FSDP with a replicate
 mesh dimension). ACCO keeps FSDP2 inside a replica (mixed precision; sharding with
@@ -35,26 +38,24 @@ from acco_hooks.titan import require_release
 
 require_release("0.3.0", __name__)  # before any torchtitan import: a clear error on 0.2.2
 
-from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-from torchtitan.tools.logging import logger
-from torchtitan.trainer import Trainer
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
 
-from acco_hooks._frontend import label_tokens
-from acco_hooks.engine import real_updates
-from acco_hooks.titan._container import (
+from acco_hooks._frontend import label_tokens  # noqa: E402
+from acco_hooks.engine import EngineSettings, real_updates  # noqa: E402
+from acco_hooks.titan.base import (  # noqa: E402
     OPTIMIZER_CLASSES,
-    TRAINER_BEING_BUILT,
-    EngineContainer,
+    ACCOTrainerBase,
+    Batch,
+    EngineOptimizersContainer,
     WithoutReplicate,
-    building,
-    engine_kwargs,
 )
-from acco_hooks.titan._round_loop import ACCOTrainerLoop, Batch
-from acco_hooks.titan.settings import ACCO, validate_acco_settings
+from acco_hooks.titan.config import ACCO, engine_settings, validate_acco  # noqa: E402
 
 __all__ = ["ACCOLRSchedulersContainer", "ACCOOptimizersContainer", "ACCOTrainer",
-           "parallelize_without_data_parallel", "validate_acco_config"]  # fmt: skip
+           "validate_acco_config"]  # fmt: skip
 
 ACCO_SPMD_BACKEND = "partial_dtensor"
 
@@ -69,7 +70,7 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
     if acco is None or not acco.enable:
         return
     groups = config.optimizer.param_groups
-    validate_acco_settings(
+    validate_acco(
         acco, config.parallelism, [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size,
     )  # fmt: skip
@@ -86,41 +87,35 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
         )
 
 
-def parallelize_without_data_parallel(parallelize_fn):
-    """Wrap a model spec's parallelize function so that it applies everything but the
-    cross-replica data parallelism (HSDP's all-reduce)."""
-
-    def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
-        return parallelize_fn(model, parallel_dims=WithoutReplicate(parallel_dims), **kwargs)
-
-    parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
-    return parallelize
-
-
-class ACCOOptimizersContainer(EngineContainer, OptimizersContainer):
+class ACCOOptimizersContainer(EngineOptimizersContainer):
     """torchtitan 0.3.0's optimizer container with the ACCO engine inside (see
-    :class:`acco_hooks.titan._container.EngineContainer`). Built by ``ACCOTrainer`` from the
-    run's optimizer config: one Adam or AdamW parameter group matching every parameter."""
+    :class:`acco_hooks.titan.base.EngineOptimizersContainer`). Built from the run's optimizer
+    config (one Adam or AdamW parameter group matching every parameter) and the engine's
+    settings; bound to the meshes by the model spec's ``post_optimizer_build_fn``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
-        pass
+        engine: EngineSettings = field(default_factory=EngineSettings)
+        """The engine's settings: acco, the round size and training.max_norm's clipping."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        trainer = TRAINER_BEING_BUILT.get()
-        titan_config = trainer.config
         (group,) = config.param_groups  # validate_acco_config refuses several
-        optimizer_kwargs = {**self._build_impl_kwargs(config), **group.optimizer_kwargs}
-        kwargs = engine_kwargs(
-            titan_config.acco, trainer.parallel_dims,
-            accumulation_steps=(titan_config.acco.accumulation_steps
-                                or trainer.gradient_accumulation_steps),
-            max_norm=titan_config.training.max_norm, fsdp_mesh_name="fsdp",
+        super().__init__(
+            model_parts, OPTIMIZER_CLASSES[group.optimizer_name],
+            {**self._build_impl_kwargs(config), **group.optimizer_kwargs}, config.engine,
         )  # fmt: skip
-        params = self._build_engine(
-            model_parts, OPTIMIZER_CLASSES[group.optimizer_name], optimizer_kwargs, kwargs
-        )
-        self._post_init(params)
+
+
+def _bind_engine_after(post_optimizer_build_fn: Any) -> Any:
+    """A model spec's ``post_optimizer_build_fn`` that first builds the engine over the meshes
+    torchtitan hands it, then runs the model's own (if any)."""
+
+    def bind_engine(optimizers: ACCOOptimizersContainer, model_parts: Any, parallel_dims: Any):
+        optimizers.bind(parallel_dims)
+        if post_optimizer_build_fn is not None:
+            post_optimizer_build_fn(optimizers, model_parts, parallel_dims)
+
+    return bind_engine
 
 
 class ACCOLRSchedulersContainer(LRSchedulersContainer):
@@ -131,22 +126,20 @@ class ACCOLRSchedulersContainer(LRSchedulersContainer):
     @dataclass(kw_only=True, slots=True)
     class Config(LRSchedulersContainer.Config):
         def build(self, *, optimizers: ACCOOptimizersContainer, training_steps: int) -> Any:
-            mode = TRAINER_BEING_BUILT.get().config.acco.mode
+            updates = real_updates(optimizers.engine.settings.mode, training_steps)
             # slots dataclass: name the base explicitly (zero-argument super() fails)
-            schedulers = LRSchedulersContainer.Config.build(
-                self, optimizers=optimizers, training_steps=real_updates(mode, training_steps)
-            )
-            optimizers.engine.lr_scheduler = schedulers
-            return schedulers
+            return optimizers.attach_lr_schedulers(LRSchedulersContainer.Config.build(
+                self, optimizers=optimizers, training_steps=updates
+            ))  # fmt: skip
 
 
-def _as(config_cls: type, config: Any) -> Any:
-    """``config``'s settings in ``config_cls`` (a subclass of its class)."""
+def _as(config_cls: type, config: Any, **more: Any) -> Any:
+    """``config``'s settings in ``config_cls`` (a subclass of its class), plus ``more``."""
     return config_cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                         if f.init})  # fmt: skip
+                         if f.init}, **more)  # fmt: skip
 
 
-class ACCOTrainer(ACCOTrainerLoop, Trainer):
+class ACCOTrainer(ACCOTrainerBase):
     """torchtitan 0.3.0 ``Trainer`` whose data parallelism and optimizer are the ACCO engine.
 
     Needs ``acco.enable = True``. Build it from its config (``config.build()``), as
@@ -156,7 +149,7 @@ class ACCOTrainer(ACCOTrainerLoop, Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         acco: ACCO = field(default_factory=lambda: ACCO(enable=True))
-        """ACCO over the data_parallel_replicate dimension (see acco_hooks.titan.settings)."""
+        """ACCO over the data_parallel_replicate dimension (see acco_hooks.titan.config)."""
 
     optimizers: ACCOOptimizersContainer
     config: Config
@@ -166,10 +159,19 @@ class ACCOTrainer(ACCOTrainerLoop, Trainer):
         if not config.acco.enable:
             raise ValueError("ACCOTrainer needs acco.enable = true")
         spec = config.model_spec
+        parallelize_fn = spec.parallelize_fn
+
+        def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+            return parallelize_fn(model, parallel_dims=WithoutReplicate(parallel_dims), **kwargs)
+
+        parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
         config.model_spec = dataclasses.replace(
-            spec, parallelize_fn=parallelize_without_data_parallel(spec.parallelize_fn)
-        )
-        config.optimizer = _as(ACCOOptimizersContainer.Config, config.optimizer)
+            spec, parallelize_fn=parallelize,
+            post_optimizer_build_fn=_bind_engine_after(spec.post_optimizer_build_fn),
+        )  # fmt: skip
+        config.optimizer = _as(ACCOOptimizersContainer.Config, config.optimizer,
+                               engine=engine_settings(config.acco, config.parallelism,
+                                                      config.training))  # fmt: skip
         config.lr_scheduler = _as(ACCOLRSchedulersContainer.Config, config.lr_scheduler)
         # A CUDA-graph replay would skip the engine's gradient hooks (Python).
         config.training.disable_cuda_graphs = True
@@ -181,21 +183,15 @@ class ACCOTrainer(ACCOTrainerLoop, Trainer):
                 "every micro-batch (one extra intra-replica reduce-scatter of it per "
                 "micro-batch; same result). CrossEntropyLoss avoids it."
             )
-        with building(self):
-            super().__init__(config)
-        self._setup_acco()
+        super().__init__(config)
 
     @property
     def titan_config(self) -> Config:
         return self.config
 
-    def _validation_enabled(self) -> bool:
-        return self.config.validator.enable
-
     def _next_microbatch(self, data_iterator: Iterator[Batch]) -> tuple[Any, Any, torch.Tensor]:
         if not self.parallel_dims.pp_enabled:
-            input_dict, labels = self._move_to_device(next(data_iterator))
-            return input_dict, labels, label_tokens(labels, IGNORE_INDEX)
+            return super()._next_microbatch(data_iterator)
         # PP: the dataloader yields pipeline micro-batches; one ACCO micro-batch is a
         # schedule's worth of them, passed as lists (as torchtitan's own train_step does).
         batches = [self._move_to_device(next(data_iterator))

@@ -584,7 +584,7 @@ def shuffled_dataset(seed: int = 0) -> pathlib.Path:
     most micro-batches and its half would dominate every update. Shuffled, both slices are
     samples of the same corpus, as in real data-parallel training.
     """
-    from acco_hooks.titan.stdlib_data import DEFAULT_DATASET_DIR, build_stdlib_dataset
+    from scaffolding.stdlib_data import DEFAULT_DATASET_DIR, build_stdlib_dataset
 
     source = build_stdlib_dataset(REPO / DEFAULT_DATASET_DIR)
     out = REPO / SHUFFLED_DATASET_DIR

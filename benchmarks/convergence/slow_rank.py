@@ -172,7 +172,7 @@ def install() -> None:
         return  # nothing to time or log: the training step stays torchtitan's own
     classes: list[type] = [Trainer]
     try:
-        from acco_hooks.titan.trainer import ACCOTrainer
+        from acco_hooks.titan.base import ACCOTrainerBase as ACCOTrainer
 
         if "forward_backward_step" in vars(ACCOTrainer):  # only if it overrides the method
             classes.append(ACCOTrainer)

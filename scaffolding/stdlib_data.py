@@ -1,14 +1,21 @@
-"""Embedded default data for torchtitan: the Python standard library's own source code.
+"""The embedded data of the main job, the examples, tests and benchmarks: the Python standard
+library's own source code.
 
 torchtitan ships no tokenizer and no offline dataset, and its ``c4`` dataset needs a download.
 Every machine that runs Python has its standard library: real text that nobody here wrote, read
-with no download. From it the project builds, once, deterministically for a Python version:
+with no download. It comes in two forms:
 
-* a LOCAL dataset, one line ``{"text": <file content>}`` per stdlib ``.py`` file, in ``train.jsonl``
-  and ``validation.jsonl`` (every 20th file), cached in ``outputs/stdlib/dataset``;
-* a byte-level BPE tokenizer of exactly 2048 tokens (llama3 ``debugmodel``'s ``vocab_size``)
-  trained on ``train.jsonl``, cached in ``outputs/stdlib/tokenizer`` (pass it as
-  ``--model.hf_assets_path``).
+* as bytes (:func:`stdlib_corpus`, :func:`random_windows`): byte-level tokens (vocabulary 256)
+  for the plain-loop examples, which keep their model tiny;
+* for torchtitan and the Hugging Face example, built once, deterministically for a Python
+  version:
+
+  * a LOCAL dataset, one line ``{"text": <file content>}`` per stdlib ``.py`` file, in
+    ``train.jsonl`` and ``validation.jsonl`` (every 20th file), cached in
+    ``outputs/stdlib/dataset``;
+  * a byte-level BPE tokenizer of exactly 2048 tokens (llama3 ``debugmodel``'s ``vocab_size``)
+    trained on ``train.jsonl``, cached in ``outputs/stdlib/tokenizer`` (pass it as
+    ``--model.hf_assets_path``).
 
 ``ensure_stdlib_assets()`` builds what is missing (under a file lock: all torchrun ranks may call
 it); ``register_stdlib_datasets()`` adds ``--training.dataset stdlib`` and ``stdlib_validation``.
@@ -24,16 +31,18 @@ import json
 import os
 import pathlib
 import shutil
+import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from acco_hooks.data import stdlib_sources
+import torch
 
 __all__ = [
     "DATASET_NAME", "VALIDATION_DATASET_NAME", "DEFAULT_DATASET_DIR", "DEFAULT_TOKENIZER_DIR",
     "VOCAB_SIZE", "BOS_TOKEN", "EOS_TOKEN", "build_stdlib_dataset", "train_stdlib_tokenizer",
-    "ensure_stdlib_assets", "register_stdlib_datasets", "prepare_if_stdlib",
+    "ensure_stdlib_assets", "register_stdlib_datasets", "prepare_if_stdlib", "random_windows",
+    "stdlib_corpus", "stdlib_sources",
 ]  # fmt: skip
 
 DATASET_NAME = "stdlib"
@@ -47,6 +56,52 @@ EOS_TOKEN = "<|end_of_text|>"
 _TRAIN, _VALIDATION = "train.jsonl", "validation.jsonl"
 _MARKER = ".complete"  # written last: its presence means the directory is a finished build
 _VALIDATION_EVERY = 20
+
+
+def stdlib_sources() -> list[pathlib.Path]:
+    """The standard library's ``.py`` files that make the embedded data, in sorted path order.
+
+    The one rule for every front-end's embedded data: ``site-packages`` (differs between
+    machines) and test directories (odd encodings, huge) are skipped, judged by the parts of
+    the path below the stdlib root (so that a root like ``/home/test/...`` still works).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test"}
+    files = [p for p in sorted(root.rglob("*.py")) if not skip & set(p.relative_to(root).parts)]
+    if not files:
+        raise FileNotFoundError(f"no Python standard library sources (*.py) found under {root}")
+    return files
+
+
+def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
+    """The first ``max_bytes`` bytes of :func:`stdlib_sources`, end to end.
+
+    Returns:
+        A 1-D ``uint8`` tensor of byte tokens. The content depends only on the Python version.
+    """
+    chunks, size = [], 0
+    for path in stdlib_sources():
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+def random_windows(
+    tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless ``(inputs, targets)`` micro-batches of random windows, reproducible from ``seed``.
+
+    Give each data-parallel rank its own seed so that ranks see different data.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    high = tokens.numel() - seq_len - 1
+    while True:
+        starts = torch.randint(0, high, (batch_size,), generator=generator)
+        window = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()]).long()
+        yield window[:, :-1], window[:, 1:]
 
 
 def _build_atomically(out_dir: str | os.PathLike, params: dict, write: Callable) -> pathlib.Path:

@@ -1,8 +1,9 @@
 """Run torchtitan's own Trainer (0.2.2 or 0.3.0) on CPU (gloo) when the machine has no accelerator.
 
-This is CPU scaffolding, shipped in the package because the README's main job needs it:
-``train_titan.py`` imports it when no accelerator is present, so that the first command runs on
-any machine. On a GPU machine importing it logs one line and patches nothing.
+This is the checkout's CPU scaffolding, not part of the library: ``train_titan.py`` imports it
+when no accelerator is present, so that the README's main job runs on any machine. Importing it
+installs it (torchtitan 0.2.2's ``--experimental.custom_import`` only imports); on a machine
+with an accelerator that logs one line and patches nothing.
 
 torchtitan has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda"`` and
 ``torch.cuda`` at import time and several modules copy those names, so the Trainer calls
@@ -28,8 +29,10 @@ torchtitan has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda
    evaluated densely (:func:`dense_mask_attention`): torch has no FlexAttention backward on
    CPU. Same attention pattern, another kernel.
 
-With torchtitan's own entry point: 0.2.2 ``-m torchtitan.train --experimental.custom_import
-acco_hooks.titan.cpu_shim ...``; 0.3.0 ``--module acco_hooks.titan`` installs it on import.
+With torchtitan's own entry point, from the checkout's root: 0.2.2 ``-m torchtitan.train
+--experimental.custom_import scaffolding.cpu_shim ...``; 0.3.0 has no hook that runs before the
+device is chosen: ``train_titan.py --module M --config NAME`` installs the shim, then runs
+torchtitan's own ``main()``.
 """
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ class _CPUDeviceModule(types.ModuleType):
     """``torch.cpu`` plus the CUDA-style calls torchtitan makes on ``device_module``."""
 
     def __init__(self) -> None:
-        super().__init__("acco_hooks.titan.cpu_shim.cpu_device_module")
+        super().__init__("scaffolding.cpu_shim.cpu_device_module")
         self.__file__ = __file__
         setattr(self, _MARK, True)
 

@@ -1,0 +1,383 @@
+"""What ACCO adds to torchtitan, written once for both releases: the optimizer container that
+holds the engine, and the trainer whose training step is one ACCO round.
+
+Each release's adapter (``v022``, ``v030``) subclasses these two and adds only how that
+release builds them: where the ``[acco]`` section lives in its config, how the container and
+the LR schedulers are built from it, and how a micro-batch comes out of its dataloader.
+
+**The container** (:class:`EngineOptimizersContainer`) is built in two steps, as torchtitan
+hands an optimizer container its inputs: the constructor takes the model parts, the optimizer
+and the engine's settings (from the optimizer config); :meth:`~EngineOptimizersContainer.bind`
+takes the meshes (``parallel_dims``) and builds the engine over them. 0.2.2's builder
+function receives both at once and calls both; 0.3.0 builds the container from its config,
+then gives the meshes to the model spec's ``post_optimizer_build_fn``, which binds it.
+
+**The trainer** (:class:`ACCOTrainerBase`). One training step is one ACCO round: micro-batches
+are run until the engine ends the round (``accumulation_steps`` of them, or more with
+``accumulate_until_ready``). The round's communication (reduce-scatter -> shard step ->
+all-gather over ``dp_replicate``) then runs on the engine's thread during the next step.
+Everything else is torchtitan's: model building, tensor and pipeline parallelism, activation
+checkpointing, torch.compile, data loading, metrics, validation and DCP checkpointing.
+
+Loss scaling: torchtitan divides each micro-batch's token-summed loss by the global number of
+valid tokens, which needs an all-reduce before the micro-batches run. The engine instead takes
+token-summed gradients (``global_valid_tokens = 1``), with the valid tokens of each micro-batch
+as its weight, and divides by their global sum. This is the same per-token average for DDP and
+PP alike (torchtitan's PP schedule sums token losses).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from acco_hooks._frontend import label_tokens
+from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
+from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
+from acco_hooks.titan import TITAN_030
+
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: I001
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.tools.logging import logger
+
+if TITAN_030:
+    from torchtitan.trainer import Trainer
+else:
+    from torchtitan.train import Trainer
+
+__all__ = ["ACCOTrainerBase", "Batch", "EngineOptimizersContainer", "OPTIMIZER_CLASSES",
+           "WithoutReplicate"]  # fmt: skip
+
+OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+class WithoutReplicate:
+    """A ``ParallelDims`` view without the ``dp_replicate`` dimension (both releases).
+
+    A model's parallelize function handed this view applies no DDP (0.2.2) and FSDP over the
+    ``fsdp`` mesh alone instead of HSDP over ``["dp_replicate", "fsdp"]``: everything but the
+    cross-replica data parallelism, which is the engine's.
+    """
+
+    def __init__(self, parallel_dims: Any) -> None:
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_dims, name)
+
+    dp_replicate_enabled = False
+
+
+class EngineOptimizersContainer(OptimizersContainer):
+    """torchtitan's optimizer container with the ACCO engine inside.
+
+    Iterating the container yields the engine's shard optimizer, so torchtitan's LR schedulers
+    are built on it; the engine steps them once per real update. Gradients are moved into the
+    engine by post-accumulate-grad hooks; the training loop ends micro-batches with
+    ``self.engine.microbatch_done(weight)`` instead of calling ``step()``.
+
+    **Note**
+    The state dict is this rank's engine state under a rank-unique key: DCP keeps every rank's
+    entry (a plain tensor under a shared key would be deduplicated as if replicated).
+
+    **Limitations**
+    Resuming needs the same world size and parallelism (the engine refuses otherwise).
+
+    Args:
+        model_parts: the model parts of this rank (several with pipeline parallelism).
+        optimizer_class: ``torch.optim.Adam`` or ``AdamW``, stepped on the shard.
+        optimizer_kwargs: its keyword arguments (``lr``, ``betas``, ...).
+        settings: the engine's settings (``acco_hooks.titan.config.engine_settings``).
+    """
+
+    engine: ACCOEngine
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        settings: EngineSettings,
+    ) -> None:
+        self.model_parts = model_parts
+        self.optimizers = []  # the engine's shard optimizer, once bound
+        self._engine_plan = (optimizer_class, optimizer_kwargs, settings)
+        self._state_key = f"acco_engine_rank{dist.get_rank() if dist.is_initialized() else 0}"
+        params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
+        # What torchtitan's own containers do last: the torch.optim.Optimizer machinery (hooks)
+        torch.optim.Optimizer.__init__(self, params, dict(optimizer_kwargs))
+
+    def bind(self, parallel_dims: Any) -> None:
+        """Build the engine over every trainable parameter, across the ``dp_replicate`` mesh."""
+        optimizer_class, optimizer_kwargs, settings = self._engine_plan
+        named = [(name, p) for m in self.model_parts for name, p in m.named_parameters()
+                 if p.requires_grad]  # fmt: skip
+        # With TP or PP a rank holds only part of the model: the gradient norm is summed over
+        # every rank (each counts its shard of its part; replicated tensors count once).
+        model_parallel = parallel_dims.tp_enabled or parallel_dims.pp_enabled
+        self.engine = ACCOEngine(
+            named, optimizer_class, settings=settings,
+            process_group=_replica_group(parallel_dims),
+            # FSDP: each rank's parameters are its fsdp shard, gradients FSDP-summed over it.
+            fsdp_process_group=(
+                parallel_dims.get_mesh("fsdp") if parallel_dims.dp_shard_enabled else None
+            ),
+            norm_process_group=dist.group.WORLD if model_parallel else None,
+            **optimizer_kwargs,
+        )  # fmt: skip
+        self.optimizers = [self.engine.optimizer]
+        self.engine.hook_param_grads()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{type(self).__name__}.step(): the ACCO engine ends rounds itself; call "
+            "engine.microbatch_done(weight) after each micro-batch (ACCOTrainer does)"
+        )
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """No-op: gradients live in the engine."""
+
+    def state_dict(self) -> dict[str, Any]:
+        # DCP loads in place into the structure this returns: the Adam state must exist before
+        # the first step, or a resumed run would silently start from empty moments.
+        _materialize_adam_state(self.engine.optimizer)
+        return {self._state_key: self.engine.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._state_key not in state_dict:
+            raise ValueError(
+                f"the checkpoint has no ACCO engine state for this rank ({self._state_key}); "
+                "it was saved by a run with another world size or without [acco] enable"
+            )
+        self.engine.load_state_dict(state_dict[self._state_key])
+
+    def close(self, *, flush: bool = True, barrier: bool = True) -> None:
+        """Apply or drop the update in flight, join the engine's thread, destroy its groups
+        and remove its gradient hooks (see ``ACCOEngine.close``)."""
+        self.engine.close(flush=flush, barrier=barrier)
+
+    def attach_lr_schedulers(self, schedulers: Any) -> Any:
+        """Let the engine step ``schedulers`` after each real update; return them."""
+        self.engine.lr_scheduler = schedulers
+        return schedulers
+
+
+def _materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter Adam's state as it is before a first step: step 0, zero moments.
+
+    Adam's first step from this state equals its first step from no state at all, so this
+    changes nothing in training; it only gives DCP tensors to load into.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if optimizer.state[p]:
+                continue
+            state = {
+                "step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
+def _replica_group(parallel_dims: Any) -> Any:
+    """The group ACCO runs across: the ``dp_replicate`` mesh, or this rank alone.
+
+    With one replica (``data_parallel_replicate_degree = 1``, no FSDP) there is no data-parallel
+    traffic; the rounds, the shard step and the estimate still run, which is what a comparison
+    with plain torchtitan on one GPU measures.
+    """
+    if parallel_dims.dp_replicate_enabled:
+        return parallel_dims.get_mesh("dp_replicate")
+    alone, _ = dist.new_subgroups(group_size=1)  # every rank builds every 1-rank group
+    return alone
+
+
+class ACCOTrainerBase(Trainer):
+    """torchtitan's ``Trainer`` whose training step is one ACCO round.
+
+    A release's adapter subclasses it with its config surgery before ``super().__init__`` and
+    provides :attr:`titan_config`; 0.3.0's also :meth:`_next_microbatch` under pipeline
+    parallelism.
+    """
+
+    optimizers: EngineOptimizersContainer
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        acco = self.titan_config.acco
+        engine = self.optimizers.engine
+        # The engine's round size was resolved from the config before torchtitan built
+        # anything (titan.config.engine_settings); torchtitan's own count must agree.
+        expected = acco.accumulation_steps or self.gradient_accumulation_steps
+        if engine.settings.accumulation_steps != expected:
+            raise RuntimeError(
+                f"ACCO: the engine runs {engine.settings.accumulation_steps} micro-batches per "
+                f"round where torchtitan counts {expected}; set [acco] accumulation_steps "
+                "explicitly"
+            )
+        self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        # HSDP: FSDP2 shards each replica; its gradient reduce-scatter is switched per micro-batch
+        self._fsdp_modules = fsdp_modules(self.model_parts)
+        # A step's metrics are all-reduced without waiting and logged at the start of the next
+        # step: a blocking all-reduce per step would make a fast rank wait for the slowest one
+        # every round, which is what accumulate_until_ready exists to avoid.
+        self._pending_metrics: tuple | None = None
+        load = self.checkpointer.load
+
+        def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
+            loaded = load(*args, **kwargs)
+            if engine.round_index == 0:
+                # Model weights loaded without engine state (seed or pretrained checkpoint):
+                # the master shard was copied from the freshly initialised model.
+                engine.reset_master_from_params()
+            return loaded
+
+        self.checkpointer.load = load_then_sync_master
+        if getattr(self, "validator", None) is not None:  # built when validation is enabled
+            validate = self.validator.validate
+
+            def validate_real_parameters(*args: Any, **kwargs: Any) -> Any:
+                # θ, not the estimate θ̃, without applying the update in flight early
+                with engine.real_weights():
+                    result = validate(*args, **kwargs)
+                    # FSDP2 keeps a module unsharded after a forward it does not reshard after
+                    # (the root's, by default) until a backward: without this the next training
+                    # forward would reuse θ's unsharded copy instead of gathering θ̃.
+                    for module in self._fsdp_modules:
+                        module.reshard()
+                    return result
+
+            self.validator.validate = validate_real_parameters
+        steps = self.titan_config.training.steps
+        logger.info(
+            f"ACCO: mode={acco.mode} rounds={steps} "
+            f"real updates={real_updates(acco.mode, steps)} "
+            f"micro-batches per round={engine.settings.accumulation_steps} "
+            f"replicas (ACCO degree)={self.parallel_dims.dp_replicate} "
+            f"FSDP shards per replica={self.parallel_dims.dp_shard}"
+        )
+
+    @property
+    def titan_config(self) -> Any:
+        """The run's torchtitan config (0.2.2's ``JobConfig``, 0.3.0's ``Trainer.Config``);
+        both have ``acco``, ``training`` and ``parallelism``."""
+        raise NotImplementedError
+
+    def _next_microbatch(self, data_iterator: Iterator[Batch]) -> tuple[Any, Any, torch.Tensor]:
+        """One ACCO micro-batch on the device: ``(input_dict, labels, valid_tokens)``, in the
+        form ``forward_backward_step`` takes: one batch of ``local_batch_size`` (under 0.2.2's
+        pipeline parallelism its schedule splits it into micro-batches)."""
+        input_dict, labels = self._move_to_device(next(data_iterator))
+        return input_dict, labels, label_tokens(labels, IGNORE_INDEX)
+
+    def _move_to_device(self, batch: Batch) -> Batch:
+        input_dict, labels = batch
+        for key, value in input_dict.items():
+            if isinstance(value, torch.Tensor):
+                input_dict[key] = value.to(self.device)
+        return input_dict, labels.to(self.device)
+
+    def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        self._log_pending_metrics()
+        config = self.titan_config
+        engine = self.optimizers.engine
+        lr = engine.optimizer.param_groups[0]["lr"]
+        one = torch.ones((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64)
+        round_ended = False
+        while not round_ended:
+            if self._fsdp_modules:
+                set_gradient_sync_for_next_microbatch(
+                    engine, self._fsdp_modules, config.acco.fsdp_sync_every_microbatch
+                )
+            input_dict, labels, valid = self._next_microbatch(data_iterator)
+            # global_valid_tokens = 1: backward of the token-summed loss (see module docstring).
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=one
+            )
+            if isinstance(loss, DTensor):  # loss parallel under TP
+                loss = loss.full_tensor()
+            loss_sum += loss.detach().reshape(())
+            tokens += valid
+            if valid > 0:
+                round_ended = engine.microbatch_done(weight=valid)
+            else:  # nothing to learn from; keep the round count in step with the other ranks
+                round_ended = engine.skip_microbatch()
+        if self.step == config.training.steps:
+            engine.flush()  # the final model (and a model-only last checkpoint) holds θ
+        if self.metrics_processor.should_log(self.step):
+            self._start_metrics(lr, loss_sum, tokens)
+        if self.step == config.training.steps:
+            # Now, not after torchtitan's shutdown (which sleeps): the last step's tps is right.
+            self._log_pending_metrics()
+
+    def _start_metrics(self, lr: float, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Launch this step's metric all-reduces over the loss mesh; log them next step."""
+        parallel_dims = self.parallel_dims
+        sums = torch.stack([loss_sum.double().cpu(), tokens.double(),
+                            torch.tensor(float(self.ntokens_seen), dtype=torch.float64)])  # fmt: skip
+        local_avg = (sums[0] / sums[1].clamp(min=1)).reshape(1)
+        works = []
+        if parallel_dims.dp_cp_enabled:
+            group = parallel_dims.get_optional_mesh("loss").get_group()
+            sums, local_avg = sums.to(self.device), local_avg.to(self.device)
+            works = [dist.all_reduce(sums, group=group, async_op=True),
+                     dist.all_reduce(local_avg, op=dist.ReduceOp.MAX, group=group, async_op=True)]  # fmt: skip
+        engine = self.optimizers.engine
+        self._pending_metrics = (
+            self.step, lr, works, sums, local_avg,
+            engine.last_grad_norm if engine.last_grad_norm is not None else -1.0,
+            {"acco/round": engine.round_index, "acco/real_updates": engine.num_updates,
+             "acco/microbatches": engine.last_round_microbatches,
+             "acco/comm_wait_s": engine.last_wait_s,
+             **{f"acco/{name}": value for name, value in engine.advisor.figures.items()}},
+        )  # fmt: skip
+
+    def _log_pending_metrics(self) -> None:
+        if self._pending_metrics is None:
+            return
+        step, lr, works, sums, local_max, grad_norm, extra = self._pending_metrics
+        self._pending_metrics = None
+        for work in works:
+            work.wait()
+        has_loss = not self.parallel_dims.pp_enabled or self.pp_has_last_stage
+        global_avg = float(sums[0] / sums[1].clamp(min=1)) if has_loss else -1.0
+        global_max = float(local_max) if has_loss else -1.0
+        self.logged_losses[step] = global_avg
+        self.metrics_processor.log(step, global_avg, global_max, grad_norm,
+                                   extra_metrics={"n_tokens_seen": int(sums[2]), "lr": lr, **extra})  # fmt: skip
+
+    def train(self) -> None:
+        start = time.perf_counter()
+        super().train()
+        self._log_pending_metrics()
+        engine, losses = self.optimizers.engine, list(self.logged_losses.values())
+        if losses and losses[0] >= 0:
+            tail = max(1, len(losses) // 10)
+            logger.info(
+                f"summary: mode={engine.settings.mode} "
+                f"data_parallel={self.parallel_dims.dp_replicate} rounds={engine.round_index} "
+                f"updates={engine.num_updates} tokens_per_rank={self.ntokens_seen} "
+                f"first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
+                f"mean_loss_last_{tail}_steps={sum(losses[-tail:]) / tail:.4f} "
+                f"time={time.perf_counter() - start:.1f}s fsdp_shards={self.parallel_dims.dp_shard}"
+            )
+
+    def close(self, *, barrier: bool = True) -> None:
+        """torchtitan's ``close()``, after closing the engine (see ``ACCOEngine.close``)."""
+        optimizers = getattr(self, "optimizers", None)
+        if isinstance(optimizers, EngineOptimizersContainer) and hasattr(optimizers, "engine"):
+            optimizers.close(flush=barrier, barrier=barrier)
+        super().close()
