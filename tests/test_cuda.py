@@ -124,7 +124,7 @@ def _hold_all_gathers(cycles: int) -> list[int]:
     """
     import torch.distributed as dist
 
-    # torch 2.13's name; acco_hooks.collectives falls back to all_gather_into_tensor before it
+    # torch 2.13's name; acco_hooks.engine.collectives falls back to all_gather_into_tensor before it
     issue = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     streams: list[int] = []
 
@@ -191,11 +191,11 @@ def test_accumulate_until_ready_waits_for_device_completion() -> None:
      ("acco", True, False), ("dpu", True, True)],
 )  # fmt: skip
 def test_ddp_hook_on_nccl_equals_the_engine(mode: str, bucket_view: bool, no_sync: bool) -> None:
-    from tests.test_ddp_hooks import DDPVariant, assert_hook_equals_optimizer
+    from tests.ddp_hooks.test_ddp_hooks import DDPVariant, assert_hook_equals_optimizer
 
     variant = DDPVariant(gradient_as_bucket_view=bucket_view, no_sync=no_sync, device="cuda")
     results = run_distributed(
-        "tests.test_ddp_hooks:hook_vs_optimizer", 1, mode, variant, backend="nccl"
+        "tests.ddp_hooks.test_ddp_hooks:hook_vs_optimizer", 1, mode, variant, backend="nccl"
     )
     assert_hook_equals_optimizer(results, variant)  # incl. several buckets, rebuilt after step 1
 
@@ -203,7 +203,7 @@ def test_ddp_hook_on_nccl_equals_the_engine(mode: str, bucket_view: bool, no_syn
 @pytest.mark.parametrize("mode", ["acco", "ddp"])
 def test_hsdp_on_a_1x1_mesh_matches_reference(mode: str) -> None:
     cfg = full_config(mode, "fused")
-    results = run_distributed("tests.hsdp_workers:hsdp_run", 1, cfg, 1, backend="nccl")
+    results = run_distributed("tests.engine.hsdp_workers:hsdp_run", 1, cfg, 1, backend="nccl")
     assert_close_to_reference(results, cfg, CUDA_FP32_TOLERANCE)
 
 
@@ -258,10 +258,10 @@ def test_cuda_sanitizer_finds_no_unsynchronized_access() -> None:
 
 
 def test_plain_loop_example_trains_on_nccl() -> None:
-    """examples/train_small_transformer.py as the README runs it, on this machine's GPUs."""
+    """examples.train_small_transformer as the README runs it, on this machine's GPUs."""
     nproc = min(2, torch.cuda.device_count())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ROOT / "examples" / "train_small_transformer.py"),
+           f"--nproc_per_node={nproc}", "-m", "examples.train_small_transformer",
            "--mode", "acco", "--rounds", "40", "--accumulate-until-ready"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     output = proc.stdout + proc.stderr
@@ -273,7 +273,7 @@ def test_plain_loop_example_trains_on_nccl() -> None:
 @pytest.mark.titan
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
 def test_torchtitan_debug_model_with_acco_learns_on_cuda(compile: bool, tmp_path) -> None:
-    from tests.test_titan_trainer import assert_learns, run_titan
+    from tests.titan.test_trainer import assert_learns, run_titan
 
     nproc = min(2, torch.cuda.device_count())  # 2 ranks on NCCL where the machine has them
     steps = 12

@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "examples" / "train_small_transformer.py"
+ROOT = pathlib.Path(__file__).parents[1]
 
 
 @pytest.mark.parametrize("mode", ["acco", "ddp"])
 def test_main_job_trains_and_prints_rounds_and_summary(mode: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(SCRIPT), "--mode", mode, "--rounds", "24", "--warmup-updates", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "-m", "examples.train_small_transformer", "--mode", mode, "--rounds", "24",
+           "--warmup-updates", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rounds = re.findall(r"^round +(\d+) \| updates +(\d+) \| loss ([\d.]+)", proc.stdout, re.M)
     assert [int(r) for r, _, _ in rounds] == list(range(1, 25))
@@ -31,10 +32,9 @@ def test_main_job_trains_and_prints_rounds_and_summary(mode: str) -> None:
 
 
 def test_ddp_llama_example_trains_with_the_acco_hook() -> None:
-    script = SCRIPT.parent / "ddp_llama_acco.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), "--rounds", "30"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           "-m", "examples.ddp_llama_acco", "--rounds", "30"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = re.search(r"^summary: mode=acco world_size=2 rounds=30 updates=15 "
                         r"mean_loss_first_\d+_microbatches=([\d.]+) "
@@ -50,7 +50,7 @@ def test_readme_main_job_trains_with_acco_and_prints_a_summary(tmp_path: pathlib
     Its generated files go to a fresh folder, as on a first run: the embedded corpus and its
     tokenizer are built before torchtitan looks for them.
     """
-    readme = (SCRIPT.parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     first_command = readme.split("```bash\n", 1)[1].splitlines()[0]
     setup, main_job = first_command.split(" && ", 1)
     assert setup == "bash scripts/setup.sh"
@@ -59,7 +59,7 @@ def test_readme_main_job_trains_with_acco_and_prints_a_summary(tmp_path: pathlib
                  f"--model.hf_assets_path {tmp_path}/stdlib/tokenizer "
                  f"--training.dataset_path {tmp_path}/stdlib/dataset --job.dump_folder {tmp_path}/job")  # fmt: skip
     proc = subprocess.run(main_job + overrides, shell=True, capture_output=True, text=True,
-                          timeout=600, cwd=SCRIPT.parents[1])  # fmt: skip
+                          timeout=600, cwd=ROOT)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
     assert "terminate called" not in output

@@ -66,7 +66,7 @@ def held_communication_run(rank: int, world_size: int, accumulate_until_ready: b
 @pytest.mark.parametrize("accumulate_until_ready", [False, True])
 def test_compute_continues_while_communication_is_held(accumulate_until_ready: bool) -> None:
     held, releasing = run_distributed(
-        "tests.test_overlap:held_communication_run", 2, accumulate_until_ready
+        "tests.engine.test_overlap:held_communication_run", 2, accumulate_until_ready
     )
     assert releasing["round1_microbatches"] == 2
     if accumulate_until_ready:

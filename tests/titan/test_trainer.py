@@ -17,7 +17,7 @@ import pytest
 from acco_hooks.titan import TITAN_030
 
 pytestmark = pytest.mark.titan
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 
 
@@ -257,14 +257,16 @@ def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, t
     "override, message",
     [
         (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
-        (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' is not one of"),
+        (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' must be one of"),
         (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
         (("--parallelism.data_parallel_shard_degree", "2",
           "--parallelism.data_parallel_replicate_degree", "1"),
          "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas; with "
          "data_parallel_shard_degree = 2 set data_parallel_replicate_degree >= 2"),
         (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
-         "set it to false with data_parallel_shard_degree > 1"),
+         "[acco] accumulate_until_ready = True needs every rank of a model replica to run the "
+         "same micro-batches, which the ranks of a replica split by data_parallel_shard_degree "
+         "= 2 cannot agree on"),
     ],
 )
 def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path) -> None:

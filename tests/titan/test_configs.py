@@ -11,7 +11,7 @@ import pytest
 from acco_hooks.titan import TITAN_030
 
 pytestmark = pytest.mark.titan
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "torchtitan_configs").glob("*.toml"))
 
 
@@ -26,7 +26,7 @@ def test_shipped_config_is_valid(path: pathlib.Path) -> None:
     else:
         from torchtitan.config import ConfigManager
 
-        from acco_hooks.titan.config import JobConfig, validate_acco_config
+        from acco_hooks.titan.v022 import JobConfig, validate_acco_config
 
         config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path)])
         acco = config.acco if config.acco.enable else None

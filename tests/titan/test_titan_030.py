@@ -1,8 +1,8 @@
-"""torchtitan 0.3.0: the native entry point, the TOML translation and the CPU attention shim.
+"""torchtitan 0.3.0: the registered configs, the TOML translation and the CPU attention shim.
 
 The training proofs (TP, PP, HSDP, DCP resume, the torchtitan baselines) are in
-test_titan_trainer.py, which runs on both releases; CI runs this module in its torchtitan 0.3.0
-venv (``-m titan``).
+``tests/titan/test_trainer.py``, which runs on both releases; CI runs this module in its
+torchtitan 0.3.0 venv (``-m titan``).
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ if not TITAN_030:
 from acco_hooks.titan.toml_compat import TomlConfigError, load_toml_config  # noqa: E402
 
 pytestmark = pytest.mark.titan
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = ROOT / "torchtitan_configs"
 STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 
 
 def _losses(cmd: list[str]) -> dict[int, tuple[str, str]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the checkout first: a script outside it imports the scaffolding too
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
@@ -38,12 +40,12 @@ def _losses(cmd: list[str]) -> dict[int, tuple[str, str]]:
 
 
 def test_native_entry_point_trains_as_the_toml_command(tmp_path) -> None:
-    """``-m torchtitan.train --module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's
-    overrides, and train_titan.py with the TOML: the same run, loss and norm for loss and norm.
+    """``--module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's overrides, and the
+    TOML with 0.2.2's: the same run, loss and norm for loss and norm.
     """
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=2"]  # fmt: skip
-    native = _losses([*torchrun, "-m", "torchtitan.train", "--module", "acco_hooks.titan",
+    native = _losses([*torchrun, "train_titan.py", "--module", "acco_hooks.titan",
                       "--config", "debug_cpu_acco", "--training.steps", "4", "--acco.mode",
                       "dpu", "--dump-folder", str(tmp_path / "native"),
                       "--metrics.disable-color-printing"])  # fmt: skip
@@ -74,10 +76,13 @@ def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None
 _CONFIG_BUILD_SCRIPT = """
 import sys
 import torch
+import scaffolding.cpu_shim  # this machine has no accelerator
+from scaffolding import stdlib_data
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.tools.logging import init_logger
 import acco_hooks.titan.config_registry as registry
 init_logger()
+stdlib_data.prepare_if_stdlib("stdlib", None, "outputs/stdlib/tokenizer")
 config = registry.debug_cpu_hsdp_acco()
 config.training.steps, config.training.seq_len, config.training.local_batch_size = 4, 64, 2
 config.training.global_batch_size = 16  # 2 micro-batches per round on 4 ranks
@@ -106,6 +111,29 @@ def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(tmp_path) ->
     chunked = _losses([*torchrun, "chunked", str(tmp_path / "chunked")])
     assert sorted(plain) == [1, 2, 3, 4]
     assert chunked == plain
+
+
+def test_the_registry_serves_every_shipped_config() -> None:
+    import acco_hooks.titan.config_registry as registry
+    from acco_hooks.titan.v030 import ACCOTrainer
+
+    names = sorted(p.stem for p in CONFIGS.glob("*.toml"))
+    assert list(registry.CONFIG_NAMES) == names and set(names) <= set(dir(registry))
+    config = registry.llama3_8b_hsdp_acco()
+    assert isinstance(config, ACCOTrainer.Config) and config.acco.enable
+    assert registry.llama3_8b_acco.__doc__.startswith("Llama 3 8B")
+    with pytest.raises(AttributeError):
+        registry.llama3_8b_nothing  # noqa: B018
+
+
+def test_a_debug_config_without_its_corpus_says_how_to_launch_it() -> None:
+    """Outside the checkout's launcher nothing registers the embedded corpus with torchtitan."""
+    code = ("import acco_hooks.titan.config_registry as r\n"
+            "try:\n    r.debug_cpu_acco()\nexcept ValueError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "train_titan.py --module acco_hooks.titan --config debug_cpu_acco" in proc.stdout
 
 
 def test_the_translation_keeps_every_setting_of_a_toml() -> None:
@@ -205,7 +233,7 @@ def test_cpu_attention_equals_flex_attention_and_a_float64_reference() -> None:
         get_efficient_causal_mask_mod_for_packed_document,
     )
 
-    import acco_hooks.titan.cpu_shim as shim
+    import scaffolding.cpu_shim as shim
 
     torch.manual_seed(0)
     batch, heads, length, dim = 2, 4, 64, 16
@@ -240,7 +268,7 @@ def test_cpu_attention_equals_flex_attention_and_a_float64_reference() -> None:
 def test_cpu_attention_refuses_what_it_cannot_compute() -> None:
     from torch.nn.attention.flex_attention import AuxRequest
 
-    import acco_hooks.titan.cpu_shim as shim
+    import scaffolding.cpu_shim as shim
 
     q = torch.zeros(1, 1, 4, 8)
     with pytest.raises(NotImplementedError, match="mask_mod only"):

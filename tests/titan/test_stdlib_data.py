@@ -11,8 +11,8 @@ import sysconfig
 import pytest
 import torch
 
-from acco_hooks.titan import stdlib_data
-from acco_hooks.titan.stdlib_data import (
+from scaffolding import stdlib_data
+from scaffolding.stdlib_data import (
     BOS_TOKEN,
     EOS_TOKEN,
     build_stdlib_dataset,

@@ -49,7 +49,7 @@ def byte_dataset(n: int, offset: int = 0, ragged: bool = False) -> Any:
     """
     from datasets import Dataset
 
-    from acco_hooks.data import stdlib_corpus
+    from scaffolding.stdlib_data import stdlib_corpus
 
     tokens = stdlib_corpus(max_bytes=offset + n * SEQ_LEN)[offset:].long().view(n, SEQ_LEN)
     labels = tokens.clone()
@@ -222,7 +222,7 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
 
 def stdlib_texts(n: int, chars: int = 2000) -> list[str]:
     """``n`` raw texts of ``chars`` characters of the stdlib corpus."""
-    from acco_hooks.data import stdlib_corpus
+    from scaffolding.stdlib_data import stdlib_corpus
 
     text = bytes(stdlib_corpus(max_bytes=n * chars).tolist()).decode("utf-8", "replace")
     return [text[i : i + chars] for i in range(0, n * chars, chars)]
@@ -242,7 +242,7 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end_of_text|>")
 
 
-# The measured comparison of docs/hf.md:  python3 -m tests.hf_workers [steps]
+# The measured comparison of docs/hf.md:  python3 -m tests.hf.workers [steps]
 COMPARISON = {
     "SGD, token-normalised loss, ragged labels":
         dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, ragged=True),
@@ -263,7 +263,7 @@ def _compare(steps: int) -> None:
     from tests.dist_utils import run_distributed
 
     variants = [dict(v, max_steps=steps) for v in COMPARISON.values()]
-    results = run_distributed("tests.hf_workers:ddp_vs_hf_ddp", 2, variants, deadline_s=1800)
+    results = run_distributed("tests.hf.workers:ddp_vs_hf_ddp", 2, variants, deadline_s=1800)
     print(f"| run ({steps} steps, 2 ranks) | max abs loss diff | max abs param diff "
           "| max abs grad-norm diff | LR equal |")
     print("|---|---|---|---|---|")

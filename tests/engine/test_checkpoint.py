@@ -71,8 +71,8 @@ def second_half(rank: int, world_size: int, cfg: Config, save_at: int, ckpt_dir:
 )
 def test_resume_in_fresh_processes_is_bit_exact(mode: str, save_at: int, tmp_path) -> None:
     cfg = Config(mode=mode)
-    straight = run_distributed("tests.test_checkpoint:first_half", 2, cfg, save_at, str(tmp_path))
-    resumed = run_distributed("tests.test_checkpoint:second_half", 2, cfg, save_at, str(tmp_path))
+    straight = run_distributed("tests.engine.test_checkpoint:first_half", 2, cfg, save_at, str(tmp_path))
+    resumed = run_distributed("tests.engine.test_checkpoint:second_half", 2, cfg, save_at, str(tmp_path))
     for rank in range(2):
         assert resumed[rank].pop("lr_epoch") == (TOTAL_ROUNDS // 2 if mode == "acco" else TOTAL_ROUNDS)
         assert resumed[rank].keys() == straight[rank].keys()
@@ -83,7 +83,7 @@ def test_resume_in_fresh_processes_is_bit_exact(mode: str, save_at: int, tmp_pat
 @pytest.fixture(scope="module")
 def two_rank_checkpoint(tmp_path_factory) -> str:
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
-    run_distributed("tests.test_checkpoint:first_half", 2, Config(mode="acco"), 4, ckpt_dir)
+    run_distributed("tests.engine.test_checkpoint:first_half", 2, Config(mode="acco"), 4, ckpt_dir)
     return os.path.join(ckpt_dir, "rank0.pt")
 
 
@@ -220,7 +220,7 @@ def _tensors(value):
 
 
 def test_a_checkpoint_at_a_round_boundary_holds_only_shards() -> None:
-    for sizes in run_distributed("tests.test_checkpoint:state_sizes", 2):
+    for sizes in run_distributed("tests.engine.test_checkpoint:state_sizes", 2):
         shard = -(-sizes["model_numel"] // 2)
         assert sizes["after_round_0"] <= shard  # estimate in flight, half-batch carried
         assert sizes["after_round_1"] <= shard
@@ -256,7 +256,7 @@ def async_saved_while_training(rank: int, world_size: int, ckpt_dir: str) -> dic
 
 
 def test_async_save_while_training_goes_on_is_consistent(tmp_path) -> None:
-    for rank in run_distributed("tests.test_checkpoint:async_saved_while_training", 2,
+    for rank in run_distributed("tests.engine.test_checkpoint:async_saved_while_training", 2,
                                 str(tmp_path)):  # fmt: skip
         assert rank["live_buffers_changed"]  # the state_dict's tensors are live buffers ...
         assert rank["mismatches"] == [] and rank["tensors"] > 5  # ... yet the checkpoint is not

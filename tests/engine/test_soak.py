@@ -60,7 +60,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.scenario import make_model, microbatch_loss, param_groups, relative_error
 
-WORKER = "tests.test_soak:soak_worker"
+WORKER = "tests.engine.test_soak:soak_worker"
 # One parameter group: one reduce-scatter per round. Two groups double
 # the collectives per round; the weight-decay groups are covered by test_engine_reference.
 TWO_GROUPS = False

@@ -1,8 +1,9 @@
-"""Inputs plain PyTorch accepts: the engine trains the same model, or refuses by name.
+"""Inputs: what plain PyTorch accepts trains the same model under the engine, and what it
+cannot serve is refused by name, at the first call that would go wrong.
 
 The reference is the same model trained with the same ``torch.optim`` class and no engine:
 ``mode="ddp"`` on one process is then a plain optimizer step on the average of the round's
-micro-batch gradients. Every refusal happens at the first call that would go wrong.
+micro-batch gradients. The settings themselves are checked in ``tests/test_settings.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from acco_hooks import ACCOOptimizer
+from tests.scenario import make_model, microbatch_loss
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -129,7 +131,8 @@ def test_step_without_backward_is_refused_at_that_step() -> None:
                         lr=0.1)  # fmt: skip
     model(torch.randn(2, 4)).sum().backward()
     assert not opt.step()
-    with pytest.raises(RuntimeError, match=r"no gradient reached the optimizer since the last step"):
+    with pytest.raises(RuntimeError, match=r"no gradient reached the optimizer since the last "
+                       r"step\(\): call loss.backward\(\) before each step\(\)"):  # fmt: skip
         opt.step()
     model(torch.randn(2, 4)).sum().backward()  # the loop can go on
     assert not opt.step()
@@ -193,4 +196,71 @@ def test_unfreezing_a_parameter_after_building_is_refused_at_the_round_end() -> 
     with pytest.raises(RuntimeError, match=r"0.weight, 0.bias had requires_grad=False when the "
                        r"optimizer was built.*Build the optimizer after unfreezing"):
         opt.step()
+    opt.close()
+
+
+# --------------------------------------------------------------- refused at the first call
+
+
+def build(model=None, **kwargs):
+    model = model or make_model()
+    kwargs = {"lr": 1e-2, **kwargs}
+    return model, ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **kwargs)
+
+
+def test_optimizer_instance_instead_of_class_is_refused() -> None:
+    model = make_model()
+    with pytest.raises(TypeError, match=r"optimizer_class must be a torch.optim.Optimizer subclass"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW(model.parameters()))
+
+
+def test_empty_and_duplicate_params_are_refused() -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ACCOOptimizer([], torch.optim.AdamW)
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="appears more than once"):
+        ACCOOptimizer([p, p], torch.optim.AdamW)
+
+
+def test_parameter_without_grad_at_round_end_is_named() -> None:
+    model = make_model()
+    model.unused = torch.nn.Linear(2, 2)
+    _, opt = build(model, accumulation_steps=2)
+    microbatch_loss(model, 0, 0, 0).backward()
+    opt.step()
+    microbatch_loss(model, 0, 0, 1).backward()
+    with pytest.raises(RuntimeError, match=r"no gradient reached unused.weight, unused.bias during round 0.*requires_grad=False"):
+        opt.step()
+    opt.close()
+
+
+def test_frozen_parameters_are_left_alone() -> None:
+    model = make_model()
+    model.gain.requires_grad_(False)
+    _, opt = build(model)
+    microbatch_loss(model, 0, 0, 0).backward()
+    assert opt.step()
+    opt.close()
+    assert model.gain.item() == 1.0
+
+
+def test_parameters_on_mixed_devices_are_refused() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3, device="meta"))]
+    with pytest.raises(ValueError, match=r"several devices \['cpu', 'meta'\].*move the whole model"):
+        ACCOOptimizer(params, torch.optim.AdamW)
+
+
+def test_non_positive_microbatch_weight_is_refused() -> None:
+    model, opt = build()
+    microbatch_loss(model, 0, 0, 0).backward()
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        opt.step(0)
+    opt.close()
+
+
+def test_lr_scheduler_cannot_be_attached_to_the_acco_optimizer() -> None:
+    """Schedulers go through lr_scheduler=, which steps them once per real update."""
+    _, opt = build()
+    with pytest.raises(TypeError, match="ACCOOptimizer is not an Optimizer"):
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
     opt.close()

@@ -12,7 +12,7 @@ from tests.dist_utils import run_distributed
 def ring_vs_native(rank: int, world_size: int, dtype: torch.dtype) -> dict:
     import os
 
-    from acco_hooks import collectives
+    from acco_hooks.engine import collectives
 
     group = dist.new_group(list(range(world_size)))
     shard = 13
@@ -35,7 +35,7 @@ def ring_vs_native(rank: int, world_size: int, dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_reduce_scatter_and_all_gather_equal_native(world_size: int) -> None:
-    for rank, out in enumerate(run_distributed("tests.test_collectives:ring_vs_native", world_size, torch.float32)):
+    for rank, out in enumerate(run_distributed("tests.engine.test_collectives:ring_vs_native", world_size, torch.float32)):
         (ring_rs, ring_ag), (native_rs, native_ag) = out["1"], out["0"]
         torch.testing.assert_close(ring_rs.double(), out["expected_rs"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ring_rs, native_rs, rtol=1e-6, atol=1e-6)

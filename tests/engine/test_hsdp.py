@@ -33,7 +33,7 @@ RUNS = [  # (config, FSDP reduce-scatter every micro-batch)
 
 @pytest.fixture(scope="module")
 def hsdp_results():
-    return run_distributed("tests.hsdp_workers:hsdp_runs", WORLD, RUNS, REPLICAS)
+    return run_distributed("tests.engine.hsdp_workers:hsdp_runs", WORLD, RUNS, REPLICAS)
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)),
@@ -70,7 +70,7 @@ RESUMES = [  # (config, save after this many micro-batches, sync_every_microbatc
 
 @pytest.fixture(scope="module")
 def resume_results():
-    return run_distributed("tests.hsdp_workers:hsdp_resumes", WORLD, RESUMES, REPLICAS)
+    return run_distributed("tests.engine.hsdp_workers:hsdp_resumes", WORLD, RESUMES, REPLICAS)
 
 
 @pytest.mark.parametrize("index", range(len(RESUMES)),
@@ -89,8 +89,9 @@ def test_hsdp_resume_is_exact(resume_results, index: int) -> None:
 
 
 def test_hsdp_bad_inputs_are_refused() -> None:
-    errors = run_distributed("tests.hsdp_workers:hsdp_bad_inputs", 2)[0]
+    errors = run_distributed("tests.engine.hsdp_workers:hsdp_bad_inputs", 2)[0]
     assert "2-D DeviceMesh (replicate, shard)" in errors["1d_mesh"]
     assert "use ACCOOptimizer" in errors["1d_mesh"]
     assert "no parameters managed by fully_shard" in errors["not_sharded"]
-    assert "accumulate_until_ready=True cannot be combined with fsdp_process_group" in errors["until_ready"]
+    assert "accumulate_until_ready=True needs every rank of a model replica" in errors["until_ready"]
+    assert "split by fsdp_process_group" in errors["until_ready"]

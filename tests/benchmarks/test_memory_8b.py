@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.memory_8b import GIB, NODES, model_facts, per_gpu_bytes
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "torchtitan_configs").glob("llama3_8b_*.toml"))
 
 

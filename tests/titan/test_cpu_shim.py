@@ -1,11 +1,11 @@
-"""acco_hooks.titan.cpu_shim: torchtitan's own Trainer on CPU with 2 gloo ranks (FSDP2 and DDP).
+"""scaffolding.cpu_shim: torchtitan's own Trainer on CPU with 2 gloo ranks (FSDP2 and DDP).
 
 The fixtures build everything torchtitan needs and does not ship, in a temporary directory:
 a byte-level BPE tokenizer with exactly 2048 tokens (llama3 ``debugmodel`` has vocab 2048)
 trained on Python stdlib source, a local jsonl dataset ({"text": ...} per stdlib file), and a
 tiny launcher that registers that dataset in torchtitan's DATASETS inside each spawned worker and
 then runs ``torchtitan.train.main(Trainer)``. The shim is loaded only the torchtitan way, via
-``--experimental.custom_import acco_hooks.titan.cpu_shim`` (the launcher does not import it).
+``--experimental.custom_import scaffolding.cpu_shim`` (the launcher does not import it).
 
 On CPU, DTensor's random ops are not supported (``OffsetBasedRNGTracker`` refuses ``cpu``), so
 FSDP's sharded ``init_weights`` and DDP's unsharded one draw different weights from the same
@@ -35,7 +35,7 @@ import textwrap
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DATASET_NAME = "acco_cpu_shim_test"
 VOCAB = 2048
 STEPS = 6
@@ -140,7 +140,7 @@ def _torchrun(assets, name: str, nproc: int, extra: list[str]) -> str:
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", "--nproc_per_node", str(nproc),
         str(assets["launcher"]),
-        "--experimental.custom_import", "acco_hooks.titan.cpu_shim",
+        "--experimental.custom_import", "scaffolding.cpu_shim",
         "--job.dump_folder", str(dump),
         "--model.name", "llama3",
         "--model.flavor", "debugmodel",
@@ -220,7 +220,7 @@ def test_shim_patches_device_and_memory_monitor():
         import torchtitan.distributed.parallel_dims as parallel_dims
         import torchtitan.tools.utils as utils
         assert not torch.cuda.is_available()
-        import acco_hooks.titan.cpu_shim as shim
+        import scaffolding.cpu_shim as shim
         shim.install(); shim.install()                         # idempotent
         assert utils.device_type == "cpu", utils.device_type
         for mod in (metrics, dist_utils, parallel_dims):
@@ -270,7 +270,7 @@ def test_shim_is_a_noop_with_an_accelerator():
         import torchtitan.distributed.utils as dist_utils
         import torchtitan.models.llama3.infra.parallelize as par
         apply_fsdp = par.apply_fsdp
-        import acco_hooks.titan.cpu_shim as shim
+        import scaffolding.cpu_shim as shim
         shim.install()
         assert utils.device_type == dist_utils.device_type == "cuda"
         assert utils.device_module is dist_utils.device_module is torch.cuda

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from acco_hooks.peek import has_functional_peek, peek
+from acco_hooks.engine.peek import has_functional_peek, peek
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),

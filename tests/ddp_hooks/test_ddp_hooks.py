@@ -103,7 +103,7 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
         k for k, on in vars(v).items() if on is True) or "default",
 )
 def test_acco_hook_equals_acco_optimizer(mode: str, variant: DDPVariant) -> None:
-    results = run_distributed("tests.test_ddp_hooks:hook_vs_optimizer", 2, mode, variant)
+    results = run_distributed("tests.ddp_hooks.test_ddp_hooks:hook_vs_optimizer", 2, mode, variant)
     assert_hook_equals_optimizer(results, variant)
 
 
@@ -152,7 +152,7 @@ def delayed_allreduce_run(rank: int, world_size: int, rounds: int) -> dict:
 
 def test_delayed_allreduce_hook_equals_the_dpu_recursion() -> None:
     rounds = 13
-    results = run_distributed("tests.test_ddp_hooks:delayed_allreduce_run", 2, rounds)
+    results = run_distributed("tests.ddp_hooks.test_ddp_hooks:delayed_allreduce_run", 2, rounds)
     # After R backward passes, R-1 updates have been applied (the last gradient is in flight).
     reference = reference_run(Config(mode="dpu", rounds=rounds - 1, micro=[1, 1], two_groups=False))
     for result in results:
@@ -160,7 +160,7 @@ def test_delayed_allreduce_hook_equals_the_dpu_recursion() -> None:
 
 
 def test_delayed_allreduce_hook_applies_no_update_in_the_first_round() -> None:
-    for result in run_distributed("tests.test_ddp_hooks:delayed_allreduce_run", 2, 1):
+    for result in run_distributed("tests.ddp_hooks.test_ddp_hooks:delayed_allreduce_run", 2, 1):
         assert result["grads_are_none"]
         assert result["params_unchanged"]  # AdamW did not decay the weights
         assert result["adam_state_empty"]  # nor advance its step
@@ -190,7 +190,7 @@ def uneven_inputs_run(rank: int, world_size: int, limits: list[int]) -> dict:
 
 def test_join_with_uneven_inputs_keeps_ranks_in_step() -> None:
     limits = [ROUNDS * MICRO, 15]  # rank 1 runs out of data in the middle of round 7
-    results = run_distributed("tests.test_ddp_hooks:uneven_inputs_run", 2, limits)
+    results = run_distributed("tests.ddp_hooks.test_ddp_hooks:uneven_inputs_run", 2, limits)
     reference = reference_run(Config(mode="acco", rounds=ROUNDS, micro=[MICRO, MICRO],
                                      two_groups=False, limit=limits))  # fmt: skip
     for result in results:
@@ -228,7 +228,7 @@ def bad_use_run(rank: int, world_size: int) -> dict[str, str]:
 
 
 def test_bad_use_is_refused_with_a_clear_message() -> None:
-    messages = run_distributed("tests.test_ddp_hooks:bad_use_run", 1)[0]
+    messages = run_distributed("tests.ddp_hooks.test_ddp_hooks:bad_use_run", 1)[0]
     assert messages["not_ddp"].startswith("TypeError: ACCOState needs a torch.nn.parallel.DistributedDataParallel model")
     assert "can only be called once" in messages["twice"]
     assert "no backward() ran since the last step()" in messages["step_first"]

@@ -104,7 +104,7 @@ def engine_usable_after_close_raises(rank: int, world_size: int) -> str:
 
 @pytest.fixture(scope="module")
 def closing() -> list[dict]:
-    return run_distributed("tests.test_lifecycle:close_and_context_manager", 2)
+    return run_distributed("tests.engine.test_lifecycle:close_and_context_manager", 2)
 
 
 def test_close_destroys_the_engine_groups_and_joins_its_thread(closing) -> None:
@@ -133,7 +133,7 @@ def test_an_engine_nobody_closed_is_released_when_collected(closing) -> None:
 
 
 def test_a_closed_engine_refuses_to_run_a_round() -> None:
-    for message in run_distributed("tests.test_lifecycle:engine_usable_after_close_raises", 2):
+    for message in run_distributed("tests.engine.test_lifecycle:engine_usable_after_close_raises", 2):
         assert "closed" in message
 
 
@@ -162,7 +162,7 @@ def bad_optimizer_argument(rank: int, world_size: int) -> dict:
 
 
 def test_a_constructor_that_fails_releases_the_groups_it_built() -> None:
-    for rank in run_distributed("tests.test_lifecycle:bad_optimizer_argument", 2):
+    for rank in run_distributed("tests.engine.test_lifecycle:bad_optimizer_argument", 2):
         assert rank["gloo_threads_left"] == 0  # not left to interpreter exit
         assert rank["comm_threads"] == []
 

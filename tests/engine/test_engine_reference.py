@@ -118,7 +118,7 @@ def test_ddp_mode_equals_single_process_training_on_the_union() -> None:
     from tests.scenario import make_model, microbatch_loss
 
     rounds = 8
-    results = run_distributed("tests.test_engine_reference:ddp_union_run", 2, rounds)
+    results = run_distributed("tests.engine.test_engine_reference:ddp_union_run", 2, rounds)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
     for r in range(rounds):
@@ -169,5 +169,5 @@ def mesh_dp_run(rank: int, world_size: int, rounds: int) -> dict:
 def test_engine_runs_over_a_device_mesh_dimension_with_several_dp_groups() -> None:
     cfg = Config(mode="acco", world_size=2, micro=[2, 2], rounds=12, two_groups=False)
     reference = reference_run(cfg)["params"]
-    for rank, result in enumerate(run_distributed("tests.test_engine_reference:mesh_dp_run", 4, 12)):
+    for rank, result in enumerate(run_distributed("tests.engine.test_engine_reference:mesh_dp_run", 4, 12)):
         assert relative_error(result, reference) <= FP32_TOLERANCE, f"rank {rank}"

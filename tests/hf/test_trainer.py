@@ -1,7 +1,7 @@
 """``ACCOTrainer`` / ``DecoupledTrainer``: the Hugging Face Trainer front-end of the engine.
 
 Distributed runs use 2 gloo processes (``run_distributed``) with a tiny ``LlamaForCausalLM`` on
-the embedded stdlib corpus; one test launches ``examples/hf_finetune.py`` with torchrun.
+the embedded stdlib corpus; one test launches ``examples.hf_finetune`` with torchrun.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Float noise of a reduction in another order; a factor-2 gradient scale or a skipped update
 # moves SGD's losses and parameters by more than 1e-2 within these few steps.
 LOSS_TOLERANCE = 1e-5
@@ -55,7 +55,7 @@ def test_acco_arguments_are_command_line_flags_with_help() -> None:
         ["--mode", "dpu", "--reduce_dtype", "bfloat16", "--timeout", "30"]
     )
     assert acco == ACCOArguments(mode="dpu", reduce_dtype="bfloat16", timeout=30.0)
-    assert acco.engine_kwargs()["reduce_dtype"] is torch.bfloat16
+    assert acco.reduce_torch_dtype is torch.bfloat16
     assert "estimate step" in parser.format_help()  # the field docstrings are the --help
 
 
@@ -83,7 +83,7 @@ REFUSALS = {  # setting: (how to spoil the run, what the message must name)
 @pytest.mark.parametrize("setting", REFUSALS)
 def test_unsupported_settings_are_refused_at_construction(setting: str, tmp_path) -> None:
     from acco_hooks.hf import ACCOArguments, ACCOTrainer
-    from tests.hf_workers import byte_dataset, tiny_llama, training_args
+    from tests.hf.workers import byte_dataset, tiny_llama, training_args
 
     how, named = REFUSALS[setting]
     args = training_args(str(tmp_path), **how.get("args", {}))
@@ -119,10 +119,10 @@ DDP_VARIANTS = [
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory) -> list[dict]:
     """Every 2-rank Trainer run of this file, in one pair of gloo processes (importing
-    transformers dominates the cost): ``tests.hf_workers.ddp_vs_hf_ddp`` over ``DDP_VARIANTS``
-    and ``tests.hf_workers.acco_runs``."""
+    transformers dominates the cost): ``tests.hf.workers.ddp_vs_hf_ddp`` over ``DDP_VARIANTS``
+    and ``tests.hf.workers.acco_runs``."""
     output_dir = str(tmp_path_factory.mktemp("acco"))
-    return run_distributed("tests.hf_workers:all_runs", 2, DDP_VARIANTS, output_dir)
+    return run_distributed("tests.hf.workers:all_runs", 2, DDP_VARIANTS, output_dir)
 
 
 def test_ddp_mode_equals_plain_trainer_with_ddp(distributed_results) -> None:
@@ -149,7 +149,7 @@ def test_ddp_mode_equals_plain_trainer_with_ddp(distributed_results) -> None:
 @pytest.fixture(scope="module")
 def acco_results(distributed_results) -> list[dict]:
     """Runs of 8 steps on 2 ranks: with evaluation and checkpoints (every 2 and 3 steps),
-    without them, and resumed from their checkpoints. See ``tests.hf_workers.acco_runs``."""
+    without them, and resumed from their checkpoints. See ``tests.hf.workers.acco_runs``."""
     return [result["acco_runs"] for result in distributed_results]
 
 
@@ -219,7 +219,7 @@ def test_decoupled_trainer_tokenises_a_raw_text_column_and_trains(tmp_path) -> N
     from datasets import Dataset
 
     from acco_hooks.hf import DecoupledTrainer
-    from tests.hf_workers import stdlib_texts, tiny_llama, tiny_tokenizer, training_args
+    from tests.hf.workers import stdlib_texts, tiny_llama, tiny_tokenizer, training_args
 
     tokenizer = tiny_tokenizer()
     texts = stdlib_texts(40)
@@ -246,7 +246,7 @@ def test_decoupled_trainer_accepts_the_paper_config(tmp_path, monkeypatch) -> No
     from datasets import Dataset
 
     from acco_hooks.hf import DecoupledTrainer, training_arguments_from_paper_config
-    from tests.hf_workers import stdlib_texts, tiny_llama, tiny_tokenizer
+    from tests.hf.workers import stdlib_texts, tiny_llama, tiny_tokenizer
 
     config = {  # the paper code's ``train`` section (the keys its trainer reads)
         "method_name": "acco", "run_baseline_ddp": False, "batch_size": 2, "n_grad_accumulation": 2,
@@ -282,7 +282,7 @@ def test_decoupled_trainer_accepts_the_paper_config(tmp_path, monkeypatch) -> No
 
 
 def test_train_three_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
-    for rank in run_distributed("tests.hf_workers:train_three_times", 2, str(tmp_path)):
+    for rank in run_distributed("tests.hf.workers:train_three_times", 2, str(tmp_path)):
         assert rank["distinct_groups"] >= 3  # a new engine, with new groups, per train()
         for call in rank["after"]:
             assert call["engine"] is None
@@ -296,14 +296,14 @@ def test_train_three_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
 
 
 def test_example_script_trains_with_torchrun(tmp_path) -> None:
-    from tests.hf_workers import stdlib_texts, tiny_tokenizer
+    from tests.hf.workers import stdlib_texts, tiny_tokenizer
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_texts(40)))
     tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ROOT / "examples" / "hf_finetune.py"), "--mode", "acco", "--train_file", str(data),
+        "-m", "examples.hf_finetune", "--mode", "acco", "--train_file", str(data),
         "--validation_file", str(data), "--max_eval_samples", "8", "--tokenizer_name",
         str(tmp_path / "tokenizer"), "--block_size", "32", "--per_device_train_batch_size", "4",
         "--max_steps", "8", "--learning_rate", "1e-2", "--warmup_steps", "0", "--logging_steps",
@@ -324,7 +324,7 @@ def test_example_script_trains_with_torchrun(tmp_path) -> None:
 
 def test_evaluate_on_one_rank_during_training_raises_instead_of_hanging(tmp_path) -> None:
     # A faulted job: no orderly teardown barrier after the ranks' errors (may_die).
-    rank0, rank1 = run_distributed("tests.hf_workers:evaluate_on_one_rank", 2, str(tmp_path),
+    rank0, rank1 = run_distributed("tests.hf.workers:evaluate_on_one_rank", 2, str(tmp_path),
                                    deadline_s=120, may_die=(1,))  # fmt: skip
     assert rank0["error"] is not None and "must run on every rank" in rank0["error"]
     assert "ddp_timeout" in rank0["error"]
