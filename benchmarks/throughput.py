@@ -76,9 +76,10 @@ def parse_steps(output: str, tokens_per_rank: int) -> dict[str, float]:
 
 
 def titan_args(config: str, extra: tuple[str, ...], rounds: int, microbatches: int, dp: int,
-               dump: str) -> list[str]:  # fmt: skip
-    return [sys.executable, str(ROOT / "train_titan.py"),
-            "--job.config_file", str(ROOT / "torchtitan_configs" / config),
+               dump: str, root: pathlib.Path = ROOT) -> list[str]:  # fmt: skip
+    """The command of one rank: ``root``'s (a checkout's) train_titan.py and job config."""
+    return [sys.executable, str(root / "train_titan.py"),
+            "--job.config_file", str(root / "torchtitan_configs" / config),
             "--job.dump_folder", dump, "--metrics.disable_color_printing",
             "--training.steps", str(rounds), "--training.local_batch_size", str(LOCAL_BATCH),
             "--training.seq_len", str(SEQ_LEN),
