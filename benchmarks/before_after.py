@@ -33,7 +33,8 @@ MODES = ("acco", "dpu", "ddp")
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import run_two_ranks, two_host_link
 
-    trees = {"before": pathlib.Path(args.before).resolve(), "after": pathlib.Path(args.after).resolve()}
+    trees = {name: pathlib.Path(path).resolve()
+             for name, path in (("before", args.before), ("after", args.after))}  # fmt: skip
     k = args.microbatches
     results: dict = {
         "what": args.what, "date": datetime.date.today().isoformat(), "machine": _machine(),
@@ -50,8 +51,9 @@ def measure(args: argparse.Namespace) -> dict:
                 order = ("before", "after") if repeat % 2 == 0 else ("after", "before")
                 for tree in order:
                     for mode in MODES:
-                        cmd = titan_args("debug_cpu_acco.toml", ("--acco.mode", mode), args.rounds,
-                                         k, 2, f"/tmp/acco_bench/{tree}_{mode}", root=trees[tree])  # fmt: skip
+                        cmd = titan_args("debug_cpu_acco.toml", ("--acco.mode", mode),
+                                         args.rounds, k, 2, f"/tmp/acco_bench/{tree}_{mode}",
+                                         root=trees[tree])  # fmt: skip
                         status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
                         if status:
                             raise RuntimeError(f"{tree} {mode} at {rate} failed:\n{out[-3000:]}\n"

@@ -361,7 +361,7 @@ def test_front_end_names_the_one_bad_setting(front_end: str, data) -> None:
 
 
 @pytest.mark.parametrize("key, value", edge_cases(tuple(PREDICATES)))
-def test_every_front_end_agrees_with_the_engine_on_each_boundary_value(key: str, value: Any) -> None:
+def test_every_front_end_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     """The engine's verdict on one value, and each front-end that takes the setting: the same."""
     engine_ok = PREDICATES[key](value)
     with_engine = check("ACCOOptimizer", {key: value})
@@ -372,7 +372,7 @@ def test_every_front_end_agrees_with_the_engine_on_each_boundary_value(key: str,
 
 @pytest.mark.titan
 @pytest.mark.parametrize("key, value", edge_cases(TITAN_SETTINGS))
-def test_the_acco_section_agrees_with_the_engine_on_each_boundary_value(key: str, value: Any) -> None:
+def test_the_acco_section_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     expected = (set(), set()) if titan_valid(key, value) else ({key}, {key})
     assert check("titan", {key: value}) == expected
 
@@ -430,7 +430,8 @@ def test_acco_state_and_hsdp_optimizer_agree_with_the_engine() -> None:
 def test_settings_given_as_an_object_or_as_keywords_are_the_same() -> None:
     settings_ = EngineSettings(mode="dpu", accumulation_steps=3, reduce_dtype="bfloat16")
     opt = ACCOOptimizer(make_model().parameters(), torch.optim.AdamW, settings=settings_, lr=1e-3)
-    assert opt.engine.settings == settings_ and opt.engine.settings.reduce_torch_dtype is torch.bfloat16
+    assert opt.engine.settings == settings_
+    assert opt.engine.settings.reduce_torch_dtype is torch.bfloat16
     opt.close()
     with pytest.raises(TypeError, match="mode given both in settings= and as keyword"):
         ACCOOptimizer(make_model().parameters(), torch.optim.AdamW, settings=settings_, mode="ddp")
@@ -462,13 +463,16 @@ def test_each_setting_is_declared_once() -> None:
     declared_in = []
     for path in sorted((ROOT / "acco_hooks").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            elements = (node.keys if isinstance(node, ast.Dict)
-                        else getattr(node, "elts", None) if isinstance(node, (ast.Tuple, ast.List, ast.Set))
-                        else None)  # fmt: skip
-            strings = {e.value for e in elements or () if isinstance(e, ast.Constant)}
-            for values in allowed:
-                if len(strings & values) >= 2:
-                    declared_in.append((path.relative_to(ROOT).as_posix(), sorted(strings & values)))
+            if isinstance(node, ast.Dict):
+                elements = node.keys
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                elements = node.elts
+            else:
+                continue
+            strings = {e.value for e in elements if isinstance(e, ast.Constant)}
+            where = path.relative_to(ROOT).as_posix()
+            declared_in += [(where, sorted(strings & values)) for values in allowed
+                            if len(strings & values) >= 2]  # fmt: skip
     assert {path for path, _ in declared_in} == {"acco_hooks/engine/settings.py"}, declared_in
     assert len(declared_in) == len(allowed), declared_in
 
@@ -480,8 +484,10 @@ def test_each_setting_is_declared_once() -> None:
         ({"accumulation_steps": 0}, ValueError, r"accumulation_steps=0 must be an integer >= 1"),
         ({"accumulation_steps": 2.5}, ValueError, r"accumulation_steps=2.5 must be an integer"),
         ({"accumulation_steps": True}, ValueError, r"accumulation_steps=True"),
-        ({"accumulate_until_ready": "yes"}, ValueError, r"accumulate_until_ready='yes' must be True or False"),
-        ({"reduce_dtype": torch.int32}, ValueError, r"reduce_dtype=torch.int32 must be one of 'float32'"),
+        ({"accumulate_until_ready": "yes"}, ValueError,
+         r"accumulate_until_ready='yes' must be True or False"),
+        ({"reduce_dtype": torch.int32}, ValueError,
+         r"reduce_dtype=torch.int32 must be one of 'float32'"),
         ({"max_grad_norm": -1.0}, ValueError, r"max_grad_norm=-1.0 must be a finite number > 0"),
         ({"max_grad_norm": float("nan")}, ValueError, r"max_grad_norm=nan"),
         ({"lr_scheduler": 5}, TypeError, r"lr_scheduler must be a callable"),

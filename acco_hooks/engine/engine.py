@@ -685,7 +685,8 @@ def _release(worker: CommWorker, groups: tuple[Any, ...]) -> None:
 
 def _check_optimizer_class(optimizer_class: Any) -> None:
     """A first-order torch optimizer class, which can step a flat shard on the thread."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+    is_class = isinstance(optimizer_class, type)
+    if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             f"acco_hooks: optimizer_class must be a torch.optim.Optimizer subclass such as "
             f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"

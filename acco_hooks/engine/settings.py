@@ -186,7 +186,9 @@ class ACCOSettings:
     }
     """What each field allows (a subclass extends it with its own fields)."""
 
-    def check(self, spell: Spelling = python_spelling, names: Optional[tuple[str, ...]] = None) -> None:
+    def check(
+        self, spell: Spelling = python_spelling, names: Optional[tuple[str, ...]] = None
+    ) -> None:
         """Raise :class:`SettingError` for the first field outside its allowed values.
 
         Args:
@@ -202,7 +204,9 @@ class ACCOSettings:
             if requirement is not None:
                 raise SettingError(f"{spell(field.name, value)} {requirement}", field.name)
 
-    def check_until_ready(self, replica_split_by: Optional[str], spell: Spelling = python_spelling) -> None:
+    def check_until_ready(
+        self, replica_split_by: Optional[str], spell: Spelling = python_spelling
+    ) -> None:
         """Refuse ``accumulate_until_ready`` where the ranks of one model replica compute together.
 
         Args:

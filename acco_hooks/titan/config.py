@@ -119,9 +119,10 @@ def validate_acco(
             "[acco] enable supports tensor and pipeline parallelism only: set "
             "context_parallel_degree = 1 and expert_parallel_degree = 1"
         )
-    split_by = [f"{name} = {degree}" for name, degree in (
-        ("data_parallel_shard_degree", shard), ("tensor_parallel_degree", par.tensor_parallel_degree),
-        ("pipeline_parallel_degree", par.pipeline_parallel_degree)) if degree > 1]  # fmt: skip
+    degrees = {"data_parallel_shard_degree": shard,
+               "tensor_parallel_degree": par.tensor_parallel_degree,
+               "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
+    split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     acco.check_until_ready(" and ".join(split_by) or None, _spelling)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names

@@ -79,7 +79,9 @@ def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -
 
 
 def build_acco_optimizers(
-    model_parts: list[nn.Module], optimizer_config: EngineOptimizerConfig, parallel_dims: ParallelDims
+    model_parts: list[nn.Module],
+    optimizer_config: EngineOptimizerConfig,
+    parallel_dims: ParallelDims,
 ) -> EngineOptimizersContainer:
     """The engine from torchtitan's ``[optimizer]`` fields and the settings it carries."""
     optimizer_kwargs = {
