@@ -13,7 +13,8 @@ What is valid is written here from the documented meaning of each setting (the d
   that is finite as a float and > 0;
 * ``nonfinite``: ``"skip"`` or ``"raise"``;
 * ``timeout``: ``None`` or a real number of seconds that a process group's timeout can hold:
-  between 1 ms (gloo counts whole ms) and 1e12 s (a larger ``timedelta`` overflows).
+  between 1 ms (gloo counts whole ms) and 1e12 s (a larger ``timedelta`` overflows);
+* ``max_microbatches_per_round``: ``None`` (no cap) or an ``int`` ≥ 1: a number of micro-batches.
 
 The front-ends and the settings each takes (the others come from the front-end's host):
 
@@ -25,8 +26,13 @@ The front-ends and the settings each takes (the others come from the front-end's
 * Hugging Face ``ACCOArguments``: all but ``accumulation_steps`` and ``max_grad_norm`` (the
   ``TrainingArguments``' own); refusals say ``ACCOArguments.<setting>=<value>``.
 
-One rule of composition: ``accumulate_until_ready=True`` is refused where the ranks of one model
-replica compute together (FSDP inside a replica, tensor or pipeline parallelism).
+Rules of composition (each value valid alone, the combination not):
+
+* ``accumulate_until_ready=True`` is refused where the ranks of one model replica compute
+  together (FSDP inside a replica, tensor or pipeline parallelism);
+* ``max_microbatches_per_round`` caps what ``accumulate_until_ready`` adds: set while that is
+  off, or below the round's size (``accumulation_steps``; torchtitan's 0 resolves to 1 micro-batch
+  in the configs used here), it is refused, naming ``max_microbatches_per_round``.
 
 A valid configuration must construct; an invalid value must raise ``ValueError`` or
 ``TypeError`` (never another exception) whose message names at least one invalid setting and no
@@ -92,10 +98,24 @@ PREDICATES: dict[str, Callable[[Any], bool]] = {
     "max_grad_norm": lambda v: v is None or _positive_finite(v),
     "nonfinite": lambda v: isinstance(v, str) and v in ("skip", "raise"),
     "timeout": lambda v: v is None or (_positive_finite(v) and 1e-3 <= float(v) <= 1e12),
+    "max_microbatches_per_round": lambda v: v is None or (_is_int(v) and v >= 1),
 }
 TITAN_SETTINGS = ("mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype",
-                  "nonfinite", "timeout")  # fmt: skip
-HF_SETTINGS = ("mode", "accumulate_until_ready", "reduce_dtype", "nonfinite", "timeout")
+                  "nonfinite", "timeout", "max_microbatches_per_round")  # fmt: skip
+HF_SETTINGS = ("mode", "accumulate_until_ready", "reduce_dtype", "nonfinite", "timeout",
+               "max_microbatches_per_round")  # fmt: skip
+CAP = "max_microbatches_per_round"
+
+
+def conflicting(values: dict[str, Any], valid: Callable[[str, Any], bool]) -> set[str]:
+    """The settings of a combination that breaks a rule of composition, each valid alone (the
+    cap and the setting it conflicts with); empty if none."""
+    if any(not valid(k, v) for k, v in values.items()) or values.get(CAP) is None:
+        return set()
+    if values.get("accumulate_until_ready") is not True:
+        return {CAP, "accumulate_until_ready"}
+    steps = values.get("accumulation_steps", 1) or 1  # torchtitan's 0: one micro-batch here
+    return {CAP, "accumulation_steps"} if values[CAP] < steps else set()
 
 
 def titan_valid(name: str, value: Any) -> bool:
@@ -130,6 +150,7 @@ EDGE_GOOD = {
     "max_grad_norm": [None, 5e-324, 1e-12, 1, 1e308, 10**300],
     "nonfinite": ["skip", "raise"],
     "timeout": [None, 1e-3, 0.5, 1, 1e12],
+    CAP: [None, 1, 2, 10**18],
 }
 EDGE_BAD = {
     "mode": ["ACCO", "sync", "", None, 0, True, ["acco"]],
@@ -142,6 +163,7 @@ EDGE_BAD = {
     "nonfinite": ["Skip", "warn", "ignore", "", None, True, 0],
     "timeout": [0, 0.0, -1, math.nan, math.inf, -math.inf, True, False, "30", 1e-4, 5e-324,
                 1e13, 10**400],
+    CAP: [0, -1, True, False, 1.0, 2.0, math.nan, math.inf, "2", [4]],
 }  # fmt: skip
 
 VALID = {
@@ -163,6 +185,7 @@ VALID = {
         st.floats(min_value=1e-3, max_value=1e12, allow_nan=False, allow_infinity=False),
         st.integers(1, 10**6),
     ),
+    CAP: st.one_of(st.none(), st.sampled_from(EDGE_GOOD[CAP]), st.integers(1, 64)),
 }  # fmt: skip
 
 INVALID = {
@@ -189,6 +212,8 @@ INVALID = {
         st.floats(max_value=0.0), st.integers(max_value=0), st.booleans(), near_miss,
         wrong_container,
     ),
+    CAP: st.one_of(st.integers(max_value=0), st.booleans(), any_float, near_miss,
+                   wrong_container),
 }  # fmt: skip
 # The boundary values get as much weight as every other kind of bad value together.
 INVALID = {k: st.one_of(st.sampled_from(EDGE_BAD[k]), v) for k, v in INVALID.items()}
@@ -297,9 +322,10 @@ def build_hf_arguments(values: dict[str, Any]) -> Exception | None:
 
 def assert_verdict(values: dict[str, Any], error: Exception | None, valid: Callable,
                    spelled: Callable[[str], str]) -> tuple[set[str], set[str]]:  # fmt: skip
-    """Built exactly when every value is valid; a refusal names invalid settings only, in the
-    front-end's spelling. Returns (invalid settings, settings the refusal names)."""
-    invalid = {k for k, v in values.items() if not valid(k, v)}
+    """Built exactly when every value is valid and the combination too; a refusal names invalid
+    (or conflicting) settings only, in the front-end's spelling. Returns (invalid settings,
+    settings the refusal names)."""
+    invalid = {k for k, v in values.items() if not valid(k, v)} or conflicting(values, valid)
     if not invalid:
         assert error is None, f"valid configuration {values!r} was refused: {error!r}"
         return invalid, set()
@@ -360,21 +386,40 @@ def test_front_end_names_the_one_bad_setting(front_end: str, data) -> None:
     assert check(front_end, values) == ({key}, {key})
 
 
+@pytest.mark.parametrize("front_end", FRONT_END_PARAMS)
+@FAST
+@given(data=st.data())
+def test_front_end_names_the_cap_where_the_combination_conflicts(front_end: str, data) -> None:
+    """Every value valid alone; the cap set without accumulate_until_ready, or below the
+    round's size, is refused by naming the cap only."""
+    names, _, valid, _ = FRONT_ENDS[front_end]
+    values = {k: data.draw(VALID[k]) for k in names}
+    values[CAP] = data.draw(st.integers(1, 64))
+    if "accumulation_steps" not in names or data.draw(st.booleans()):
+        values["accumulate_until_ready"] = False
+    else:  # until-ready on, the cap below the round's size
+        values["accumulate_until_ready"] = True
+        values["accumulation_steps"] = values[CAP] + data.draw(st.integers(1, 10**6))
+    assert check(front_end, values)[1] == {CAP}
+
+
 @pytest.mark.parametrize("key, value", edge_cases(tuple(PREDICATES)))
 def test_every_front_end_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     """The engine's verdict on one value, and each front-end that takes the setting: the same."""
     engine_ok = PREDICATES[key](value)
-    with_engine = check("ACCOOptimizer", {key: value})
+    values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
+    with_engine = check("ACCOOptimizer", values)
     assert with_engine == (set(), set()) if engine_ok else with_engine == ({key}, {key})
     if key in HF_SETTINGS:
-        assert check("hf", {key: value}) == with_engine
+        assert check("hf", values) == with_engine
 
 
 @pytest.mark.titan
 @pytest.mark.parametrize("key, value", edge_cases(TITAN_SETTINGS))
 def test_the_acco_section_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     expected = (set(), set()) if titan_valid(key, value) else ({key}, {key})
-    assert check("titan", {key: value}) == expected
+    values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
+    assert check("titan", values) == expected
 
 
 def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any]]) -> dict:
@@ -399,8 +444,9 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
     verdicts = {}
     for name, build in (("ACCOState", ddp), ("ACCOHSDPOptimizer", hsdp)):
         for key, value in cases:
+            values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
             try:
-                build({key: value}).close()
+                build(values).close()
                 verdicts[name, key, repr(value)] = None
             except Exception as exc:  # noqa: BLE001 - the test asserts on the type
                 verdicts[name, key, repr(value)] = (type(exc).__name__, str(exc))
@@ -408,23 +454,28 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
 
 
 def test_acco_state_and_hsdp_optimizer_agree_with_the_engine() -> None:
-    """Every boundary value of every setting; HSDP also refuses accumulate_until_ready=True, as
-    the engine does with an FSDP group (the ranks of a replica reduce-scatter together)."""
+    """Every boundary value of every setting (the cap with accumulate_until_ready=True); HSDP
+    also refuses accumulate_until_ready=True, as the engine does with an FSDP group (the ranks
+    of a replica reduce-scatter together), and so every cap."""
     cases = [(key, value) for key in PREDICATES for table in (EDGE_GOOD, EDGE_BAD)
              for value in table[key]]  # fmt: skip
     (verdicts,) = run_distributed("tests.test_settings:ddp_and_hsdp_verdicts", 1, cases)
     for front_end in ("ACCOState", "ACCOHSDPOptimizer"):
         for key, value in cases:
             verdict = verdicts[front_end, key, repr(value)]
-            split_replica = front_end == "ACCOHSDPOptimizer" and key == "accumulate_until_ready"
-            valid = PREDICATES[key](value) and not (split_replica and value is True)
+            until_ready = key == CAP or (key == "accumulate_until_ready" and value is True)
+            split_replica = front_end == "ACCOHSDPOptimizer" and until_ready
+            valid = PREDICATES[key](value) and not split_replica
             if valid:
                 assert verdict is None, (front_end, key, value, verdict)
                 continue
             assert verdict is not None, (front_end, key, value)
             kind, message = verdict
             assert kind in ("ValueError", "SettingError", "TypeError"), verdict
-            assert named_settings(message, PREDICATES) == {key}, (front_end, message)
+            # HSDP's refusal of until-ready names that setting, whatever the cap's value
+            blamed = ({"accumulate_until_ready"} if split_replica and PREDICATES[key](value)
+                      else {key})  # fmt: skip
+            assert named_settings(message, PREDICATES) == blamed, (front_end, message)
 
 
 def test_settings_given_as_an_object_or_as_keywords_are_the_same() -> None:

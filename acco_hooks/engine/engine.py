@@ -22,7 +22,8 @@ Follow one gradient. ``backward()`` produces it; a post-accumulate-grad hook add
 fp32 accumulator (:meth:`ACCOEngine.accumulate_grad`) and drops ``.grad``. The front-end then
 calls :meth:`~ACCOEngine.microbatch_done`, which counts the micro-batch; the round ends after
 ``accumulation_steps`` of them (or later, with ``accumulate_until_ready``, while the previous
-round still communicates). At the round end (:meth:`~ACCOEngine._end_round`) the main thread
+round still communicates, up to ``max_microbatches_per_round``). At the round end
+(:meth:`~ACCOEngine._end_round`) the main thread
 
 1. waits for the communication launched at the end of the previous round and copies its
    all-gathered result into the model: it becomes the live parameters of the next round;
@@ -345,7 +346,9 @@ class ACCOEngine:
         self._local_count += weight
         if self._round_microbatches < self.settings.accumulation_steps:
             return False
-        if self.settings.accumulate_until_ready and self.communication_in_flight:
+        cap = self.settings.max_microbatches_per_round
+        if (self.settings.accumulate_until_ready and self.communication_in_flight
+                and (cap is None or self._round_microbatches < cap)):
             return False  # the caller runs another micro-batch while the network works
         round_index = self.round_index
         try:

@@ -11,7 +11,8 @@ There are two classes because two of the engine's settings are ones a trainer al
 word for:
 
 * :class:`ACCOSettings` holds what only ACCO knows (``mode``, ``accumulate_until_ready``,
-  ``reduce_dtype``, ``nonfinite``, ``timeout``), spelled alike in a Python call, a TOML section
+  ``reduce_dtype``, ``nonfinite``, ``timeout``, ``max_microbatches_per_round``), spelled alike
+  in a Python call, a TOML section
   and a command-line flag;
 * :class:`EngineSettings` adds the round size (``accumulation_steps``) and the clipping
   (``max_grad_norm``), which torchtitan and the Trainer take from their own configuration
@@ -126,6 +127,12 @@ def _check_max_grad_norm(value: Any) -> Optional[str]:
     return "must be a finite number > 0, or None for no clipping"
 
 
+def _check_max_microbatches(value: Any) -> Optional[str]:
+    if value is None or check_accumulation_steps(value) is None:
+        return None
+    return "must be an integer >= 1 (micro-batches per round), or None for no cap"
+
+
 def _check_timeout(value: Any) -> Optional[str]:
     if value is None or _number_within(value, *TIMEOUT_RANGE_S):
         return None
@@ -177,12 +184,19 @@ class ACCOSettings:
     it at once). None: the default of the process group (the Hugging Face Trainer passes its
     ddp_timeout)."""
 
+    max_microbatches_per_round: Optional[int] = None
+    """With accumulate_until_ready: the most micro-batches one rank runs in a round (at least
+    the round's size); a rank that reaches it waits for the communication. It bounds the share
+    of every update that the fastest rank's samples make (one rank N times faster than another
+    otherwise runs about N micro-batches per round to the slow rank's one). None: no cap."""
+
     checks: ClassVar[dict[str, Check]] = {
         "mode": one_of(MODES),
         "accumulate_until_ready": boolean,
         "reduce_dtype": _check_reduce_dtype,
         "nonfinite": one_of(NONFINITE_POLICIES),
         "timeout": _check_timeout,
+        "max_microbatches_per_round": _check_max_microbatches,
     }
     """What each field allows (a subclass extends it with its own fields)."""
 
@@ -203,6 +217,26 @@ class ACCOSettings:
             requirement = self.checks[field.name](value)
             if requirement is not None:
                 raise SettingError(f"{spell(field.name, value)} {requirement}", field.name)
+        cap = self.max_microbatches_per_round
+        if names is None and cap is not None and not self.accumulate_until_ready:
+            raise SettingError(
+                f"{spell('max_microbatches_per_round', cap)} caps the extra micro-batches of "
+                "accumulate_until_ready, which is off: turn accumulate_until_ready on, or leave "
+                "max_microbatches_per_round unset (None)",
+                "max_microbatches_per_round",
+            )
+
+    def check_round_cap(self, accumulation_steps: int, spell: Spelling = python_spelling) -> None:
+        """Refuse a ``max_microbatches_per_round`` below the round's size (the micro-batches
+        every rank runs in each round): what a front-end that resolves the size checks."""
+        cap = self.max_microbatches_per_round
+        if cap is not None and cap < accumulation_steps:
+            raise SettingError(
+                f"{spell('max_microbatches_per_round', cap)} is below the {accumulation_steps} "
+                "micro-batches every round runs (accumulation steps): set it to at least that, "
+                "or None",
+                "max_microbatches_per_round",
+            )
 
     def check_until_ready(
         self, replica_split_by: Optional[str], spell: Spelling = python_spelling
@@ -260,6 +294,7 @@ class EngineSettings(ACCOSettings):
 
     def __post_init__(self) -> None:
         self.check()
+        self.check_round_cap(self.accumulation_steps)
 
     @classmethod
     def from_keywords(

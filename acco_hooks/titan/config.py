@@ -38,8 +38,9 @@ def _zero_or_micro_batches(value: Any) -> Optional[str]:
 class ACCO(ACCOSettings):
     """ACCO on the data_parallel_replicate dimension of a torchtitan run.
 
-    ``mode``, ``accumulate_until_ready``, ``reduce_dtype``, ``nonfinite`` and ``timeout`` are the
-    engine's own settings (:class:`acco_hooks.engine.ACCOSettings`); the round size follows
+    ``mode``, ``accumulate_until_ready``, ``reduce_dtype``, ``nonfinite``, ``timeout`` and
+    ``max_microbatches_per_round`` are the engine's own settings
+    (:class:`acco_hooks.engine.ACCOSettings`); the round size follows
     torchtitan's gradient accumulation unless set here, clipping is ``training.max_norm``.
     """
 
@@ -80,6 +81,7 @@ def _data_parallel_degrees(parallelism: Any, world_size: int) -> tuple[int, int]
 def validate_acco(
     acco: ACCO,
     parallelism: Any,
+    training: Any,
     optimizer_names: list[str],
     *,
     early_step_in_backward: bool = False,
@@ -90,6 +92,7 @@ def validate_acco(
     Args:
         acco: the section.
         parallelism: torchtitan's ``ParallelismConfig`` (0.2.2 or 0.3.0).
+        training: torchtitan's ``Training`` section (the batch sizes give the round's size).
         optimizer_names: the optimizer of every parameter group (0.2.2 has exactly one).
         early_step_in_backward: torchtitan 0.2.2's ``[optimizer]`` option of that name.
         world_size: default ``$WORLD_SIZE``.
@@ -124,6 +127,7 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     acco.check_until_ready(" and ".join(split_by) or None, _spelling)
+    acco.check_round_cap(round_size(acco, par, training, world_size), _spelling)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(
@@ -137,24 +141,27 @@ def validate_acco(
         )
 
 
+def round_size(acco: ACCO, parallelism: Any, training: Any, world_size: int | None = None) -> int:
+    """Micro-batches per round: ``accumulation_steps``, or when it is 0 torchtitan's gradient
+    accumulation steps (the global batch over the local batch times the data-parallel degree,
+    one step when ``global_batch_size`` is -1)."""
+    if acco.accumulation_steps:
+        return acco.accumulation_steps
+    replicate, shard = _data_parallel_degrees(
+        parallelism, world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    return max(1, training.global_batch_size // (training.local_batch_size * replicate * shard))
+
+
 def engine_settings(
     acco: ACCO, parallelism: Any, training: Any, world_size: int | None = None
 ) -> EngineSettings:
     """The engine's settings of a run that :func:`validate_acco` accepted.
 
-    ``[acco]``'s own settings as they are; micro-batches per round from ``accumulation_steps``,
-    or when it is 0 torchtitan's gradient accumulation steps (the global batch over the local
-    batch times the data-parallel degree, one step when ``global_batch_size`` is -1); clipping
-    at ``training.max_norm`` (off when <= 0).
+    ``[acco]``'s own settings as they are; micro-batches per round from :func:`round_size`;
+    clipping at ``training.max_norm`` (off when <= 0).
     """
-    steps = acco.accumulation_steps
-    if steps == 0:
-        replicate, shard = _data_parallel_degrees(
-            parallelism, world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        )
-        per_step = training.local_batch_size * replicate * shard
-        steps = max(1, training.global_batch_size // per_step)
     return acco.to_engine_settings(
-        accumulation_steps=steps,
+        accumulation_steps=round_size(acco, parallelism, training, world_size),
         max_grad_norm=training.max_norm if training.max_norm > 0 else None,
     )

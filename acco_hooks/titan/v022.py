@@ -72,7 +72,7 @@ def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -
         ValueError: naming the setting and the fix.
     """
     validate_acco(
-        job_config.acco, job_config.parallelism, [job_config.optimizer.name],
+        job_config.acco, job_config.parallelism, job_config.training, [job_config.optimizer.name],
         early_step_in_backward=job_config.optimizer.early_step_in_backward,
         world_size=world_size,
     )  # fmt: skip

@@ -71,7 +71,8 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
         return
     groups = config.optimizer.param_groups
     validate_acco(
-        acco, config.parallelism, [g.optimizer_name for g in groups] or ["(none)"],
+        acco, config.parallelism, config.training,
+        [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size,
     )  # fmt: skip
     if groups[0].pattern != ".*":

@@ -7,6 +7,7 @@ overlaps communication. Seen through the public ``engine.communication_in_flight
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 
 
-def held_communication_run(rank: int, world_size: int, accumulate_until_ready: bool) -> dict:
+def held_communication_run(rank: int, world_size: int, accumulate_until_ready: bool,
+                           cap: int | None = None) -> dict:  # fmt: skip
     from acco_hooks import ACCOOptimizer
     from tests.scenario import make_model, microbatch_loss
 
@@ -24,7 +26,8 @@ def held_communication_run(rank: int, world_size: int, accumulate_until_ready: b
     # Rank 1 always ends its rounds after 2 micro-batches: its round sizes stay known.
     until_ready = accumulate_until_ready and rank == 0
     opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", accumulation_steps=2,
-                        accumulate_until_ready=until_ready, lr=1e-2)  # fmt: skip
+                        accumulate_until_ready=until_ready, lr=1e-2,
+                        max_microbatches_per_round=cap if until_ready else None)  # fmt: skip
     engine = opt.engine
     batches = iter(range(1000))
 
@@ -38,6 +41,27 @@ def held_communication_run(rank: int, world_size: int, accumulate_until_ready: b
         dist.barrier()  # the default group: released by rank 0 once it has computed
         assert micro_batch()  # round 0 ends; its communication can complete now
         assert not micro_batch()
+    elif cap is not None:
+        assert micro_batch()  # round 0 ends: nothing was in flight, so no wait
+        for _ in range(cap - 1):
+            assert not micro_batch()
+            completed_while_held += 1
+        # The cap-th micro-batch ends the round although its predecessor is still held: it
+        # waits for it. Rank 1 is released only once that call has started.
+        assert engine.communication_in_flight
+        calling = threading.Event()
+        releaser = threading.Thread(target=lambda: (calling.wait(), dist.barrier()))
+        releaser.start()
+        calling.set()
+        assert micro_batch()
+        releaser.join()
+        assert engine.last_round_microbatches == cap
+        opt.flush()
+        result = {"completed_while_held": completed_while_held,
+                  "round1_microbatches": engine.last_round_microbatches,
+                  "global_count": engine.last_global_count}  # fmt: skip
+        opt.close()
+        return result
     else:
         assert micro_batch()  # round 0 ends: nothing was in flight, so no wait
         extra = 5 if accumulate_until_ready else 0
@@ -82,3 +106,15 @@ def test_compute_continues_while_communication_is_held(accumulate_until_ready: b
     assert releasing["global_count"] == held["global_count"]
     for a, b in zip(held["params"], releasing["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_rank_stops_at_max_microbatches_per_round_and_waits() -> None:
+    """With a cap of 4 the until-ready rank runs 4 micro-batches while the communication is
+    held (not 7, nor as many as it could), and its 4th ends the round by waiting."""
+    held, releasing = run_distributed(
+        "tests.engine.test_overlap:held_communication_run", 2, True, 4
+    )
+    assert held["completed_while_held"] == 3
+    assert held["round1_microbatches"] == 4
+    assert releasing["round1_microbatches"] == 2
+    assert held["global_count"] == releasing["global_count"] == (2 + 4) + (2 + 2)
