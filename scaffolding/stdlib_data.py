@@ -254,10 +254,16 @@ def prepare_if_stdlib(
 ) -> None:
     """If a job trains on ``stdlib`` (or validates on ``stdlib_validation``): build the corpus
     and its tokenizer where missing and register the datasets, before torchtitan looks for
-    them (so that a first run finds its tokenizer like any later one)."""
+    them (so that a first run finds its tokenizer like any later one). A ``dataset_path`` that
+    holds a ``train.jsonl`` this module did not build is your own data, read as it is."""
     if dataset in (DATASET_NAME, VALIDATION_DATASET_NAME):
-        dataset_dir = dataset_path or DEFAULT_DATASET_DIR
-        ensure_stdlib_assets(dataset_dir, tokenizer_dir)
+        dataset_dir = pathlib.Path(dataset_path or DEFAULT_DATASET_DIR)
+        if (dataset_dir / _TRAIN).is_file() and not (dataset_dir / _MARKER).is_file():
+            # Your own jsonl files, read as they are (no build to check): the tokenizer is
+            # the embedded corpus's, trained where it is built by default.
+            ensure_stdlib_assets(DEFAULT_DATASET_DIR, tokenizer_dir)
+        else:
+            ensure_stdlib_assets(dataset_dir, tokenizer_dir)
         register_stdlib_datasets(dataset_dir)
 
 

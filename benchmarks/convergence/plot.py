@@ -11,16 +11,19 @@ What it shows
     tokens) and vs training time, every seed; tokens/s of each arm per seed; the micro-batches
     each rank ran per round.
 
-    Printed, and written into each results file as its top-level ``"summary"`` (recomputed at
-    every call):
+    One figure per experiment and data (``convergence_iid.png``, ``convergence_torch-iid.png``,
+    ``heterogeneous_iid.png``, ``heterogeneous_documents.png``). Printed, and written into each
+    results file as its top-level ``"summary"``, keyed by the data: ``iid`` (sequence-shuffled
+    stdlib), ``documents`` (the document stream), ``torch-iid``, ... (recomputed at every call):
 
     * convergence: per mode the held-out loss after the final update, mean ± sample std over
       seeds, and the paired gap to ddp (``acco − ddp``, ``dpu − ddp`` per seed, then mean ±
       std over seeds); also the training loss over the last ``--tail`` (5 %) of steps;
-    * heterogeneous: tokens/s per arm and seed, the ratio ``acco_until_ready / ddp`` per seed
-      and its mean ± std, micro-batches per round per rank, and the held-out gap at equal
-      tokens: both curves interpolated (linearly) at the fewer of the two arms' final token
-      counts, ``acco_until_ready − ddp`` per seed.
+    * heterogeneous: tokens/s per arm and seed, each arm's ratio to ddp per seed and its
+      mean ± std, micro-batches per round per rank, and the held-out gap at equal tokens: both
+      curves interpolated (linearly) at the fewer of the two arms' final token counts,
+      ``arm − ddp`` per seed, also in % of ddp's loss there. ``heldout_gap_pct`` (``mean``,
+      ``std``, ``per_seed``) and ``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s.
 
 Reproduce::
 
@@ -53,10 +56,14 @@ import numpy as np  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = ("docs/results/convergence_heldout.json", "docs/results/heterogeneous.json")
+# How a summary names the data of a group of runs: "iid" for sequence-shuffled data (independent
+# samples per micro-batch), "documents" for the document stream; other corpora than stdlib first.
+DATA_NAMES = {"sequences": "iid", "documents": "documents"}
 DEFAULT_FIGURES = "docs/figures"
 COLORS = {"ddp": "#264653", "acco": "#e76f51", "dpu": "#2a9d8f", "acco_until_ready": "#e76f51",
-          "dpu_until_ready": "#2a9d8f"}  # fmt: skip
-ORDER = ("ddp", "acco", "dpu", "acco_until_ready", "dpu_until_ready")
+          "dpu_until_ready": "#2a9d8f", "ddp_matched": "#8a5a9e", "acco_capped": "#e9c46a"}
+ORDER = ("ddp", "acco", "dpu", "acco_until_ready", "ddp_matched", "acco_capped",
+         "dpu_until_ready")  # fmt: skip
 HETERO_ARM = "acco_until_ready"  # compared with ddp in the heterogeneous summary
 
 Runs = dict[str, list[dict[str, Any]]]  # arm -> complete records, by seed
@@ -66,11 +73,20 @@ def read_results(path: pathlib.Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def group_runs(runs: dict[str, dict[str, Any]], experiment: str) -> Runs:
-    """Complete runs of ``experiment``, grouped by arm (mode), in a stable order."""
+def data_name(record: dict[str, Any]) -> str:
+    """The summary's name of a run's data: ``iid``, ``documents``, ``torch-iid``, ..."""
+    corpus = record.get("corpus", "stdlib")
+    order = DATA_NAMES.get(record.get("data_order", "documents"), record.get("data_order"))
+    return order if corpus == "stdlib" else f"{corpus}-{order}"
+
+
+def group_runs(runs: dict[str, dict[str, Any]], experiment: str, data: str | None = None) -> Runs:
+    """Complete runs of ``experiment`` (on ``data``, if given), grouped by arm, in a stable
+    order."""
     grouped: Runs = {}
     for record in runs.values():
-        if record.get("experiment") == experiment and record.get("complete") and record["loss"]:
+        if (record.get("experiment") == experiment and record.get("complete") and record["loss"]
+                and data in (None, data_name(record))):  # fmt: skip
             grouped.setdefault(record["arm"], []).append(record)
     for records in grouped.values():
         records.sort(key=lambda r: r["seed"])
@@ -215,6 +231,7 @@ def heldout_table(grouped: Runs) -> list[dict[str, Any]]:
             "paired_gap_to_ddp": {str(s): v for s, v in gaps.items()},
             "paired_gap_mean": gap_mean, "paired_gap_std": gap_std,
             "paired_gap_pct": 100 * gap_mean / ddp_mean if ddp_mean == ddp_mean else math.nan,
+            "paired_gap_pct_std": 100 * gap_std / ddp_mean if ddp_mean == ddp_mean else math.nan,
         })  # fmt: skip
     return rows
 
@@ -269,9 +286,10 @@ def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
             })  # fmt: skip
             row["gap_at_equal_tokens"] = (row["heldout_at_equal_tokens"]
                                           - row["heldout_ddp_at_equal_tokens"])  # fmt: skip
+            row["gap_pct"] = 100 * row["gap_at_equal_tokens"] / row["heldout_ddp_at_equal_tokens"]
         per_seed[str(seed)] = row
     out: dict[str, Any] = {"arm": arm, "per_seed": per_seed}
-    for key in ("tokens_per_s_ratio", "gap_at_equal_tokens", "gap_final_update"):
+    for key in ("tokens_per_s_ratio", "gap_at_equal_tokens", "gap_pct", "gap_final_update"):
         values = [row[key] for row in per_seed.values() if key in row]
         out[key + "_mean"], out[key + "_std"] = mean_std(values)
     return out
@@ -326,8 +344,18 @@ def convergence_summary(grouped: Runs, tail: float) -> dict[str, Any]:
 
 
 def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
-    return {"arms": hetero_table(grouped), "vs_ddp": hetero_comparison(grouped),
-            "time_to_heldout": time_to_heldout(grouped)}
+    """Per arm, and each arm against ddp; ``heldout_gap_pct`` and ``tokens_per_s_ratio`` at the
+    top: ``acco_until_ready``'s (held-out gap at equal tokens in % of ddp's loss, per seed)."""
+    versus = {arm: hetero_comparison(grouped, arm) for arm in grouped if arm != "ddp"}
+    main = versus.get(HETERO_ARM, hetero_comparison(grouped))
+    return {
+        "heldout_gap_pct": {"mean": main["gap_pct_mean"], "std": main["gap_pct_std"],
+                            "per_seed": {s: v.get("gap_pct") for s, v in main["per_seed"].items()}},
+        "tokens_per_s_ratio": {"mean": main["tokens_per_s_ratio_mean"],
+                               "std": main["tokens_per_s_ratio_std"]},
+        "arms": hetero_table(grouped), "vs_ddp": main, "arms_vs_ddp": versus,
+        "time_to_heldout": time_to_heldout(grouped),
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- printing
@@ -359,7 +387,8 @@ def print_heldout_table(rows: list[dict[str, Any]]) -> None:
               f"  {per_seed}")  # fmt: skip
 
 
-def print_hetero_table(rows: list[dict[str, Any]], comparison: dict[str, Any]) -> None:
+def print_hetero_table(rows: list[dict[str, Any]], comparisons: dict[str, dict[str, Any]]
+                       ) -> None:  # fmt: skip
     print("heterogeneous: tokens/s = actual tokens of all ranks / training time (mean ± std "
           "over seeds); micro-batches per rank: total (per round)")  # fmt: skip
     for r in rows:
@@ -370,6 +399,11 @@ def print_hetero_table(rows: list[dict[str, Any]], comparison: dict[str, Any]) -
         print(f"  {r['arm']:<18} slow x{r['slow_factor']:g} seeds={len(r['seeds'])} "
               f"train={r['train_s']:.1f}s tokens={r['tokens']:,.0f} "
               f"tokens/s={r['tokens_per_s']:.0f} ± {r['tokens_per_s_std']:.0f}  {ranks}")
+    for comparison in comparisons.values():
+        print_comparison(comparison)
+
+
+def print_comparison(comparison: dict[str, Any]) -> None:
     arm = comparison["arm"]
     if not comparison["per_seed"]:
         return
@@ -384,7 +418,8 @@ def print_hetero_table(rows: list[dict[str, Any]], comparison: dict[str, Any]) -
         )  # fmt: skip
         print(f"  held-out {arm} - ddp at equal tokens: "
               f"{comparison['gap_at_equal_tokens_mean']:+.4f} ± "
-              f"{comparison['gap_at_equal_tokens_std']:.4f}  ({per_seed}); after the final "
+              f"{comparison['gap_at_equal_tokens_std']:.4f} ({comparison['gap_pct_mean']:+.2f} ± "
+              f"{comparison['gap_pct_std']:.2f}% of ddp's)  ({per_seed}); after the final "
               f"update: {comparison['gap_final_update_mean']:+.4f} ± "
               f"{comparison['gap_final_update_std']:.4f}")  # fmt: skip
 
@@ -589,25 +624,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                      if v.get("experiment") == experiment}  # fmt: skip
             runs.update(found)
             sources += [path] if found else []
-        grouped = group_runs(runs, experiment)
-        if not grouped:
-            continue
-        done += 1
-        png = out_dir / f"{experiment}.png"
-        if experiment == "convergence":
-            plot_convergence(grouped, png, args.smooth_tokens)
-            summary = convergence_summary(grouped, args.tail)
-            if summary["heldout_final_update"]:
-                print_heldout_table(summary["heldout_final_update"])
-            print_final_table("convergence", summary["train_loss_final"], args.tail)
-        else:
-            plot_heterogeneous(grouped, png, args.smooth_tokens)
-            summary = heterogeneous_summary(grouped)
-            print_hetero_table(summary["arms"], summary["vs_ddp"])
-            print_time_to_heldout(summary["time_to_heldout"])
-        print(f"wrote {png}")
-        for path in sources:
-            summaries[path][experiment] = summary
+        for data in sorted({data_name(r) for r in runs.values()}):
+            grouped = group_runs(runs, experiment, data)
+            if not grouped:
+                continue
+            done += 1
+            print(f"== {experiment}, data: {data}")
+            png = out_dir / f"{experiment}_{data}.png"
+            if experiment == "convergence":
+                plot_convergence(grouped, png, args.smooth_tokens)
+                summary = convergence_summary(grouped, args.tail)
+                if summary["heldout_final_update"]:
+                    print_heldout_table(summary["heldout_final_update"])
+                print_final_table("convergence", summary["train_loss_final"], args.tail)
+            else:
+                plot_heterogeneous(grouped, png, args.smooth_tokens)
+                summary = heterogeneous_summary(grouped)
+                print_hetero_table(summary["arms"], summary["arms_vs_ddp"])
+                print_time_to_heldout(summary["time_to_heldout"])
+            print(f"wrote {png}")
+            for path in sources:  # a file holding both experiments keys by experiment too
+                both = len({r.get("experiment") for r in files[path].get("runs", {}).values()})
+                summaries[path][f"{experiment}/{data}" if both > 1 else data] = summary
     if not done:
         print(f"no complete runs in {', '.join(map(str, files)) or args.results}", file=sys.stderr)
         return 1

@@ -1,6 +1,15 @@
 """Convergence of ACCO vs DPU vs DDP per token, and ACCO with one rank 4x slower (torchtitan, CPU).
 
 What it measures
+    Data (``benchmarks/convergence/data.py``): ``--corpus`` (``stdlib``, the embedded corpus;
+    ``torch``, the installed torch package's sources) cut into chunks of one sequence each and
+    shuffled by the seed (``--data-order sequences``, the default: independent samples in every
+    micro-batch), or whole documents in an order drawn from the seed, streamed and packed by
+    torchtitan (``--data-order documents``). The seed sets the model initialisation
+    (``--debug.seed``) and the data order, so the spread over seeds covers both. The held-out
+    set is the corpus's validation documents cut the same way and shuffled once (seed 0): the
+    same sequences for every run of a corpus and ``seq_len``.
+
     Convergence (default): for each mode (``ddp``, ``acco``, ``dpu``) and seed, one run of
     ``train_titan.py`` on 2 gloo CPU processes with ``torchtitan_configs/debug_cpu_<mode>.toml``
     (llama3 debug model, embedded ``stdlib`` dataset). Every run makes ``--updates`` real
@@ -12,7 +21,7 @@ What it measures
     wall time.
 
     Held-out loss, in every run of both experiments: torchtitan's validator on the held-out
-    ``stdlib_validation`` split (every 20th stdlib file, never trained on) at step 1 and every
+    ``stdlib_validation`` split (the prepared directory's ``validation.jsonl``) at step 1 and every
     ``--heldout-every`` real updates (``validation.freq`` = that many steps, twice as many for
     acco), ``--heldout-steps`` batches per rank of the training ``local_batch_size`` x
     ``seq_len``. The slow_rank hooks rewind the validation data before each validation, so
@@ -26,12 +35,21 @@ What it measures
 
     Heterogeneous (``--heterogeneous``): global rank 1 is ``--slow-factor`` (4) times slower:
     after each of its forward+backward passes it sleeps ``factor - 1`` times its own compute
-    (``benchmarks/convergence/slow_rank.py``). Arms (``--arms``): ``acco_until_ready`` (``acco``
-    with ``[acco] accumulate_until_ready = true`` and one micro-batch per rank per round at
-    least: the fast rank keeps computing while the slow one finishes, ~1 slow + 4 fast per
-    round at factor 4, ~10 per update) against ``ddp`` with ``--ddp-microbatches-per-rank``
-    (5) per rank per update, i.e. about the same tokens per update, for the same number of
-    real updates. Every rank logs each micro-batch (step, tokens, token-summed loss, compute
+    (``benchmarks/convergence/slow_rank.py``). Arms (``--arms``), all for the same number of
+    real updates:
+
+    * ``acco_until_ready``: ``acco`` with ``[acco] accumulate_until_ready = true`` and one
+      micro-batch per rank per round at least: the fast rank keeps computing while the slow
+      one finishes, ~1 slow + 4 fast per round at factor 4, ~10 per update;
+    * ``ddp``: ``--ddp-microbatches-per-rank`` (5) per rank per update, about the same tokens
+      per update;
+    * ``ddp_matched``, the data-matched control: synchronous ``ddp`` with the until-ready arm's
+      per-rank mix, ``--control-mix`` (8 2) micro-batches per update on ranks 0 and 1 (each
+      rank's ``--acco.accumulation_steps``, through ``per_rank.py``). It separates what the
+      mix of samples in an update does from what the one-round delay does;
+    * ``acco_capped``: ``acco_until_ready`` with ``[acco] max_microbatches_per_round`` =
+      ``--cap`` (2): the fast rank's share of an update is bounded, at a cost in tokens/s.
+ Every rank logs each micro-batch (step, tokens, token-summed loss, compute
     time, time: the slow_rank module's JSONL files); from them come the per-step loss, the
     tokens actually processed by all ranks (also for ``heldout_tokens``), the time, the
     micro-batches of each rank per round and the global tokens/s. torchtitan logs only the
@@ -44,16 +62,16 @@ What it measures
     acco_until_ready / ddp is at most (factor + 1) / 2 = 2.5.
 
 Reproduce (from the repository root, nothing else running; measured on the 2-core dev box at
-seq_len 64, steady state: ddp ~0.23 s per update, dpu ~0.2 s, acco ~0.33 s, ~0.2 s per
-validation, ~9 s start-up and shutdown per run, i.e. ~15 min for the 9 convergence runs;
-heterogeneous: acco_until_ready ~0.82 s per update, ddp ~1.67 s, ~13 min per seed, ~40 min
-for 3 seeds, tokens/s ratio ~2.2 in steady state; at the TOMLs' seq_len 128 both take about
-twice as long and the ratio is ~2.3: the CPU work of the overlapped communication weighs less
-against the compute)::
+seq_len 64 with 64 held-out batches per rank every 25 updates: ddp ~87 s per 200-update run,
+acco ~127 s, dpu ~109 s, ~20 min per corpus for 3 seeds; heterogeneous, 150 updates:
+acco_until_ready ~2.5 min, ddp ~4.5 min, ddp_matched ~2.5 min, acco_capped ~2.5 min)::
 
-    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2 -- --training.seq_len 64
-    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2 \\
+    python -m benchmarks.convergence.run --updates 200 --seeds 0 1 2 --corpus stdlib torch \
         -- --training.seq_len 64
+    python -m benchmarks.convergence.run --heterogeneous --updates 150 --seeds 0 1 2 \
+        --arms acco_until_ready ddp ddp_matched acco_capped -- --training.seq_len 64
+    python -m benchmarks.convergence.run --heterogeneous --updates 150 --seeds 0 1 2 \
+        --data-order documents --arms acco_until_ready ddp ddp_matched -- --training.seq_len 64
     python -m benchmarks.convergence.plot
 
 Extra torchtitan overrides go after ``--`` and are applied to every run, e.g.
@@ -64,11 +82,11 @@ already there with the same settings is skipped unless ``--force``. Raw logs sta
 ``outputs/convergence/<experiment>/<arm>/seed<N>/console.log`` (``--workdir``).
 
 Assumptions
-    * The three TOMLs share model, data, optimizer and LR schedule; ``acco`` uses half the
+    * The three TOMLs share model, optimizer and LR schedule; ``acco`` uses half the
       global batch per round (two rounds make one update), so x = tokens is comparable.
       ``--batch-per-update B`` overrides this: ``acco`` gets B/2 per round, the others B.
-    * ``--debug.seed`` changes the model initialisation only: torchtitan's data loader does not
-      shuffle, so every seed sees the same token stream (and the same held-out batches).
+    * torchtitan's data loader does not shuffle: the order is the prepared file's, one per
+      corpus, data order, seed and ``seq_len``; each rank reads a contiguous half of it.
     * Each run is alone on the machine: wall times and tokens/s are only meaningful without
       other CPU load. ``OMP_NUM_THREADS=1`` (``--omp-threads``) for every rank.
     * ``tps`` is torchtitan's per-rank tokens/s of the interval since the previous log line;
@@ -84,7 +102,6 @@ import json
 import math
 import os
 import pathlib
-import random
 import re
 import shutil
 import signal
@@ -96,6 +113,8 @@ import tomllib
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
+from benchmarks.convergence import data
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
 CONFIG_TEMPLATE = "torchtitan_configs/debug_cpu_{mode}.toml"
@@ -105,15 +124,20 @@ DEFAULT_WORKDIR = "outputs/convergence"
 HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # slow rank, micro-batch logs, fixed held-out
 SLOW_FACTOR_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_STATS_DIR"
 HELDOUT_DATASET = "stdlib_validation"
+RANK_ARGS_ENV = "ACCO_BENCH_RANK_ARGS"  # per_rank.py's
 # arm -> (acco.mode, extra overrides) for --heterogeneous
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "acco_until_ready": ("acco", ("--acco.accumulate_until_ready",)),  # a tyro flag: no value
+    # + --acco.max_microbatches_per_round (--cap)
+    "acco_capped": ("acco", ("--acco.accumulate_until_ready",)),
     "dpu_until_ready": ("dpu", ("--acco.accumulate_until_ready",)),
     "acco": ("acco", ("--acco.no_accumulate_until_ready",)),
     "dpu": ("dpu", ("--acco.no_accumulate_until_ready",)),
-    "ddp": ("ddp", ()),
+    "ddp": ("ddp", ()),  # --ddp-microbatches-per-rank on every rank
+    "ddp_matched": ("ddp", ()),  # --control-mix: each rank its own micro-batches per update
 }
-MANAGED = ("--training.dataset_path", "--training.steps", "--debug.seed", "--job.dump_folder",
+MANAGED = ("--training.dataset_path", "--acco.accumulation_steps", "--training.steps",
+           "--debug.seed", "--job.dump_folder",
            "--job.config_file", "--metrics.disable_color_printing", "--experimental.custom_import",
            "--validation.enable", "--validation.freq", "--validation.steps")  # fmt: skip
 
@@ -152,16 +176,23 @@ class RunSpec:
     experiment: str  # "convergence" or "heterogeneous"
     arm: str
     mode: str
-    seed: int
+    seed: int  # the model initialisation and the data order
     updates: int
     overrides: tuple[str, ...]
+    corpus: str = "stdlib"
+    data_order: str = "sequences"  # or "documents" (benchmarks/convergence/data.py)
+    rank_args: tuple[tuple[str, ...], ...] = ()  # per global rank: arguments of that rank only
     heldout_every: int = 0  # real updates between validations; 0: none
     heldout_steps: int = 0  # validation batches per rank
     slow_factor: float = 1.0  # heterogeneous: rank 1's time per micro-batch / its compute
 
     @property
+    def data(self) -> str:
+        return f"{self.corpus}-{self.data_order}"
+
+    @property
     def key(self) -> str:
-        return f"{self.experiment}/{self.arm}/seed{self.seed}"
+        return f"{self.experiment}/{self.data}/{self.arm}/seed{self.seed}"
 
 
 # ----------------------------------------------------------------------------- log parsing
@@ -374,11 +405,13 @@ def heldout_overrides(mode: str, every: int, steps: int, settings: BatchSettings
 
 def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Path,
                   nproc: int) -> list[str]:  # fmt: skip
-    """torchrun + train_titan.py for ``spec``; every run imports the slow_rank hooks."""
+    """torchrun + train_titan.py for ``spec`` (through ``per_rank.py`` where ranks differ);
+    every run imports the slow_rank hooks."""
+    script = REPO / ("benchmarks/convergence/per_rank.py" if spec.rank_args else "train_titan.py")
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
-        str(REPO / "train_titan.py"), "--job.config_file", str(config_path),
+        str(script), "--job.config_file", str(config_path),
         "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
         "--training.steps", str(steps_for(spec.mode, spec.updates)),
         "--debug.seed", str(spec.seed), "--experimental.custom_import", HOOKS_MODULE,
@@ -517,6 +550,8 @@ def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str,
     if spec.experiment == "heterogeneous":
         env[SLOW_FACTOR_ENV] = f"{spec.slow_factor:g}"
         env[STATS_DIR_ENV] = str(run_dir / "stats")
+    if spec.rank_args:
+        env[RANK_ARGS_ENV] = json.dumps({str(r): list(a) for r, a in enumerate(spec.rank_args)})
     return env
 
 
@@ -530,7 +565,8 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     cmd = build_command(spec, config_path, run_dir, args.nproc)
     own_env = run_env(spec, run_dir, args.omp_threads)
-    env = {k: v for k, v in os.environ.items() if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV, RANK_ARGS_ENV)}
     env.update(own_env)
     shown = " ".join(f"{k}={v}" for k, v in own_env.items())
     (run_dir / "command.txt").write_text(f"{shown} {' '.join(cmd)}\n", encoding="utf-8")
@@ -544,6 +580,8 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         settings.local_batch_size * args.nproc)
     record["command"] = cmd
     record["log"] = str(run_dir / "console.log")
+    record["dataset"] = data.describe(REPO / override_value(spec.overrides,
+                                                            "--training.dataset_path"))
     return record
 
 
@@ -568,74 +606,57 @@ def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
     """Whether ``record`` was run as ``spec`` would run (the overrides hold the batch sizes)."""
     return (record.get("updates") == spec.updates
             and record.get("overrides") == list(spec.overrides)
+            and [list(a) for a in record.get("rank_args", [])] == [list(a) for a in spec.rank_args]
             and float(record.get("slow_factor", 1.0)) == spec.slow_factor)  # fmt: skip
 
 
-SHUFFLED_DATASET_DIR = "outputs/stdlib/dataset_shuffled"
-
-
-def shuffled_dataset(seed: int = 0) -> pathlib.Path:
-    """The stdlib training documents in a seeded random order; ``validation.jsonl`` unchanged.
-
-    torchtitan hands each rank a contiguous slice of the training set (``split_dataset_by_node``
-    on a map-style dataset) and the stdlib files are sorted by path, so unshuffled, rank 0
-    trains on the first half of the library and rank 1 on the second. Two ranks would then
-    see different distributions; with ``accumulate_until_ready`` the fast rank contributes
-    most micro-batches and its half would dominate every update. Shuffled, both slices are
-    samples of the same corpus, as in real data-parallel training.
-    """
-    from scaffolding.stdlib_data import DEFAULT_DATASET_DIR, build_stdlib_dataset
-
-    source = build_stdlib_dataset(REPO / DEFAULT_DATASET_DIR)
-    out = REPO / SHUFFLED_DATASET_DIR
-    marker = out / ".shuffled"
-    if marker.is_file() and marker.read_text() == str(seed):
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    lines = (source / "train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
-    random.Random(seed).shuffle(lines)
-    out.mkdir(parents=True)
-    (out / "train.jsonl").write_text("".join(lines), encoding="utf-8")
-    shutil.copyfile(source / "validation.jsonl", out / "validation.jsonl")
-    # The same documents as the source build, so train_titan.py accepts the directory as one
-    shutil.copyfile(source / ".complete", out / ".complete")
-    marker.write_text(str(seed))  # last: a killed build is rebuilt
-    return out
-
-
 def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
-    """The runs asked for, in the order they run (seed-major: a partial result covers modes).
+    """The runs asked for, in the order they run (corpus, data order, seed, then arm: a partial
+    result holds whole comparisons).
 
-    Convergence: each mode's TOML batch (or ``--batch-per-update``). Heterogeneous: the
-    ``ddp`` arm runs ``--ddp-microbatches-per-rank`` micro-batches per rank per update, every
-    other arm the minimum of one per rank per round (``accumulate_until_ready`` adds the fast
-    rank's extra ones). Every run validates every ``--heldout-every`` real updates.
+    Convergence: each mode's TOML batch (or ``--batch-per-update``). Heterogeneous: ``ddp``
+    runs ``--ddp-microbatches-per-rank`` micro-batches per rank per update, ``ddp_matched``
+    each rank's count of ``--control-mix``, every other arm the minimum of one per rank per
+    round (``accumulate_until_ready`` adds the fast rank's extra ones, ``acco_capped`` at most
+    ``--cap`` per round). Every run validates every ``--heldout-every`` real updates. The seed
+    sets the initialisation (``--debug.seed``) and the order of the training data.
     """
     specs = []
-    for seed in args.seeds:
-        arms = args.arms if args.heterogeneous else args.modes
-        for arm in arms:
-            mode, extra = ARMS[arm] if args.heterogeneous else (arm, ())
-            _, config = load_config(mode, args.config_template)
-            if args.heterogeneous:
-                log_freq = args.log_freq or steps_for(mode, args.updates)
-                per_rank = args.ddp_microbatches_per_rank if arm == "ddp" else 1
-                settings = batch_settings(config, overrides, args.nproc)
-                extra += ("--metrics.log_freq", str(log_freq),
-                          *microbatch_overrides(per_rank, settings, args.nproc))  # fmt: skip
-            else:
-                extra = mode_overrides(mode, args.batch_per_update)
-            settings = batch_settings(config, extra + overrides, args.nproc)
-            heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
-            data = (("--training.dataset_path", str(shuffled_dataset().relative_to(REPO)))
-                    if args.shuffle_data else ())  # fmt: skip
-            specs.append(RunSpec(
-                "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed,
-                args.updates, extra + heldout + data + overrides,
-                heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
-                slow_factor=args.slow_factor if args.heterogeneous else 1.0,
-            ))  # fmt: skip
+    for corpus in args.corpus:
+        for order in args.data_order:
+            for seed in args.seeds:
+                for arm in args.arms if args.heterogeneous else args.modes:
+                    specs.append(plan_one(args, overrides, corpus, order, seed, arm))
     return specs
+
+
+def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, order: str,
+             seed: int, arm: str) -> RunSpec:  # fmt: skip
+    mode, extra = ARMS[arm] if args.heterogeneous else (arm, ())
+    _, config = load_config(mode, args.config_template)
+    rank_args: tuple[tuple[str, ...], ...] = ()
+    if args.heterogeneous:
+        log_freq = args.log_freq or steps_for(mode, args.updates)
+        per_rank = args.ddp_microbatches_per_rank if arm == "ddp" else 1
+        settings = batch_settings(config, overrides, args.nproc)
+        extra += ("--metrics.log_freq", str(log_freq),
+                  *microbatch_overrides(per_rank, settings, args.nproc))  # fmt: skip
+        if arm == "acco_capped":
+            extra += ("--acco.max_microbatches_per_round", str(args.cap))
+        if arm == "ddp_matched":
+            rank_args = tuple(("--acco.accumulation_steps", str(n)) for n in args.control_mix)
+    else:
+        extra = mode_overrides(mode, args.batch_per_update)
+    settings = batch_settings(config, extra + overrides, args.nproc)
+    heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
+    dataset = data.prepare(corpus, order, seed, settings.seq_len)
+    return RunSpec(
+        "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed, args.updates,
+        extra + heldout + ("--training.dataset_path", str(dataset.relative_to(REPO))) + overrides,
+        corpus=corpus, data_order=order, rank_args=rank_args,
+        heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
+        slow_factor=args.slow_factor if args.heterogeneous else 1.0,
+    )  # fmt: skip
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -665,7 +686,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="convergence: acco.mode values, one TOML each")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
-                        help="--debug.seed values (model initialisation)")
+                        help="seeds: --debug.seed (model initialisation) and the data order")
     parser.add_argument("--heterogeneous", action="store_true",
                         help="run the heterogeneous experiment (rank 1 slowed) instead")
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),
@@ -681,11 +702,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
                         help="validate on stdlib_validation every N real updates (and at step "
                         "1); --updates must be a multiple, so that the last update is validated; "
                         "0: no validation")
-    parser.add_argument("--shuffle-data", action=argparse.BooleanOptionalAction, default=True,
-                        help="train on the stdlib documents in a seeded random order, so every "
-                        "rank's slice samples the same corpus (see shuffled_dataset)")
-    parser.add_argument("--heldout-steps", type=int, default=8,
+    parser.add_argument("--corpus", nargs="+", choices=data.CORPORA, default=["stdlib"],
+                        help="training and held-out text (benchmarks/convergence/data.py)")
+    parser.add_argument("--data-order", nargs="+", choices=data.ORDERS, default=["sequences"],
+                        help="sequences: chunks of one sequence each, shuffled by the seed "
+                        "(independent samples per micro-batch); documents: whole documents, "
+                        "shuffled by the seed, streamed and packed by torchtitan")
+    parser.add_argument("--heldout-steps", type=int, default=64,
                         help="validation batches per rank (local_batch_size x seq_len of training)")
+    parser.add_argument("--control-mix", nargs="+", type=int, default=[8, 2],
+                        help="heterogeneous ddp_matched: micro-batches per update of each rank "
+                        "(the mix acco_until_ready measured: ~4 fast + 1 slow per round)")
+    parser.add_argument("--cap", type=int, default=2,
+                        help="heterogeneous acco_capped: [acco] max_microbatches_per_round")
     parser.add_argument("--log-freq", type=int, default=0,
                         help="heterogeneous: torchtitan metrics.log_freq; 0: first and last step "
                         "only (each logged step all-reduces the loss, a sync of all ranks); the "
@@ -713,6 +742,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
         parser.error(f"--updates {args.updates} must be a multiple of --heldout-every "
                      f"{args.heldout_every}: torchtitan validates every freq steps, not at the "
                      "last one")  # fmt: skip
+    if len(args.control_mix) != args.nproc or min(args.control_mix) < 1 or args.cap < 1:
+        parser.error(f"--control-mix needs {args.nproc} counts >= 1 (one per rank), --cap >= 1")
     if args.slow_factor < 1 or args.ddp_microbatches_per_rank < 1:
         parser.error("--slow-factor and --ddp-microbatches-per-rank must be >= 1")
     if args.heterogeneous and args.batch_per_update is not None:

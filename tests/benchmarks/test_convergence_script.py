@@ -98,7 +98,7 @@ def test_plan_validates_every_n_updates_on_the_training_batch_shape() -> None:
         overrides = specs[mode].overrides
         assert "--validation.enable" in overrides
         assert run.override_value(overrides, "--validation.freq") == freq  # acco: 2 rounds/update
-        assert run.override_value(overrides, "--validation.steps") == "8"
+        assert run.override_value(overrides, "--validation.steps") == "64"
         assert run.override_value(overrides, "--validation.dataset") == "stdlib_validation"
         assert run.override_value(overrides, "--validation.seq_len") == "64"
         assert run.override_value(overrides, "--validation.local_batch_size") == "4"
@@ -123,9 +123,64 @@ def test_plan_heterogeneous_equal_tokens_per_update() -> None:
     assert specs["ddp"].slow_factor == 2.0
     env = run.run_env(specs["ddp"], pathlib.Path("/tmp/x"), 1)
     assert env[run.SLOW_FACTOR_ENV] == "2" and env[run.STATS_DIR_ENV] == "/tmp/x/stats"
+    assert run.RANK_ARGS_ENV not in env
     args, _ = run.parse_args(["--heterogeneous"])
     assert args.out == run.DEFAULT_OUT["heterogeneous"]
     assert run.parse_args([])[0].out == run.DEFAULT_OUT["convergence"]
+
+
+def test_plan_control_and_capped_arms_and_the_seeded_data() -> None:
+    specs = _planned("--heterogeneous", "--updates", "4", "--heldout-every", "2", "--arms",
+                     "ddp_matched", "acco_capped", "--control-mix", "6", "3", "--cap", "3",
+                     "--seeds", "1", "--", "--training.seq_len", "32")  # fmt: skip
+    matched, capped = specs["ddp_matched"], specs["acco_capped"]
+    assert matched.mode == "ddp" and capped.mode == "acco"
+    assert matched.rank_args == (("--acco.accumulation_steps", "6"),
+                                 ("--acco.accumulation_steps", "3"))  # fmt: skip
+    env = run.run_env(matched, pathlib.Path("/tmp/x"), 1)
+    assert json.loads(env[run.RANK_ARGS_ENV]) == {"0": ["--acco.accumulation_steps", "6"],
+                                                  "1": ["--acco.accumulation_steps", "3"]}
+    command = run.build_command(matched, pathlib.Path("c.toml"), pathlib.Path("/tmp/x"), 2)
+    assert command[command.index("--tee") + 2].endswith("benchmarks/convergence/per_rank.py")
+    assert run.override_value(capped.overrides, "--acco.max_microbatches_per_round") == "3"
+    assert "--acco.accumulate_until_ready" in capped.overrides
+    for spec in specs.values():  # the seed picks the data order; sequences by default
+        assert spec.key.startswith(f"heterogeneous/stdlib-sequences/{spec.arm}/seed1")
+        assert run.override_value(spec.overrides, "--training.dataset_path") == (
+            "outputs/convergence_data/stdlib/sequences-seed1-len32")
+    with pytest.raises(SystemExit):  # one count per rank
+        run.parse_args(["--heterogeneous", "--control-mix", "8"])
+    with pytest.raises(SystemExit):  # set by the arm, per rank
+        run.split_overrides(["--", "--acco.accumulation_steps", "2"])
+
+
+def test_sequence_data_is_one_sequence_per_line_in_a_seeded_order() -> None:
+    """Each training line of the sequence order encodes to seq_len - 1 tokens (torchtitan adds
+    BOS and EOS: one sequence); seeds shuffle the same lines differently; the held-out lines are
+    the same for every seed and order; the document order keeps whole documents."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.convergence import data
+
+    def lines(path: pathlib.Path, name: str) -> list[str]:
+        return [json.loads(line)["text"] for line in (path / name).read_text().splitlines()]
+
+    seq_len = 24
+    tokenizer = Tokenizer.from_file(str(run.REPO / "outputs/stdlib/tokenizer/tokenizer.json"))
+    a, b = data.prepare("stdlib", "sequences", 0, seq_len), data.prepare("stdlib", "sequences",
+                                                                          1, seq_len)
+    docs = data.prepare("stdlib", "documents", 1, seq_len)
+    train_a, train_b = lines(a, "train.jsonl"), lines(b, "train.jsonl")
+    assert sorted(train_a) == sorted(train_b) and train_a[:50] != train_b[:50]
+    sample = train_a[:: max(1, len(train_a) // 500)]
+    lengths = [len(tokenizer.encode(t, add_special_tokens=False).ids) for t in sample]
+    assert sum(n == seq_len - 1 for n in lengths) >= 0.98 * len(lengths)
+    assert lines(a, "validation.jsonl") == lines(b, "validation.jsonl") == lines(
+        docs, "validation.jsonl")
+    source = run.REPO / "outputs/stdlib/dataset/train.jsonl"
+    originals = [json.loads(line)["text"] for line in source.read_text().splitlines()]
+    assert sorted(lines(docs, "train.jsonl")) == sorted(originals)
+    assert data.describe(a)["train_documents"] == len(train_a)
 
 
 def test_curves_from_stats_weights_by_tokens() -> None:
@@ -195,8 +250,9 @@ def _synthetic_results(seeds: int = 3) -> dict:
         per_step = 1024 if mode == "acco" else 2048
         for seed in range(seeds):
             loss = [8.0 * math.exp(-s / steps) + offset + 0.01 * seed for s in range(1, steps + 1)]
-            record = runs[f"convergence/{mode}/seed{seed}"] = {
+            record = runs[f"convergence/stdlib-sequences/{mode}/seed{seed}"] = {
                 "experiment": "convergence", "arm": mode, "mode": mode, "seed": seed,
+                "corpus": "stdlib", "data_order": "sequences",
                 "updates": 40, "complete": True, "step": list(range(1, steps + 1)),
                 "loss": loss, "tokens": [s * per_step for s in range(1, steps + 1)],
                 "time_s": [0.5 * s for s in range(1, steps + 1)],
@@ -208,8 +264,9 @@ def _synthetic_results(seeds: int = 3) -> dict:
             steps = 80 if arm != "ddp" else 40
             mbs = {"0": [fast] * steps, "1": [2 if arm != "ddp" else 4] * steps}
             tokens = [s * 512 * (fast + int(mbs["1"][0])) for s in range(1, steps + 1)]
-            record = runs[f"heterogeneous/{arm}/seed{seed}"] = {
+            record = runs[f"heterogeneous/stdlib-sequences/{arm}/seed{seed}"] = {
                 "experiment": "heterogeneous", "arm": arm, "mode": arm[:4], "seed": seed,
+                "corpus": "stdlib", "data_order": "sequences",
                 "updates": 40, "complete": True, "slow_factor": 4.0,
                 "microbatches_per_round_nominal": 1 if arm != "ddp" else 4,
                 "step": list(range(1, steps + 1)), "loss": [8.0 - 0.01 * s for s in range(steps)],
@@ -254,16 +311,21 @@ def test_plot_on_synthetic_json(tmp_path: pathlib.Path, capsys) -> None:
     missing = str(tmp_path / "missing.json")
     assert plot.main(["--results", str(results), missing, "--out-dir", str(tmp_path / "fig")]) == 0
     out = capsys.readouterr().out
-    for name in ("convergence.png", "heterogeneous.png"):
+    for name in ("convergence_iid.png", "heterogeneous_iid.png"):
         assert (tmp_path / "fig" / name).stat().st_size > 10_000
     assert "acco" in out and "dpu" in out and "+0.00%" in out
     assert "+0.0200 ± 0.0000" in out  # acco's paired held-out gap to ddp
     assert "rank0: 400 (5.00/step" in out and "rank1: 160 (2.00/step" in out
     assert "tokens/s acco_until_ready / ddp: 0.88 ± 0.00" in out
     summary = json.loads(results.read_text())["summary"]
-    acco = next(r for r in summary["convergence"]["heldout_final_update"] if r["arm"] == "acco")
+    acco = next(r for r in summary["convergence/iid"]["heldout_final_update"]
+                if r["arm"] == "acco")  # fmt: skip
     assert acco["paired_gap_mean"] == pytest.approx(0.02)
-    assert summary["heterogeneous"]["vs_ddp"]["gap_at_equal_tokens_mean"] == pytest.approx(-0.1)
+    hetero = summary["heterogeneous/iid"]
+    assert hetero["vs_ddp"]["gap_at_equal_tokens_mean"] == pytest.approx(-0.1)
+    # in % of ddp's held-out loss at the equal token count (ddp's last: 40 updates x 4096)
+    assert hetero["heldout_gap_pct"]["mean"] == pytest.approx(-10 / (8.0 - 40 * 4096 / 1e5))
+    assert hetero["heldout_gap_pct"]["std"] == pytest.approx(0.0, abs=1e-9)
     grouped = plot.load_runs(results, "convergence")
     assert list(grouped) == ["ddp", "acco", "dpu"] and len(grouped["ddp"]) == 3  # seed9 left out
 
@@ -278,18 +340,21 @@ def test_plot_without_heldout_data(tmp_path: pathlib.Path) -> None:
     path.write_text(json.dumps(results))
     argv = ["--results", str(path), "--out-dir", str(tmp_path), "--no-write-summary"]
     assert plot.main(argv) == 0
-    assert (tmp_path / "convergence.png").exists() and "summary" not in json.loads(path.read_text())
+    assert (tmp_path / "convergence_iid.png").exists()
+    assert "summary" not in json.loads(path.read_text())
 
 
 def _run_args(tmp_path: pathlib.Path, *extra: str) -> list[str]:
     return ["--updates", "2", "--seeds", "0", "--print-every", "0", "--heldout-every", "1",
+            "--heldout-steps", "2",
             "--out", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "work"), *extra,
             "--", "--training.seq_len", "64", "--training.local_batch_size", "2"]  # fmt: skip
 
 
 def test_smoke_run_one_mode_one_seed(tmp_path: pathlib.Path, capsys) -> None:
     assert run.main(_run_args(tmp_path, "--modes", "ddp")) == 0
-    record = json.loads((tmp_path / "r.json").read_text())["runs"]["convergence/ddp/seed0"]
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    record = runs["convergence/stdlib-sequences/ddp/seed0"]
     assert record["complete"] and record["step"] == [1, 2] and record["steps"] == 2
     assert record["tokens"] == [16 * 64, 2 * 16 * 64]
     assert all(0 < v < 20 for v in record["loss"])
@@ -309,7 +374,7 @@ def test_smoke_heterogeneous_counts_microbatches(tmp_path: pathlib.Path) -> None
     args[1] = "1"  # one update: two rounds
     assert run.main(args) == 0
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
-    record = runs["heterogeneous/acco_until_ready/seed0"]
+    record = runs["heterogeneous/stdlib-sequences/acco_until_ready/seed0"]
     assert record["complete"] and record["step"] == [1, 2]
     assert sorted(record["microbatches"]) == ["0", "1"]
     assert record["microbatches_per_round_nominal"] == 1  # the rest is accumulate_until_ready's
@@ -329,3 +394,16 @@ def test_first_crossing_interpolates_between_validations() -> None:
     assert plot.first_crossing(x, loss, 7.0) == pytest.approx(5.0)
     assert plot.first_crossing(x, loss, 5.5) == pytest.approx(15.0)
     assert math.isnan(plot.first_crossing(x, loss, 4.0))  # never reached
+
+
+def test_smoke_control_arm_runs_each_ranks_own_microbatches(tmp_path: pathlib.Path) -> None:
+    """ddp_matched: 3 micro-batches on rank 0 and 1 on rank 1 in every update (per_rank.py);
+    acco_capped with a cap of 1: never more than one micro-batch per round on either rank."""
+    args = _run_args(tmp_path, "--heterogeneous", "--arms", "ddp_matched", "acco_capped",
+                     "--control-mix", "3", "1", "--cap", "1", "--slow-factor", "2")  # fmt: skip
+    assert run.main(args) == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    matched = runs["heterogeneous/stdlib-sequences/ddp_matched/seed0"]
+    assert matched["complete"] and matched["microbatches"] == {"0": [3, 3], "1": [1, 1]}
+    capped = runs["heterogeneous/stdlib-sequences/acco_capped/seed0"]
+    assert capped["complete"] and capped["microbatches"] == {"0": [1] * 4, "1": [1] * 4}
