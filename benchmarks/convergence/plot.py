@@ -23,7 +23,9 @@ What it shows
       mean ± std, micro-batches per round per rank, and the held-out gap at equal tokens: both
       curves interpolated (linearly) at the fewer of the two arms' final token counts,
       ``arm − ddp`` per seed, also in % of ddp's loss there. ``heldout_gap_pct`` (``mean``,
-      ``std``, ``per_seed``) and ``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s.
+      ``std``, ``per_seed``) and ``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s;
+      the ratio is of the training steps alone (``run.training_tokens_per_s``: the step after
+      each validation left out), ``with_validations`` beside it.
 
 Reproduce::
 
@@ -49,6 +51,8 @@ import sys
 from typing import Any, Sequence
 
 import matplotlib
+
+from benchmarks.convergence.run import training_tokens_per_s
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -86,7 +90,8 @@ def group_runs(runs: dict[str, dict[str, Any]], experiment: str, data: str | Non
     grouped: Runs = {}
     for record in runs.values():
         if (record.get("experiment") == experiment and record.get("complete") and record["loss"]
-                and data in (None, data_name(record))):  # fmt: skip
+                and data in (None, data_name(record))
+                and record.get("data_seed") is None):  # fmt: skip
             grouped.setdefault(record["arm"], []).append(record)
     for records in grouped.values():
         records.sort(key=lambda r: r["seed"])
@@ -272,7 +277,9 @@ def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
     per_seed: dict[str, dict[str, float]] = {}
     for seed in sorted(set(ours) & set(ddp)):
         a, d = ours[seed], ddp[seed]
-        row = {"tokens_per_s_ratio": a["summary"]["tokens_per_s"] / d["summary"]["tokens_per_s"]}
+        row = {"tokens_per_s_ratio": a["summary"]["tokens_per_s"] / d["summary"]["tokens_per_s"],
+               "tokens_per_s_training_ratio": (training_tokens_per_s(a)
+                                               / training_tokens_per_s(d))}  # fmt: skip
         xa, ya = heldout_curve(a)
         xd, yd = heldout_curve(d)
         if len(xa) and len(xd):
@@ -289,7 +296,8 @@ def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
             row["gap_pct"] = 100 * row["gap_at_equal_tokens"] / row["heldout_ddp_at_equal_tokens"]
         per_seed[str(seed)] = row
     out: dict[str, Any] = {"arm": arm, "per_seed": per_seed}
-    for key in ("tokens_per_s_ratio", "gap_at_equal_tokens", "gap_pct", "gap_final_update"):
+    for key in ("tokens_per_s_ratio", "tokens_per_s_training_ratio", "gap_at_equal_tokens",
+                "gap_pct", "gap_final_update"):
         values = [row[key] for row in per_seed.values() if key in row]
         out[key + "_mean"], out[key + "_std"] = mean_std(values)
     return out
@@ -343,6 +351,31 @@ def convergence_summary(grouped: Runs, tail: float) -> dict[str, Any]:
             "train_loss_final": final_table(grouped, tail), "train_loss_tail": tail}
 
 
+def spread_summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two sources of seed-to-seed spread apart, per arm and data: the held-out loss after
+    the final update over initialisations (one data order) and over data orders (one
+    initialisation), mean ± sample std. From the runs of ``--data-seed`` (and the ordinary run
+    whose seed is that data seed: the same run)."""
+    out: dict[str, Any] = {}
+    complete = [r for r in runs.values() if r.get("complete") and r.get("heldout_loss")]
+    for record in complete:
+        if record.get("data_seed") is None:
+            continue
+        name = f"{data_name(record)}/{record['arm']}"
+        row = out.setdefault(name, {"init": {}, "data": {}})
+        # by initialisation at data seed d; by data order at initialisation s
+        row["init"].setdefault(str(record["data_seed"]), {})[str(record["seed"])] = (
+            record["heldout_loss"][-1])
+        row["data"].setdefault(str(record["seed"]), {})[str(record["data_seed"])] = (
+            record["heldout_loss"][-1])
+    for row in out.values():
+        for kind in ("init", "data"):
+            row[kind] = {fixed: {"per_seed": values, "mean": mean_std(list(values.values()))[0],
+                                 "std": mean_std(list(values.values()))[1]}
+                         for fixed, values in row[kind].items() if len(values) > 1}  # fmt: skip
+    return out
+
+
 def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
     """Per arm, and each arm against ddp; ``heldout_gap_pct`` and ``tokens_per_s_ratio`` at the
     top: ``acco_until_ready``'s (held-out gap at equal tokens in % of ddp's loss, per seed)."""
@@ -351,8 +384,11 @@ def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
     return {
         "heldout_gap_pct": {"mean": main["gap_pct_mean"], "std": main["gap_pct_std"],
                             "per_seed": {s: v.get("gap_pct") for s, v in main["per_seed"].items()}},
-        "tokens_per_s_ratio": {"mean": main["tokens_per_s_ratio_mean"],
-                               "std": main["tokens_per_s_ratio_std"]},
+        # training steps only (validations left out: run.training_tokens_per_s), and all in
+        "tokens_per_s_ratio": {"mean": main["tokens_per_s_training_ratio_mean"],
+                               "std": main["tokens_per_s_training_ratio_std"],
+                               "with_validations": {"mean": main["tokens_per_s_ratio_mean"],
+                                                    "std": main["tokens_per_s_ratio_std"]}},
         "arms": hetero_table(grouped), "vs_ddp": main, "arms_vs_ddp": versus,
         "time_to_heldout": time_to_heldout(grouped),
     }  # fmt: skip
@@ -410,7 +446,9 @@ def print_comparison(comparison: dict[str, Any]) -> None:
     per_seed = " ".join(f"seed{s}: {v['tokens_per_s_ratio']:.2f}"
                         for s, v in comparison["per_seed"].items())  # fmt: skip
     print(f"  tokens/s {arm} / ddp: {comparison['tokens_per_s_ratio_mean']:.2f} ± "
-          f"{comparison['tokens_per_s_ratio_std']:.2f}  ({per_seed})")
+          f"{comparison['tokens_per_s_ratio_std']:.2f}  ({per_seed}); training steps only: "
+          f"{comparison['tokens_per_s_training_ratio_mean']:.2f} ± "
+          f"{comparison['tokens_per_s_training_ratio_std']:.2f}")
     if not math.isnan(comparison["gap_at_equal_tokens_mean"]):
         per_seed = " ".join(
             f"seed{s}: {v['gap_at_equal_tokens']:+.4f} at {v['equal_tokens']:,.0f}"
@@ -646,6 +684,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             for path in sources:  # a file holding both experiments keys by experiment too
                 both = len({r.get("experiment") for r in files[path].get("runs", {}).values()})
                 summaries[path][f"{experiment}/{data}" if both > 1 else data] = summary
+    spread = spread_summary({k: v for results in files.values()
+                             for k, v in results.get("runs", {}).items()})  # fmt: skip
+    for name, row in spread.items():
+        for kind, label in (("init", "initialisations at data seed"),
+                            ("data", "data orders at initialisation")):  # fmt: skip
+            for fixed, values in row[kind].items():
+                print(f"spread of {name}'s final held-out loss over {label} {fixed}: "
+                      f"{values['mean']:.4f} ± {values['std']:.4f} ({len(values['per_seed'])})")
+    for path, results in files.items():
+        mine = spread_summary(results.get("runs", {}))
+        if mine:
+            summaries[path]["spread"] = mine
+            done += 1
     if not done:
         print(f"no complete runs in {', '.join(map(str, files)) or args.results}", file=sys.stderr)
         return 1

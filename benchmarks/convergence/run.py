@@ -182,6 +182,7 @@ class RunSpec:
     corpus: str = "stdlib"
     data_order: str = "sequences"  # or "documents" (benchmarks/convergence/data.py)
     rank_args: tuple[tuple[str, ...], ...] = ()  # per global rank: arguments of that rank only
+    data_seed: int | None = None  # the data order's seed where it is not ``seed`` (--data-seed)
     heldout_every: int = 0  # real updates between validations; 0: none
     heldout_steps: int = 0  # validation batches per rank
     slow_factor: float = 1.0  # heterogeneous: rank 1's time per micro-batch / its compute
@@ -192,7 +193,8 @@ class RunSpec:
 
     @property
     def key(self) -> str:
-        return f"{self.experiment}/{self.data}/{self.arm}/seed{self.seed}"
+        fixed = "" if self.data_seed is None else f"-data{self.data_seed}"
+        return f"{self.experiment}/{self.data}/{self.arm}/seed{self.seed}{fixed}"
 
 
 # ----------------------------------------------------------------------------- log parsing
@@ -480,6 +482,8 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
                "tokens_per_s": tokens[-1] / time_s[-1]}  # fmt: skip
     if len(tokens) > 2 and time_s[-1] > time_s[0]:  # without step 1 (warm-up)
         summary["tokens_per_s_after_step1"] = (tokens[-1] - tokens[0]) / (time_s[-1] - time_s[0])
+    if len(tokens) > 2:
+        summary["tokens_per_s_training"] = training_tokens_per_s(record)
     if record.get("heldout_loss"):
         summary["heldout_loss_final"] = float(record["heldout_loss"][-1])
         summary["heldout_tokens_final"] = float(record["heldout_tokens"][-1] or 0)
@@ -496,6 +500,18 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
         summary[f"tokens_rank{rank}"] = float(rank_tokens)
         summary[f"tokens_per_s_rank{rank}"] = rank_tokens / time_s[-1]
     return summary
+
+
+def training_tokens_per_s(record: dict[str, Any]) -> float:
+    """Tokens/s of the training steps alone: the step after each validation is left out (its
+    time holds the validation, and in ACCO the wait for the update in flight that a validation
+    forces). The validations are the benchmark's instrument: 64 batches per rank each, every
+    ``--heldout-every`` updates, a cost a run's own validation schedule decides."""
+    steps, time_s, tokens = record["step"], record["time_s"], record["tokens"]
+    after = {s + 1 for s in record.get("heldout_step", [])}
+    seconds = sum(time_s[i] - time_s[i - 1] for i in range(1, len(steps)) if steps[i] not in after)
+    counted = sum(tokens[i] - tokens[i - 1] for i in range(1, len(steps)) if steps[i] not in after)
+    return counted / seconds if seconds > 0 else math.nan
 
 
 def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dict,
@@ -649,11 +665,12 @@ def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, 
         extra = mode_overrides(mode, args.batch_per_update)
     settings = batch_settings(config, extra + overrides, args.nproc)
     heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
-    dataset = data.prepare(corpus, order, seed, settings.seq_len)
+    data_seed = seed if args.data_seed is None else args.data_seed
+    dataset = data.prepare(corpus, order, data_seed, settings.seq_len)
     return RunSpec(
         "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed, args.updates,
         extra + heldout + ("--training.dataset_path", str(dataset.relative_to(REPO))) + overrides,
-        corpus=corpus, data_order=order, rank_args=rank_args,
+        corpus=corpus, data_order=order, rank_args=rank_args, data_seed=args.data_seed,
         heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
         slow_factor=args.slow_factor if args.heterogeneous else 1.0,
     )  # fmt: skip
@@ -687,6 +704,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
                         help="convergence: acco.mode values, one TOML each")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="seeds: --debug.seed (model initialisation) and the data order")
+    parser.add_argument("--data-seed", type=int, default=None,
+                        help="one data order for every seed (the seeds then vary only the "
+                        "initialisation): with runs of one seed and several data seeds, the two "
+                        "sources of spread apart; such runs are summarised apart (plot.py)")
     parser.add_argument("--heterogeneous", action="store_true",
                         help="run the heterogeneous experiment (rank 1 slowed) instead")
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),

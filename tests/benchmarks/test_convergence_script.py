@@ -407,3 +407,11 @@ def test_smoke_control_arm_runs_each_ranks_own_microbatches(tmp_path: pathlib.Pa
     assert matched["complete"] and matched["microbatches"] == {"0": [3, 3], "1": [1, 1]}
     capped = runs["heterogeneous/stdlib-sequences/acco_capped/seed0"]
     assert capped["complete"] and capped["microbatches"] == {"0": [1] * 4, "1": [1] * 4}
+
+
+def test_training_tokens_per_s_leaves_out_the_step_after_each_validation() -> None:
+    record = {"step": [1, 2, 3, 4, 5], "time_s": [1.0, 2.0, 7.0, 8.0, 9.0],
+              "tokens": [10, 20, 30, 40, 50], "heldout_step": [1, 2]}  # fmt: skip
+    # steps 2 and 3 follow validations; steps 4 and 5: 20 tokens in 2 s
+    assert run.training_tokens_per_s(record) == pytest.approx(10.0)
+    assert run.summarize(record)["tokens_per_s"] == pytest.approx(50 / 9)
