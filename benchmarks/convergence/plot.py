@@ -59,7 +59,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_RESULTS = ("docs/results/convergence_heldout.json", "docs/results/heterogeneous.json")
+DEFAULT_RESULTS = ("docs/results/convergence_heldout.json", "docs/results/heterogeneous.json",
+                   "docs/results/convergence_spread.json")
 # How a summary names the data of a group of runs: "iid" for sequence-shuffled data (independent
 # samples per micro-batch), "documents" for the document stream; other corpora than stdlib first.
 DATA_NAMES = {"sequences": "iid", "documents": "documents"}
