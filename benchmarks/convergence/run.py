@@ -113,7 +113,8 @@ import tomllib
 from datetime import datetime
 from typing import Any, Iterable, Sequence
 
-from benchmarks.convergence import data
+from benchmarks.convergence import data, per_rank
+from benchmarks.convergence.per_rank import RANK_ARGS_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
@@ -124,7 +125,6 @@ DEFAULT_WORKDIR = "outputs/convergence"
 HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # slow rank, micro-batch logs, fixed held-out
 SLOW_FACTOR_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_STATS_DIR"
 HELDOUT_DATASET = "stdlib_validation"
-RANK_ARGS_ENV = "ACCO_BENCH_RANK_ARGS"  # per_rank.py's
 # arm -> (acco.mode, extra overrides) for --heterogeneous
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "acco_until_ready": ("acco", ("--acco.accumulate_until_ready",)),  # a tyro flag: no value
@@ -409,7 +409,7 @@ def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Pat
                   nproc: int) -> list[str]:  # fmt: skip
     """torchrun + train_titan.py for ``spec`` (through ``per_rank.py`` where ranks differ);
     every run imports the slow_rank hooks."""
-    script = REPO / ("benchmarks/convergence/per_rank.py" if spec.rank_args else "train_titan.py")
+    script = pathlib.Path(per_rank.__file__) if spec.rank_args else per_rank.TRAIN_TITAN
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
