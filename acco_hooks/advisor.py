@@ -1,4 +1,5 @@
-"""Whether ACCO speeds this run up: the per-token law, and the engine's measurement of it.
+"""Whether ACCO speeds this run up: the per-token law, the engine's measurement of it, and
+``mode="auto"``'s choice of schedule.
 
 With ``K`` the compute of one round (``accumulation_steps`` micro-batches) and ``C`` one
 round's communication (reduce-scatter, shard step, all-gather), a real ACCO update spans two
@@ -10,8 +11,20 @@ communication). Per token::
 
 1 without communication, at most 1.5 at ``C = K``, 1 again at ``C = 2K`` and below 1 beyond:
 ACCO communicates twice per update, so it only wins while one round's compute hides a round's
-communication. The engine follows this schedule (one reduce-scatter and one all-gather of the
-whole model per round); nothing it does is cheaper.
+communication.
+
+**The generalized law.** An update of ``n`` micro-batches of compute ``c`` each is split into an
+estimate round of ``k₁`` micro-batches, which hides the previous update's communication ``C``,
+and an update round of ``k₂ = n - k₁``, which hides the estimate's communication ``αC`` (``α`` <
+1 when the estimate round sends a narrower dtype, ``estimate_reduce_dtype``)::
+
+    T_sync = n·c + C            T_acco(k₁, α) = max(k₁·c, C) + max(k₂·c, αC)
+
+ACCO as the paper builds it is ``k₁ = k₂ = k``, ``α = 1``. With the split chosen so that each
+round's compute just covers what it hides, the ceiling becomes ``1 + 1/(1 + α)``: 1.67× for a
+bfloat16 estimate of a float32 update. :func:`best_schedule` searches every split and estimate
+dtype; ``mode="auto"`` (:class:`AutoSchedule`) runs the synchronous schedule whenever none of
+them is faster as measured, so it is never slower than ``ddp`` by more than its trials cost.
 
 :class:`Advisor` measures on the engine's own rounds, on every rank:
 
@@ -32,10 +45,13 @@ from __future__ import annotations
 
 import logging
 import statistics
+from typing import NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["Advisor", "predicted_speedup"]
+__all__ = ["Advisor", "AutoSchedule", "Schedule", "best_schedule", "candidate_schedules",
+           "predicted_speedup", "schedule_seconds"]  # fmt: skip
 
 logger = logging.getLogger("acco_hooks")
 
@@ -58,6 +74,87 @@ def predicted_speedup(compute_s: float, comm_s: float) -> float:
     return (2 * compute_s + comm_s) / (2 * max(compute_s, comm_s))
 
 
+class Schedule(NamedTuple):
+    """How one real update's micro-batches run: synchronously, or in two overlapped rounds."""
+
+    estimate_microbatches: int
+    """Micro-batches of the estimate round; 0: synchronous (one round, no estimate)."""
+    update_microbatches: int
+    """Micro-batches of the update round (of the one round when synchronous)."""
+    estimate_dtype: str = ""
+    """The estimate round's dtype on the wire ('' when synchronous)."""
+
+    @property
+    def synchronous(self) -> bool:
+        return self.estimate_microbatches == 0
+
+    def describe(self) -> str:
+        if self.synchronous:
+            return f"synchronous ({self.update_microbatches} micro-batches per update)"
+        return (f"acco (estimate round {self.estimate_microbatches} micro-batches in "
+                f"{self.estimate_dtype}, update round {self.update_microbatches})")  # fmt: skip
+
+
+def schedule_seconds(
+    per_microbatch_s: float, comm_s: float, schedule: Schedule, estimate_comm_s: float
+) -> float:
+    """Seconds per real update of ``schedule`` by the generalized law (module docstring).
+
+    Args:
+        per_microbatch_s: compute of one micro-batch (c).
+        comm_s: the update's communication (C).
+        schedule: the split, and whether it is synchronous.
+        estimate_comm_s: the estimate round's communication (αC).
+    """
+    if schedule.synchronous:
+        return schedule.update_microbatches * per_microbatch_s + comm_s
+    return (max(schedule.estimate_microbatches * per_microbatch_s, comm_s)
+            + max(schedule.update_microbatches * per_microbatch_s, estimate_comm_s))  # fmt: skip
+
+
+def candidate_schedules(
+    microbatches: int, reduce_dtype: torch.dtype, estimate_microbatches: Optional[int] = None,
+    estimate_dtype: Optional[torch.dtype] = None,
+) -> list[Schedule]:  # fmt: skip
+    """Every schedule of ``microbatches`` per update: synchronous first, then each split and
+    estimate dtype (only those fixed when given; a narrower candidate: bfloat16)."""
+    if estimate_dtype is not None:
+        dtypes = [estimate_dtype]
+    else:
+        dtypes = [reduce_dtype] + [d for d in (torch.bfloat16,) if d.itemsize < reduce_dtype.itemsize]
+    splits = [estimate_microbatches] if estimate_microbatches else range(1, microbatches)
+    return [Schedule(0, microbatches)] + [
+        Schedule(k, microbatches - k, _name(d)) for d in dtypes for k in splits
+    ]
+
+
+def best_schedule(
+    per_microbatch_s: float, comm_s: float, candidates: list[Schedule],
+    estimate_comm_s: dict[str, float],
+) -> tuple[Schedule, float]:  # fmt: skip
+    """The candidate the law prices fastest, and its per-token speedup over the synchronous one.
+
+    Args:
+        estimate_comm_s: an estimate round's communication by its dtype's name.
+    """
+    def seconds(schedule: Schedule) -> float:
+        alpha_c = estimate_comm_s.get(schedule.estimate_dtype, comm_s)
+        return schedule_seconds(per_microbatch_s, comm_s, schedule, alpha_c)
+
+    def preference(schedule: Schedule) -> tuple:
+        # equals: the synchronous one, then the most even split, then the widest estimate
+        return (seconds(schedule), not schedule.synchronous,
+                abs(schedule.estimate_microbatches - schedule.update_microbatches),
+                schedule.estimate_dtype != candidates[-1].estimate_dtype)  # fmt: skip
+
+    best = min(candidates, key=preference)
+    return best, seconds(candidates[0]) / max(seconds(best), 1e-12)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class Advisor:
     """Compute, communication and round time of the engine's first measured rounds.
 
@@ -74,15 +171,19 @@ class Advisor:
     """
 
     __slots__ = (
-        "accumulation_steps", "overlapping", "report",
+        "accumulation_steps", "overlapping", "microbatches_per_update", "report",
         # measurements: undisturbed micro-batches, any micro-batch, rounds, communications
         "_quiet_microbatch", "_microbatch", "_round", "_round_microbatches", "_comm",
         "figures",
     )  # fmt: skip
 
-    def __init__(self, accumulation_steps: int, overlapping: bool = True) -> None:
+    def __init__(
+        self, accumulation_steps: int, overlapping: bool = True,
+        microbatches_per_update: Optional[int] = None,
+    ) -> None:  # fmt: skip
         self.accumulation_steps = accumulation_steps
         self.overlapping = overlapping
+        self.microbatches_per_update = microbatches_per_update or accumulation_steps
         self.report = not dist.is_initialized() or dist.get_rank() == 0  # one line per job
         self._quiet_microbatch: list[float] = []
         self._microbatch: list[float] = []
@@ -140,6 +241,12 @@ class Advisor:
                 "tokens; ceiling 1.50 at comm = compute)")  # fmt: skip
         per_microbatch = compute / max(self.accumulation_steps, 1)
         steps = max(1, round(comm / per_microbatch)) if per_microbatch > 0 else 1
+        if self.microbatches_per_update >= 2:  # what mode='auto' would try first
+            candidates = candidate_schedules(self.microbatches_per_update, torch.float32)
+            best, best_speedup = best_schedule(per_microbatch, comm, candidates,
+                                               {"bfloat16": comm / 2})  # fmt: skip
+            line += (f"; mode='auto' would try {best.describe()}, priced at "
+                     f"{best_speedup:.2f}x synchronous")  # fmt: skip
         if ideal < 1.0:
             line += (f". WARNING: ACCO is slower here: one round's communication takes "
                      f"{comm / max(compute, 1e-12):.1f}x its compute. Raise accumulation_steps "
@@ -156,3 +263,151 @@ class Advisor:
                      f"about {steps} if a smaller batch per update suits the training, or on "
                      "slower links")  # fmt: skip
         return line
+
+
+# mode="auto": updates ignored after each change of schedule (the first overlapped one hides
+# nothing), updates timed per schedule, schedules tried per decision, and after how many
+# updates a decision is taken again (links change under other jobs).
+AUTO_SETTLE_UPDATES, AUTO_TIMED_UPDATES, AUTO_TRIALS, AUTO_REDECIDE_UPDATES = 2, 3, 3, 200
+# A schedule is tried when the law prices it this much faster than the fastest one timed, and
+# replaces the synchronous one when it is timed this much faster.
+AUTO_TRY_BELOW, AUTO_KEEP_BELOW = 0.95, 0.98
+_SAMPLES = 64  # the most timings kept per kind between two decisions
+
+
+class AutoSchedule:
+    """``mode="auto"``: the schedule the next real updates should run, from timed updates.
+
+    It times the synchronous schedule first, prices every candidate by the generalized law
+    with the compute and communication it measured, tries the fastest-priced one, re-prices
+    with what that trial measured (a narrower estimate's real ``αC``, and how much slower than
+    its price it ran) and may try another, up to ``AUTO_TRIALS``; then
+    it keeps the fastest schedule *as timed*, the synchronous one unless another beats it by
+    2 %: the law only chooses what to try. Every ``AUTO_REDECIDE_UPDATES`` updates it decides
+    again from scratch.
+
+    The engine feeds it on every rank; only one rank's :attr:`target` is run (the engine
+    agrees on it through its communication), so every rank runs the same schedule.
+
+    Args:
+        candidates: the schedules it may run, the synchronous one first
+            (:func:`candidate_schedules`).
+        reduce_dtype: the update's dtype on the wire (its communication is ``C``).
+        report: whether this rank logs the choice.
+    """
+
+    __slots__ = ("candidates", "reduce_dtype", "report", "target", "chosen", "figures",
+                 "_timed", "_microbatch", "_comm", "_last_run", "_run_length", "_trials",
+                 "_held")  # fmt: skip
+
+    def __init__(self, candidates: list[Schedule], reduce_dtype: torch.dtype, report: bool) -> None:
+        self.candidates = candidates
+        self.reduce_dtype = _name(reduce_dtype)
+        self.report = report
+        self.target = candidates[0]  # what it wants run now
+        self.chosen: Optional[Schedule] = None  # its last decision
+        self.figures: dict[str, float] = {}  # what that decision was based on
+        self._restart()
+        self._last_run: Optional[Schedule] = None
+        self._run_length = 0
+        self._held: Optional[int] = None  # updates since the decision; None while deciding
+
+    def _restart(self) -> None:
+        self._timed: dict[Schedule, list[float]] = {}
+        self._microbatch: list[float] = []
+        self._comm: dict[str, list[float]] = {}
+        self._trials = 0
+
+    def record_microbatch(self, seconds: float, communicating: bool) -> None:
+        """One micro-batch's compute; only those with no communication in flight price c."""
+        if not communicating and len(self._microbatch) < _SAMPLES:
+            self._microbatch.append(seconds)
+
+    def record_comm(self, dtype: torch.dtype, seconds: float) -> None:
+        """One round's communication job, by the dtype it sent."""
+        samples = self._comm.setdefault(_name(dtype), [])
+        if len(samples) < _SAMPLES:
+            samples.append(seconds)
+
+    def record_update(self, ran: Schedule, seconds: float) -> None:
+        """One real update's time (update boundary to update boundary) under ``ran``."""
+        if ran != self._last_run:
+            self._last_run, self._run_length = ran, 0
+        self._run_length += 1
+        if self._held is not None:
+            self._held += 1
+            if self._held >= AUTO_REDECIDE_UPDATES:
+                self._held = None
+                self._restart()
+                self.target = self.candidates[0]
+            return
+        if ran != self.target or self._run_length <= AUTO_SETTLE_UPDATES:
+            return  # the engine has not switched yet, or the schedule is still settling
+        timed = self._timed.setdefault(ran, [])
+        timed.append(seconds)
+        if len(timed) >= AUTO_TIMED_UPDATES:
+            self._decide()
+
+    def _decide(self) -> None:
+        timed = {s: statistics.median(t) for s, t in self._timed.items()
+                 if len(t) >= AUTO_TIMED_UPDATES}  # fmt: skip
+        synchronous = self.candidates[0]
+        per_microbatch = statistics.median(self._microbatch or [0.0])
+        comm = statistics.median(self._comm.get(self.reduce_dtype) or [0.0])
+        estimate_comm = {d: statistics.median(t) for d, t in self._comm.items()}
+        for schedule in self.candidates[1:]:  # untried narrower estimates: by their bytes
+            if schedule.estimate_dtype not in estimate_comm:
+                ratio = getattr(torch, schedule.estimate_dtype).itemsize / getattr(
+                    torch, self.reduce_dtype).itemsize
+                estimate_comm[schedule.estimate_dtype] = comm * ratio
+        def priced(schedule: Schedule) -> float:
+            return schedule_seconds(per_microbatch, comm, schedule,
+                                    estimate_comm.get(schedule.estimate_dtype, comm))  # fmt: skip
+
+        # What the law misses of an overlapped schedule here (the overlap slowing the compute
+        # down, a thread's hand-offs), as the trials so far timed it: later prices include it.
+        missed = max([timed[s] / max(priced(s), 1e-12) for s in timed if not s.synchronous] + [1.0])
+        untried = [s for s in self.candidates if s not in timed]
+        fastest_timed = min(timed.values())
+        if untried and self._trials < AUTO_TRIALS:
+            best, _ = best_schedule(per_microbatch, comm, [synchronous, *untried], estimate_comm)
+            if not best.synchronous and priced(best) * missed < AUTO_TRY_BELOW * fastest_timed:
+                self._trials += 1
+                self.target = best
+                return
+        best = min(timed, key=timed.get)
+        if timed[best] > AUTO_KEEP_BELOW * timed.get(synchronous, float("inf")):
+            best = synchronous if synchronous in timed else best
+        speedup = timed.get(synchronous, timed[best]) / timed[best]
+        self.figures = {"per_microbatch_s": per_microbatch, "comm_s": comm,
+                        "synchronous_update_s": timed.get(synchronous, float("nan")),
+                        "chosen_update_s": timed[best], "measured_speedup": speedup}  # fmt: skip
+        changed = best != self.chosen
+        self.chosen = self.target = best
+        self._held = 0
+        if self.report and changed:
+            logger.info("%s", self.describe(timed))
+
+    def describe(self, timed: Optional[dict[Schedule, float]] = None) -> str:
+        """The ``acco auto:`` line: what was measured, what runs, and how much faster."""
+        f = self.figures
+        line = (f"acco auto: c={f['per_microbatch_s']:.4f}s per micro-batch, "
+                f"C={f['comm_s']:.4f}s per update's communication; runs "
+                f"{self.chosen.describe()}: {f['chosen_update_s']:.4f}s per update against "
+                f"{f['synchronous_update_s']:.4f}s synchronous, speedup "
+                f"{f['measured_speedup']:.2f} per token")  # fmt: skip
+        if timed:
+            tried = ", ".join(f"{s.describe()} {t:.4f}s" for s, t in timed.items())
+            line += f" (timed: {tried})"
+        return line
+
+    def state_dict(self) -> dict:
+        """The decision and what it rests on (a resumed run keeps its schedule)."""
+        return {"target": tuple(self.target), "chosen": None if self.chosen is None else
+                tuple(self.chosen), "figures": dict(self.figures), "held": self._held}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.target = Schedule(*state["target"])
+        self.chosen = None if state["chosen"] is None else Schedule(*state["chosen"])
+        self.figures, self._held = dict(state["figures"]), state["held"]
+        self._restart()

@@ -56,7 +56,7 @@ def set_gradient_sync_for_next_microbatch(
     Returns:
         Whether the next backward hands the engine gradients.
     """
-    last = engine.microbatches_in_round + 1 >= engine.settings.accumulation_steps
+    last = engine.microbatches_in_round + 1 >= engine.round_size
     for module in modules:
         module.set_requires_gradient_sync(every_microbatch or last, recurse=False)
     return every_microbatch or last

@@ -4,7 +4,7 @@ engine does, naming the setting in its own spelling.
 What is valid is written here from the documented meaning of each setting (the docstrings of
 ``acco_hooks.engine.EngineSettings``), independently of the checks in the code:
 
-* ``mode``: one of the strings ``"acco"``, ``"dpu"``, ``"ddp"``;
+* ``mode``: one of the strings ``"acco"``, ``"dpu"``, ``"ddp"``, ``"auto"``;
 * ``accumulation_steps``: an ``int`` (not a ``bool``) ≥ 1: a number of micro-batches;
 * ``accumulate_until_ready``: a ``bool``;
 * ``reduce_dtype``: ``None`` (float32), or a floating dtype that can carry a sum, as a
@@ -14,7 +14,9 @@ What is valid is written here from the documented meaning of each setting (the d
 * ``nonfinite``: ``"skip"`` or ``"raise"``;
 * ``timeout``: ``None`` or a real number of seconds that a process group's timeout can hold:
   between 1 ms (gloo counts whole ms) and 1e12 s (a larger ``timedelta`` overflows);
-* ``max_microbatches_per_round``: ``None`` (no cap) or an ``int`` ≥ 1: a number of micro-batches.
+* ``max_microbatches_per_round``: ``None`` (no cap) or an ``int`` ≥ 1: a number of micro-batches;
+* ``estimate_reduce_dtype``: ``None`` (the reduce dtype) or a dtype as ``reduce_dtype`` takes;
+* ``estimate_microbatches``: ``None`` or an ``int`` ≥ 1: a number of micro-batches.
 
 The front-ends and the settings each takes (the others come from the front-end's host):
 
@@ -32,7 +34,15 @@ Rules of composition (each value valid alone, the combination not):
   together (FSDP inside a replica, tensor or pipeline parallelism);
 * ``max_microbatches_per_round`` caps what ``accumulate_until_ready`` adds: set while that is
   off, or below the round's size (``accumulation_steps``; torchtitan's 0 resolves to 1 micro-batch
-  in the configs used here), it is refused, naming ``max_microbatches_per_round``.
+  in the configs used here), it is refused, naming ``max_microbatches_per_round``;
+* ``mode="auto"`` times updates of a fixed size: with ``accumulate_until_ready=True`` it is
+  refused, naming ``accumulate_until_ready``; it splits an update's ``accumulation_steps``
+  micro-batches into two rounds, so fewer than 2 are refused (naming ``mode``), and an
+  ``estimate_microbatches`` that leaves the update round none is refused, naming it;
+* the two ``estimate_*`` settings shape the estimate round, which only ``"acco"`` and ``"auto"``
+  have: set with another mode, they are refused, naming the setting; an
+  ``estimate_reduce_dtype`` with more bytes per element than ``reduce_dtype`` (float32 when
+  ``None``) is refused, naming ``estimate_reduce_dtype``.
 
 A valid configuration must construct; an invalid value must raise ``ValueError`` or
 ``TypeError`` (never another exception) whose message names at least one invalid setting and no
@@ -84,7 +94,7 @@ def _positive_finite(value: Any) -> bool:
     return math.isfinite(as_float) and as_float > 0
 
 
-VALID_MODES = ("acco", "dpu", "ddp")
+VALID_MODES = ("acco", "dpu", "ddp", "auto")
 VALID_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 VALID_REDUCE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
@@ -99,23 +109,54 @@ PREDICATES: dict[str, Callable[[Any], bool]] = {
     "nonfinite": lambda v: isinstance(v, str) and v in ("skip", "raise"),
     "timeout": lambda v: v is None or (_positive_finite(v) and 1e-3 <= float(v) <= 1e12),
     "max_microbatches_per_round": lambda v: v is None or (_is_int(v) and v >= 1),
+    "estimate_reduce_dtype": lambda v: v is None
+    or (isinstance(v, torch.dtype) and v in VALID_REDUCE_DTYPES)
+    or (isinstance(v, str) and v in VALID_REDUCE_NAMES),
+    "estimate_microbatches": lambda v: v is None or (_is_int(v) and v >= 1),
 }
 TITAN_SETTINGS = ("mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype",
-                  "nonfinite", "timeout", "max_microbatches_per_round")  # fmt: skip
+                  "nonfinite", "timeout", "max_microbatches_per_round", "estimate_reduce_dtype",
+                  "estimate_microbatches")  # fmt: skip
 HF_SETTINGS = ("mode", "accumulate_until_ready", "reduce_dtype", "nonfinite", "timeout",
-               "max_microbatches_per_round")  # fmt: skip
+               "max_microbatches_per_round", "estimate_reduce_dtype",
+               "estimate_microbatches")  # fmt: skip
 CAP = "max_microbatches_per_round"
+ESTIMATE_SETTINGS = ("estimate_reduce_dtype", "estimate_microbatches")
+BYTES = {None: 4, **{d: d.itemsize for d in VALID_REDUCE_DTYPES},
+         **{n: getattr(torch, n).itemsize for n in VALID_REDUCE_NAMES}}  # fmt: skip
 
 
-def conflicting(values: dict[str, Any], valid: Callable[[str, Any], bool]) -> set[str]:
-    """The settings of a combination that breaks a rule of composition, each valid alone (the
-    cap and the setting it conflicts with); empty if none."""
-    if any(not valid(k, v) for k, v in values.items()) or values.get(CAP) is None:
+def conflicting(
+    values: dict[str, Any], valid: Callable[[str, Any], bool], round_size_rules: bool = True
+) -> set[str]:
+    """The settings of every rule of composition the combination breaks, each valid alone;
+    empty if none. ``round_size_rules=False``: the front-end does not know the round's size
+    (the Hugging Face arguments: the Trainer's), its rules wait for the engine."""
+    if any(not valid(k, v) for k, v in values.items()):
         return set()
-    if values.get("accumulate_until_ready") is not True:
-        return {CAP, "accumulate_until_ready"}
-    steps = values.get("accumulation_steps", 1) or 1  # torchtitan's 0: one micro-batch here
-    return {CAP, "accumulation_steps"} if values[CAP] < steps else set()
+    broken: set[str] = set()
+    mode, until, cap = values.get("mode", "acco"), values.get("accumulate_until_ready"), values.get(CAP)
+    if cap is not None and until is not True:
+        broken |= {CAP, "accumulate_until_ready"}
+    if mode == "auto" and until is True:
+        broken |= {"mode", "accumulate_until_ready"}
+    for name in ESTIMATE_SETTINGS:
+        if values.get(name) is not None and mode not in ("acco", "auto"):
+            broken |= {name, "mode"}
+    if BYTES[values.get("estimate_reduce_dtype")] > BYTES[values.get("reduce_dtype")] and (
+        values.get("estimate_reduce_dtype") is not None
+    ):
+        broken |= {"estimate_reduce_dtype", "reduce_dtype"}
+    if round_size_rules:
+        steps = values.get("accumulation_steps", 1) or 1  # torchtitan's 0: one micro-batch here
+        if cap is not None and cap < steps:
+            broken |= {CAP, "accumulation_steps"}
+        if mode == "auto" and steps < 2:
+            broken |= {"mode", "accumulation_steps"}
+        split = values.get("estimate_microbatches")
+        if mode == "auto" and split is not None and split >= steps:
+            broken |= {"estimate_microbatches", "accumulation_steps"}
+    return broken
 
 
 def titan_valid(name: str, value: Any) -> bool:
@@ -151,6 +192,8 @@ EDGE_GOOD = {
     "nonfinite": ["skip", "raise"],
     "timeout": [None, 1e-3, 0.5, 1, 1e12],
     CAP: [None, 1, 2, 10**18],
+    "estimate_reduce_dtype": [None, *VALID_REDUCE_DTYPES, *VALID_REDUCE_NAMES],
+    "estimate_microbatches": [None, 1, 2, 10**18],
 }
 EDGE_BAD = {
     "mode": ["ACCO", "sync", "", None, 0, True, ["acco"]],
@@ -164,6 +207,9 @@ EDGE_BAD = {
     "timeout": [0, 0.0, -1, math.nan, math.inf, -math.inf, True, False, "30", 1e-4, 5e-324,
                 1e13, 10**400],
     CAP: [0, -1, True, False, 1.0, 2.0, math.nan, math.inf, "2", [4]],
+    "estimate_reduce_dtype": [torch.int32, torch.bool, "fp32", "bf16", 16, True,
+                              torch.float8_e4m3fn, ["bfloat16"]],
+    "estimate_microbatches": [0, -1, True, False, 1.0, math.nan, "2", [4]],
 }  # fmt: skip
 
 VALID = {
@@ -186,6 +232,9 @@ VALID = {
         st.integers(1, 10**6),
     ),
     CAP: st.one_of(st.none(), st.sampled_from(EDGE_GOOD[CAP]), st.integers(1, 64)),
+    "estimate_reduce_dtype": st.sampled_from(EDGE_GOOD["estimate_reduce_dtype"]),
+    "estimate_microbatches": st.one_of(st.none(), st.sampled_from(EDGE_GOOD["estimate_microbatches"]),
+                                       st.integers(1, 64)),
 }  # fmt: skip
 
 INVALID = {
@@ -214,6 +263,12 @@ INVALID = {
     ),
     CAP: st.one_of(st.integers(max_value=0), st.booleans(), any_float, near_miss,
                    wrong_container),
+    "estimate_reduce_dtype": st.one_of(
+        non_floating_dtype, near_miss, junk_text, st.integers(), any_float, st.booleans(),
+        wrong_container,
+    ),
+    "estimate_microbatches": st.one_of(st.integers(max_value=0), st.booleans(), any_float,
+                                       near_miss, wrong_container),
 }  # fmt: skip
 # The boundary values get as much weight as every other kind of bad value together.
 INVALID = {k: st.one_of(st.sampled_from(EDGE_BAD[k]), v) for k, v in INVALID.items()}
@@ -321,16 +376,19 @@ def build_hf_arguments(values: dict[str, Any]) -> Exception | None:
 
 
 def assert_verdict(values: dict[str, Any], error: Exception | None, valid: Callable,
-                   spelled: Callable[[str], str]) -> tuple[set[str], set[str]]:  # fmt: skip
+                   spelled: Callable[[str], str],
+                   round_size_rules: bool = True) -> tuple[set[str], set[str]]:  # fmt: skip
     """Built exactly when every value is valid and the combination too; a refusal names invalid
     (or conflicting) settings only, in the front-end's spelling. Returns (invalid settings,
     settings the refusal names)."""
-    invalid = {k for k, v in values.items() if not valid(k, v)} or conflicting(values, valid)
+    invalid = {k for k, v in values.items() if not valid(k, v)} or conflicting(
+        values, valid, round_size_rules
+    )
     if not invalid:
         assert error is None, f"valid configuration {values!r} was refused: {error!r}"
         return invalid, set()
     assert error is not None, f"invalid settings {sorted(invalid)} accepted: {values!r}"
-    named = {k for k in values if spelled(k) in str(error)}
+    named = {k for k in values if re.search(rf"(?<![\w.]){re.escape(spelled(k))}", str(error))}
     assert named, f"{type(error).__name__} names no setting: {error} (invalid: {sorted(invalid)})"
     assert named <= invalid, f"message blames valid settings {sorted(named - invalid)}: {error}"
     return invalid, named
@@ -349,7 +407,21 @@ FRONT_ENDS = {  # name: (its settings, builder, validity, how it spells a settin
 
 def check(front_end: str, values: dict[str, Any]) -> tuple[set[str], set[str]]:
     names, build, valid, spelled = FRONT_ENDS[front_end]
-    return assert_verdict(values, build(values), valid, spelled)
+    return assert_verdict(values, build(values), valid, spelled, front_end != "hf")
+
+
+def with_companions(key: str, value: Any) -> dict[str, Any]:
+    """``{key: value}`` and the other settings its rules of composition need to let it by."""
+    values = {key: value}
+    if key == CAP:
+        values["accumulate_until_ready"] = True
+    if key in ESTIMATE_SETTINGS:
+        values["mode"] = "acco"
+    if key == "estimate_reduce_dtype":
+        values["reduce_dtype"] = "float64"
+    if key == "mode" and value == "auto":
+        values["accumulation_steps"] = 2
+    return values
 
 
 # --------------------------------------------------------------------------------- tests
@@ -394,6 +466,7 @@ def test_front_end_names_the_cap_where_the_combination_conflicts(front_end: str,
     round's size, is refused by naming the cap only."""
     names, _, valid, _ = FRONT_ENDS[front_end]
     values = {k: data.draw(VALID[k]) for k in names}
+    values.update(mode="acco", estimate_reduce_dtype=None, estimate_microbatches=None)  # no other rule
     values[CAP] = data.draw(st.integers(1, 64))
     if "accumulation_steps" not in names or data.draw(st.booleans()):
         values["accumulate_until_ready"] = False
@@ -407,19 +480,18 @@ def test_front_end_names_the_cap_where_the_combination_conflicts(front_end: str,
 def test_every_front_end_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     """The engine's verdict on one value, and each front-end that takes the setting: the same."""
     engine_ok = PREDICATES[key](value)
-    values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
+    values = with_companions(key, value)
     with_engine = check("ACCOOptimizer", values)
     assert with_engine == (set(), set()) if engine_ok else with_engine == ({key}, {key})
     if key in HF_SETTINGS:
-        assert check("hf", values) == with_engine
+        assert check("hf", {k: v for k, v in values.items() if k in HF_SETTINGS}) == with_engine
 
 
 @pytest.mark.titan
 @pytest.mark.parametrize("key, value", edge_cases(TITAN_SETTINGS))
 def test_the_acco_section_agrees_with_the_engine_on_each_boundary_value(key: str, value) -> None:
     expected = (set(), set()) if titan_valid(key, value) else ({key}, {key})
-    values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
-    assert check("titan", values) == expected
+    assert check("titan", with_companions(key, value)) == expected
 
 
 def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any]]) -> dict:
@@ -444,7 +516,7 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
     verdicts = {}
     for name, build in (("ACCOState", ddp), ("ACCOHSDPOptimizer", hsdp)):
         for key, value in cases:
-            values = {key: value, "accumulate_until_ready": True} if key == CAP else {key: value}
+            values = with_companions(key, value)
             try:
                 build(values).close()
                 verdicts[name, key, repr(value)] = None
@@ -454,7 +526,7 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
 
 
 def test_acco_state_and_hsdp_optimizer_agree_with_the_engine() -> None:
-    """Every boundary value of every setting (the cap with accumulate_until_ready=True); HSDP
+    """Every boundary value of every setting (with its companions); HSDP
     also refuses accumulate_until_ready=True, as the engine does with an FSDP group (the ranks
     of a replica reduce-scatter together), and so every cap."""
     cases = [(key, value) for key in PREDICATES for table in (EDGE_GOOD, EDGE_BAD)

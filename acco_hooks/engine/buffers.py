@@ -16,6 +16,10 @@ buffer                size, dtype  role
                                    added to the update round's sum
 ====================  ===========  ========================================================
 
+An estimate round that sends a narrower dtype than the update (``estimate_reduce_dtype``) uses
+the same bytes: :meth:`GroupBuffers.payload` views the communication buffer in that dtype and
+adds a shard-sized ``shard_sum`` of it.
+
 A parameter replicated over a mesh dimension other than the data-parallel one (tensor
 parallelism) counts once in the global gradient norm: ``norm_discounts`` says where.
 
@@ -105,6 +109,8 @@ class GroupBuffers:
         "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
         # Shard-size buffers (the communication side); ``carried`` in acco only
         "shard_sum", "master", "gather_input", "carried",
+        # The bytes under comm_input and gathered, and the (payload, shard_sum) of each dtype
+        "_comm_bytes", "_payloads",
     )  # fmt: skip
 
     def __init__(
@@ -130,6 +136,7 @@ class GroupBuffers:
         # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
         itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
         raw = torch.empty(self.padded_numel * itemsize, dtype=torch.uint8, device=device)
+        self._comm_bytes = raw
         self.comm_input = raw[: self.padded_numel * reduce_dtype.itemsize].view(reduce_dtype)
         self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
             self.gather_dtype
@@ -137,12 +144,25 @@ class GroupBuffers:
         self.gathered_views = _split(self.gathered, self.locals)
 
         self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
+        self._payloads = {reduce_dtype: (self.comm_input, self.shard_sum)}
         self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
         self.master = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
         self.carried = (
             torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if carry else None
         )
         self.reset_master(rank)
+
+    def payload(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(comm_input, shard_sum)`` for gradients sent in ``dtype``, no wider than the
+        reduce dtype: a view of the same communication bytes, and a shard sum of that dtype."""
+        if dtype not in self._payloads:
+            if dtype.itemsize > self.comm_input.dtype.itemsize:
+                raise ValueError(f"acco_hooks: a {dtype} payload is wider than {self.comm_input.dtype}")
+            self._payloads[dtype] = (
+                self._comm_bytes[: self.padded_numel * dtype.itemsize].view(dtype),
+                torch.empty(self.shard_numel, dtype=dtype, device=self.master.device),
+            )
+        return self._payloads[dtype]
 
     def copy_gathered_into_params(self) -> None:
         if all(t.dtype == self.gather_dtype for t in self.locals):
@@ -220,7 +240,8 @@ def memory_bytes(
         "optimizer_state": nbytes(state),
         "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the
             id(t): t                 # reduce-scatter output is the master's gradient
-            for g in buffers for t in (g.shard_sum, g.gather_input, g.master.grad)
+            for g in buffers
+            for t in (*(shard for _, shard in g._payloads.values()), g.gather_input, g.master.grad)
             if t is not None
         }.values()),
     }

@@ -336,41 +336,55 @@ class RoundResult(NamedTuple):
     nonfinite: bool  # NaN/Inf in the averaged gradient: nothing was stepped, θ was re-gathered
     updated: bool  # the shard optimizer stepped (a real update θ_t -> θ_{t+1})
     comm_s: float  # how long the job took on the communication thread
+    schedule_choice: int | None = None  # mode="auto": the schedule every rank runs next
 
 
 def communicate(
     job: Job, local_count: float, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
+    dtype: torch.dtype, carry: bool, proposal: int | None = None,
 ) -> RoundResult:  # fmt: skip
-    """reduce-scatter -> average -> clip -> step or estimate -> all-gather."""
+    """reduce-scatter -> average -> clip -> step or estimate -> all-gather.
+
+    Args:
+        dtype: the dtype ``comm_input`` was filled in (``GroupBuffers.payload``).
+        carry: ``acco`` with the estimate sent in the update's dtype: the estimate job keeps
+            its reduce-scattered ΣG̃, the update job adds it. Without it the update round's
+            payload holds both rounds' sum already.
+        proposal: ``mode="auto"``: the schedule this rank wants next; the first rank of the
+            norm group's proposal is returned to every rank as ``schedule_choice``.
+    """
     start = time.perf_counter()
+    payloads = [g.payload(dtype) for g in buffers]
+    shard_sums = [shard_sum for _, shard_sum in payloads]
     if groups.data is None:
-        for g in buffers:
-            g.shard_sum.copy_(g.comm_input)
+        for comm_input, shard_sum in payloads:
+            shard_sum.copy_(comm_input)
     else:
-        for g in buffers:
-            reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
+        for comm_input, shard_sum in payloads:
+            reduce_scatter_sum(shard_sum, comm_input, groups.data)
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
-    carried = [g.carried for g in buffers if g.carried is not None]
+    carried = [g.carried for g in buffers] if carry else []
     if carried and job is Job.ESTIMATE:
-        torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
+        torch._foreach_copy_(carried, shard_sums)
     add_carried = bool(carried) and job is Job.UPDATE
     # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
     # whether to skip, although each has seen only its own shard. A NaN estimate round also
     # skips the update that carries it.
-    sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
-    finite = all(bool(torch.isfinite(t).all()) for t in sums)
+    finite = all(bool(torch.isfinite(t).all()) for t in shard_sums + carried)
+    device = buffers[0].master.device
     counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
-                          device=buffers[0].master.device)  # fmt: skip
+                          device=device)  # fmt: skip
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
     global_count, nonfinite = counts[0].item(), counts[1].item() > 0
+    choice = None if proposal is None else _agree(proposal, groups.norm, device)
     if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
         for g in buffers:
             g.gather_input.copy_(g.master)
         all_gather_shards(buffers, groups)
-        return RoundResult(global_count, None, True, False, time.perf_counter() - start)
+        return RoundResult(global_count, None, True, False, time.perf_counter() - start, choice)
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -378,13 +392,13 @@ def communicate(
         )
 
     grads = []
-    for g in buffers:
-        if g.shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
-            total = g.shard_sum
+    for g, shard_sum in zip(buffers, shard_sums):
+        if shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
+            total = shard_sum
         else:
-            if g.master.grad is None or g.master.grad is g.shard_sum:
+            if g.master.grad is None or g.master.grad is g.shard_sum:  # (fp32 in the last job)
                 g.master.grad = torch.empty_like(g.master)
-            total = g.master.grad.copy_(g.shard_sum)
+            total = g.master.grad.copy_(shard_sum)
         if add_carried:
             total.add_(g.carried)
         g.master.grad = total.div_(global_count)
@@ -403,8 +417,18 @@ def communicate(
         peek(optimizer, [g.gather_input for g in buffers])
     all_gather_shards(buffers, groups)
     return RoundResult(
-        global_count, grad_norm, False, job is Job.UPDATE, time.perf_counter() - start
+        global_count, grad_norm, False, job is Job.UPDATE, time.perf_counter() - start, choice
     )
+
+
+def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The proposal of ``group``'s first rank, on every rank of it."""
+    if group is None:
+        return proposal
+    mine = float(proposal) if dist.get_rank(group) == 0 else 0.0
+    choice = torch.tensor([mine], dtype=torch.float64, device=device)
+    dist.all_reduce(choice, group=group)
+    return int(choice.item())
 
 
 def _clip_(

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from acco_hooks.advisor import Advisor
+from acco_hooks.advisor import Advisor, AutoSchedule, Schedule, candidate_schedules
 from acco_hooks.engine import ownership
 from acco_hooks.engine.buffers import (
     GroupBuffers,
@@ -95,12 +95,15 @@ STATE_VERSION = 2
 class RoundInFlight:
     """A round whose communication was launched and whose result is not applied yet."""
 
-    __slots__ = ("future", "job", "round_index", "seen")
+    __slots__ = ("future", "job", "round_index", "dtype", "seen")
 
-    def __init__(self, future: Future, job: Job, round_index: int) -> None:
+    def __init__(
+        self, future: Future, job: Job, round_index: int, dtype: torch.dtype | None = None
+    ) -> None:
         self.future = future  # of the job's RoundResult (None for a re-gather after a load)
         self.job = job  # what the result is: a real update θ, or an estimate θ̃
         self.round_index = round_index  # the round whose gradients it communicates
+        self.dtype = dtype  # the gradients' dtype on the wire
         self.seen = False  # its RoundResult was read (counted) already, e.g. by state_dict()
 
 
@@ -142,10 +145,14 @@ class ACCOEngine:
         "_worker", "_hook_handles", "_release", "__weakref__",
         # The round in flight (launched, not yet applied), and the failure that stopped the engine
         "_in_flight", "_failure",
+        # How an update's micro-batches run (a split into an estimate and an update round, or
+        # one synchronous round), which round comes next, and mode="auto"'s choice of schedule:
+        # the controller, the schedule every rank agreed on, when the current update started
+        "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
-        "round_index", "num_updates", "skipped_rounds", "_round_microbatches", "_local_count",
-        "_grad_arrived", "grads_received", "last_wait_s", "last_round_microbatches",
-        "last_global_count", "last_grad_norm",
+        "round_index", "num_updates", "updates_launched", "skipped_rounds",
+        "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
+        "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
         # communication was in flight when the micro-batch started
         "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
@@ -197,7 +204,7 @@ class ACCOEngine:
                 )
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
-                settings.reduce_torch_dtype, settings.mode == "acco", optimizer_class,
+                settings.reduce_torch_dtype, settings.has_estimate_round, optimizer_class,
                 optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
         except BaseException:
@@ -209,12 +216,18 @@ class ACCOEngine:
         }
         self._in_flight: RoundInFlight | None = None
         self._failure: ACCOCommunicationError | None = None
-        self.round_index = self.num_updates = self.skipped_rounds = 0
+        self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
+        self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
+        self.schedule, self._auto = _first_schedule(settings, self._groups)
+        self._estimate_next, self._agreed, self._update_started = True, None, None
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
         # measures K, C and the round time; predicts ACCO's per-token speedup
-        self.advisor = Advisor(settings.accumulation_steps, overlapping=settings.mode != "ddp")
+        self.advisor = Advisor(
+            settings.accumulation_steps, overlapping=settings.overlaps_every_update,
+            microbatches_per_update=settings.accumulation_steps * (2 if settings.mode == "acco" else 1),
+        )  # fmt: skip
         self._round_started: float | None = None
         self._microbatch_started: float | None = None
         self._microbatch_overlapped = False
@@ -291,6 +304,15 @@ class ACCOEngine:
         return self._round_microbatches
 
     @property
+    def round_size(self) -> int:
+        """Micro-batches the round being accumulated runs (at least, with
+        ``accumulate_until_ready``): ``accumulation_steps``; in ``acco`` an estimate round's
+        ``estimate_microbatches``; in ``auto`` its schedule's share of the update."""
+        if self.schedule.synchronous or not self._estimate_next:
+            return self.schedule.update_microbatches
+        return self.schedule.estimate_microbatches
+
+    @property
     def communication_in_flight(self) -> bool:
         """Whether a round's communication was launched and has not finished yet.
 
@@ -330,6 +352,9 @@ class ACCOEngine:
         if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
             elapsed = time.perf_counter() - self._microbatch_started
             self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
+            if self._auto is not None:
+                self._auto.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
+        self.step_boundary = False
         try:
             return self._count_or_end_round(weight)
         finally:  # the next micro-batch's compute starts now
@@ -337,14 +362,16 @@ class ACCOEngine:
             self._microbatch_overlapped = self.communication_in_flight
 
     def _count_or_end_round(self, weight: float) -> bool:
-        if self.settings.mode == "ddp" and self._in_flight is not None:
+        if self._synchronous and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
             self._finish_in_flight(apply=True)
+            self._at_update_end(self.schedule)
+            self.step_boundary = True
             return True
         counted = (self._round_microbatches, self._local_count)
         self._round_microbatches += 1
         self._local_count += weight
-        if self._round_microbatches < self.settings.accumulation_steps:
+        if self._round_microbatches < self.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
         if (self.settings.accumulate_until_ready and self.communication_in_flight
@@ -368,35 +395,73 @@ class ACCOEngine:
         self.last_wait_s = time.perf_counter() - start
 
         # 2. the payload; the accumulator restarts. acco's update round averages both halves:
-        #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side, and
-        #    its count c̃ stays in the local count.
-        estimate = self.settings.mode == "acco" and self.round_index % 2 == 0
+        #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side
+        #    ("carry"), and its count c̃ stays in the local count. An estimate sent in a
+        #    narrower dtype is not carried: the accumulator keeps it, and the update round
+        #    sends both rounds' sum in the update's dtype.
+        schedule = self.schedule
+        estimate = not schedule.synchronous and self._estimate_next
+        reduce_dtype = self.settings.reduce_torch_dtype
+        estimate_dtype = reduce_dtype if schedule.synchronous else _dtype(schedule.estimate_dtype)
+        carry = not schedule.synchronous and estimate_dtype == reduce_dtype
+        dtype = estimate_dtype if estimate else reduce_dtype
         for g in self._buffers:
-            g.comm_input.copy_(g.accumulator)
-            g.accumulator.zero_()
+            g.payload(dtype)[0].copy_(g.accumulator)
+            if carry or not estimate:
+                g.accumulator.zero_()
         count = self._local_count
         if not estimate:
             self._local_count = 0.0
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
         job = Job.ESTIMATE if estimate else Job.UPDATE
+        proposal = None
+        if self._auto is not None and not estimate:
+            proposal = self._auto.candidates.index(self._auto.target)
         future = self._worker.submit(
             communicate, job, count, self._buffers, self._groups, self.optimizer,
-            self.lr_scheduler, self.settings.max_grad_norm,
+            self.lr_scheduler, self.settings.max_grad_norm, dtype, carry, proposal,
         )  # fmt: skip
-        self._in_flight = RoundInFlight(future, job, self.round_index)
+        self._in_flight = RoundInFlight(future, job, self.round_index, dtype)
 
         self.last_round_microbatches = self._round_microbatches
         self._round_microbatches = 0
         self.round_index += 1
         for arrived in self._grad_arrived:
             arrived[:] = [False] * len(arrived)
-        if self.settings.mode == "ddp":  # synchronous: its own result is the next parameters
+        if not schedule.synchronous:
+            self._estimate_next = not estimate
+        if self._synchronous:  # its own result is the next parameters
             self._finish_in_flight(apply=True)
+        if not estimate:
+            self._at_update_end(schedule)
+        self.step_boundary = self.settings.mode != "auto" or not estimate
         # 4. return: the next round computes while the network works
         now = time.perf_counter()
         if self._round_started is not None:  # round end to round end, for the advisor
             self.advisor.record_round(now - self._round_started, self.last_round_microbatches)
         self._round_started = now
+
+    @property
+    def _synchronous(self) -> bool:
+        """Whether each round waits for its own communication (``ddp``; ``auto`` between its
+        overlapped schedules)."""
+        return self.schedule.synchronous and self.settings.mode != "dpu"
+
+    def _at_update_end(self, ran: Schedule) -> None:
+        """An update's micro-batches are all in (its update launched, or applied when
+        synchronous): a trainer's step ends here, and ``auto`` may change the schedule."""
+        self.updates_launched += 1
+        if self._auto is None:
+            return
+        now = time.perf_counter()
+        if self._update_started is not None:
+            self._auto.record_update(ran, now - self._update_started)
+        agreed = self._agreed
+        if agreed is not None and agreed != self.schedule:
+            if agreed.synchronous:  # the update in flight is applied: the next round computes at θ
+                self._finish_in_flight(apply=True)
+            self.schedule, self._estimate_next = agreed, True
+        self._update_started = time.perf_counter()
 
     def _finish_in_flight(self, apply: bool) -> None:
         """Wait for the round in flight; with ``apply``, its result becomes the live parameters.
@@ -434,6 +499,10 @@ class ACCOEngine:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
+        if self._auto is not None:
+            self._auto.record_comm(flight.dtype, result.comm_s)
+            if result.schedule_choice is not None:
+                self._agreed = self._auto.candidates[result.schedule_choice]
         if not result.nonfinite:
             return
         what = flight.job.value
@@ -543,11 +612,22 @@ class ACCOEngine:
             "skipped_rounds": self.skipped_rounds,
             "round_microbatches": self._round_microbatches, "local_count": self._local_count,
             "grad_arrived": [list(a) for a in self._grad_arrived],
-            # Zero at a round boundary: saved only mid-round, the one model-sized tensor.
+            # Zero at a round boundary (but after an estimate sent in a narrower dtype): saved
+            # only when it holds gradients, the one model-sized tensor.
             "accumulator": (
-                [g.accumulator for g in self._buffers] if self._round_microbatches else None
+                [g.accumulator for g in self._buffers] if self._accumulator_holds_gradients
+                else None
             ),
-            "carried": None if self.settings.mode != "acco" else [g.carried for g in self._buffers],
+            "carried": (
+                [g.carried for g in self._buffers] if self._buffers[0].carried is not None
+                else None
+            ),
+            "schedule": tuple(self.schedule), "estimate_next": self._estimate_next,
+            "updates_launched": self.updates_launched,
+            "auto": None if self._auto is None else {
+                **self._auto.state_dict(),
+                "agreed": None if self._agreed is None else tuple(self._agreed),
+            },
             "master": [g.master for g in self._buffers],
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
@@ -583,6 +663,14 @@ class ACCOEngine:
         self.skipped_rounds = state.get("skipped_rounds", 0)
         self._round_microbatches = state["round_microbatches"]
         self._local_count = state["local_count"]
+        # (absent before mode="auto": acco alternated rounds from an estimate round)
+        self.schedule = Schedule(*state.get("schedule", self.schedule))
+        self._estimate_next = state.get("estimate_next", self.round_index % 2 == 0)
+        self.updates_launched = state.get("updates_launched", self.num_updates)
+        if self._auto is not None and state.get("auto") is not None:
+            self._auto.load_state_dict(state["auto"])
+            agreed = state["auto"]["agreed"]
+            self._agreed = None if agreed is None else Schedule(*agreed)
         self._grad_arrived = [list(a) for a in state["grad_arrived"]]
         self._in_flight = None
         if state["pending_job"] is not None:
@@ -590,6 +678,15 @@ class ACCOEngine:
             # it; gathering the shards again rebuilds the full result bit for bit.
             future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight = RoundInFlight(future, Job(state["pending_job"]), self.round_index - 1)
+
+    @property
+    def _accumulator_holds_gradients(self) -> bool:
+        """Mid-round, or between an estimate round sent in a narrower dtype and its update
+        round (the update round sends both rounds' sum)."""
+        schedule = self.schedule
+        kept = (not schedule.synchronous and not self._estimate_next
+                and _dtype(schedule.estimate_dtype) != self.settings.reduce_torch_dtype)  # fmt: skip
+        return bool(self._round_microbatches) or kept
 
     def _param_shapes(self) -> list[list[tuple[int, ...]]]:
         return [[tuple(p.shape) for p in g.params] for g in self._buffers]
@@ -675,6 +772,33 @@ class ACCOEngine:
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close(flush=exc_type is None, barrier=exc_type is None)
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+def _first_schedule(settings: EngineSettings, groups: Any) -> tuple[Schedule, AutoSchedule | None]:
+    """The schedule of the first update, and in ``auto`` the controller that picks the next."""
+    steps = settings.accumulation_steps
+    if not settings.has_estimate_round:  # ddp, dpu (one overlapped round per update)
+        return Schedule(0, steps), None
+    estimate_dtype = _name(settings.estimate_reduce_torch_dtype)
+    if settings.mode == "acco":
+        return Schedule(settings.estimate_microbatches or steps, steps, estimate_dtype), None
+    candidates = candidate_schedules(
+        steps, settings.reduce_torch_dtype, settings.estimate_microbatches,
+        None if settings.estimate_reduce_dtype is None else settings.estimate_reduce_torch_dtype,
+    )  # fmt: skip
+    first = groups.norm is None or torch.distributed.get_rank() == 0
+    return candidates[0], AutoSchedule(candidates, settings.reduce_torch_dtype, report=first)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 # ---------------------------------------------------------------- what the engine refuses

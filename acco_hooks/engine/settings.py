@@ -11,7 +11,8 @@ There are two classes because two of the engine's settings are ones a trainer al
 word for:
 
 * :class:`ACCOSettings` holds what only ACCO knows (``mode``, ``accumulate_until_ready``,
-  ``reduce_dtype``, ``nonfinite``, ``timeout``, ``max_microbatches_per_round``), spelled alike
+  ``reduce_dtype``, ``nonfinite``, ``timeout``, ``max_microbatches_per_round``, the estimate
+  round's ``estimate_reduce_dtype`` and ``estimate_microbatches``), spelled alike
   in a Python call, a TOML section
   and a command-line flag;
 * :class:`EngineSettings` adds the round size (``accumulation_steps``) and the clipping
@@ -43,7 +44,7 @@ __all__ = ["ACCOSettings", "EngineSettings", "MODES", "NONFINITE_POLICIES", "RED
            "SettingError", "boolean", "check_accumulation_steps", "real_updates",
            "with_own_fields"]  # fmt: skip
 
-MODES = ("acco", "dpu", "ddp")
+MODES = ("acco", "dpu", "ddp", "auto")
 NONFINITE_POLICIES = ("skip", "raise")
 # Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
 REDUCE_DTYPES: dict[str, torch.dtype] = {
@@ -71,10 +72,11 @@ def python_spelling(name: str, value: Any) -> str:
     return f"acco_hooks: {name}={value!r}"
 
 
-def real_updates(mode: str, rounds: int) -> int:
-    """Real optimizer updates in ``rounds`` rounds: every other round in ``acco``, every round
-    in ``dpu`` and ``ddp``. Schedules counted in updates use it."""
-    return rounds // 2 if mode == "acco" else rounds
+def real_updates(mode: str, steps: int) -> int:
+    """Real optimizer updates in ``steps`` training steps (what a trainer counts: one round in
+    ``acco``, ``dpu`` and ``ddp``; one update, of one or two rounds, in ``auto``): every other
+    step in ``acco``, every step otherwise. Schedules counted in updates use it."""
+    return steps // 2 if mode == "acco" else steps
 
 
 # ------------------------------------------------------------------------------ the checks
@@ -133,11 +135,31 @@ def _check_max_microbatches(value: Any) -> Optional[str]:
     return "must be an integer >= 1 (micro-batches per round), or None for no cap"
 
 
+def _check_estimate_reduce_dtype(value: Any) -> Optional[str]:
+    if value is None or _check_reduce_dtype(value) is None:
+        return None
+    return (f"must be one of {', '.join(map(repr, REDUCE_DTYPES))} (the estimate round's dtype "
+            "on the wire), or None to send it as the update round's")  # fmt: skip
+
+
+def _check_estimate_microbatches(value: Any) -> Optional[str]:
+    if value is None or check_accumulation_steps(value) is None:
+        return None
+    return "must be an integer >= 1 (micro-batches of the estimate round), or None"
+
+
 def _check_timeout(value: Any) -> Optional[str]:
     if value is None or _number_within(value, *TIMEOUT_RANGE_S):
         return None
     low, high = TIMEOUT_RANGE_S
     return f"must be a number of seconds between {low:g} and {high:g}, or None for the default"
+
+
+def _as_dtype(value: Any) -> Optional[torch.dtype]:
+    """A dtype setting (a name, a ``torch.dtype`` or None) as a ``torch.dtype`` or None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    return REDUCE_DTYPES[value]
 
 
 # ---------------------------------------------------------------------------- the settings
@@ -159,9 +181,12 @@ class ACCOSettings:
 
     mode: str = "acco"
     """'acco' (overlapped, with the estimate step), 'dpu' (overlapped, one-round-delayed update
-    without estimate) or 'ddp' (synchronous ZeRO-1, the baseline). A round is one training step
-    of the torchtitan and Hugging Face trainers; in 'acco' a real optimizer update happens
-    every other round, on both rounds' gradients, in 'dpu' and 'ddp' every round."""
+    without estimate), 'ddp' (synchronous ZeRO-1, the baseline) or 'auto' (measures compute and
+    communication and runs, per update, whichever of 'ddp' and the 'acco' schedules is fastest
+    per token). A round is one training step of the torchtitan and Hugging Face trainers; in
+    'acco' a real optimizer update happens every other round, on both rounds' gradients, in
+    'dpu' and 'ddp' every round. In 'auto' accumulation_steps counts the micro-batches of an
+    update, as in 'ddp', and a training step is one update."""
 
     accumulate_until_ready: bool = False
     """Keep running micro-batches past the round's size while the previous round still
@@ -190,6 +215,17 @@ class ACCOSettings:
     of every update that the fastest rank's samples make (one rank N times faster than another
     otherwise runs about N micro-batches per round to the slow rank's one). None: no cap."""
 
+    estimate_reduce_dtype: Optional[str] = None
+    """'acco' and 'auto': dtype of the estimate round's gradients on the wire, no wider than
+    reduce_dtype. 'bfloat16' halves the bytes of every other round; the real update still
+    averages every micro-batch's gradient in reduce_dtype (its round then sends both rounds'
+    sum). None: reduce_dtype ('auto' may then pick 'bfloat16' itself)."""
+
+    estimate_microbatches: Optional[int] = None
+    """'acco' and 'auto': micro-batches of the estimate round. In 'acco' the update round runs
+    accumulation_steps (None: as many, an even split); in 'auto' the two rounds share the
+    accumulation_steps of an update, so 1 to accumulation_steps - 1 (None: 'auto' picks)."""
+
     checks: ClassVar[dict[str, Check]] = {
         "mode": one_of(MODES),
         "accumulate_until_ready": boolean,
@@ -197,6 +233,8 @@ class ACCOSettings:
         "nonfinite": one_of(NONFINITE_POLICIES),
         "timeout": _check_timeout,
         "max_microbatches_per_round": _check_max_microbatches,
+        "estimate_reduce_dtype": _check_estimate_reduce_dtype,
+        "estimate_microbatches": _check_estimate_microbatches,
     }
     """What each field allows (a subclass extends it with its own fields)."""
 
@@ -217,18 +255,47 @@ class ACCOSettings:
             requirement = self.checks[field.name](value)
             if requirement is not None:
                 raise SettingError(f"{spell(field.name, value)} {requirement}", field.name)
+        if names is None:
+            self._check_combination(spell)
+
+    def _check_combination(self, spell: Spelling) -> None:
+        """The rules between fields, each refusal naming the field that goes against another."""
         cap = self.max_microbatches_per_round
-        if names is None and cap is not None and not self.accumulate_until_ready:
+        if cap is not None and not self.accumulate_until_ready:
             raise SettingError(
                 f"{spell('max_microbatches_per_round', cap)} caps the extra micro-batches of "
                 "accumulate_until_ready, which is off: turn accumulate_until_ready on, or leave "
                 "max_microbatches_per_round unset (None)",
                 "max_microbatches_per_round",
             )
+        if self.mode == "auto" and self.accumulate_until_ready:
+            raise SettingError(
+                f"{spell('accumulate_until_ready', True)}: mode 'auto' times updates of a fixed "
+                "number of micro-batches to choose its schedule, which uneven rounds would "
+                "defeat: set accumulate_until_ready to false, or choose mode 'acco'",
+                "accumulate_until_ready",
+            )
+        for name in ("estimate_reduce_dtype", "estimate_microbatches"):
+            value = getattr(self, name)
+            if value is not None and not self.has_estimate_round:
+                raise SettingError(
+                    f"{spell(name, value)} shapes the estimate round, which mode "
+                    f"{self.mode!r} does not have: choose mode 'acco' or 'auto', or leave "
+                    f"{name} unset (None)",
+                    name,
+                )
+        estimate = self.estimate_reduce_torch_dtype
+        if estimate.itemsize > self.reduce_torch_dtype.itemsize:
+            raise SettingError(
+                f"{spell('estimate_reduce_dtype', self.estimate_reduce_dtype)} is wider than "
+                f"reduce_dtype {self.reduce_dtype!r}: the estimate round sends at most the bytes "
+                "of the update round. Leave it unset (None), or raise reduce_dtype",
+                "estimate_reduce_dtype",
+            )
 
-    def check_round_cap(self, accumulation_steps: int, spell: Spelling = python_spelling) -> None:
-        """Refuse a ``max_microbatches_per_round`` below the round's size (the micro-batches
-        every rank runs in each round): what a front-end that resolves the size checks."""
+    def check_round_size(self, accumulation_steps: int, spell: Spelling = python_spelling) -> None:
+        """Refuse what does not fit the round's size (``accumulation_steps``, micro-batches
+        per round; per update in ``auto``): what a front-end that resolves the size checks."""
         cap = self.max_microbatches_per_round
         if cap is not None and cap < accumulation_steps:
             raise SettingError(
@@ -236,6 +303,22 @@ class ACCOSettings:
                 "micro-batches every round runs (accumulation steps): set it to at least that, "
                 "or None",
                 "max_microbatches_per_round",
+            )
+        if self.mode == "auto" and accumulation_steps < 2:
+            raise SettingError(
+                f"{spell('mode', 'auto')} splits each update's micro-batches (accumulation "
+                f"steps, here {accumulation_steps}) between an estimate round and an update "
+                "round, so it needs at least 2: raise the accumulation steps, or choose mode "
+                "'ddp'",
+                "mode",
+            )
+        split = self.estimate_microbatches
+        if self.mode == "auto" and split is not None and split >= accumulation_steps:
+            raise SettingError(
+                f"{spell('estimate_microbatches', split)} leaves no micro-batch of an update's "
+                f"{accumulation_steps} (accumulation steps) to the update round: set it between "
+                f"1 and {accumulation_steps - 1}, or None to let mode 'auto' choose",
+                "estimate_microbatches",
             )
 
     def check_until_ready(
@@ -263,11 +346,25 @@ class ACCOSettings:
         return EngineSettings(**{**own, **more})
 
     @property
+    def has_estimate_round(self) -> bool:
+        """Whether an update may run as an estimate round and an update round ('acco', and
+        'auto' when it picks an overlapped schedule)."""
+        return self.mode == "acco" or self.mode == "auto"
+
+    @property
+    def overlaps_every_update(self) -> bool:
+        """Whether every update's communication overlaps the next round ('acco', 'dpu')."""
+        return self.mode == "acco" or self.mode == "dpu"
+
+    @property
     def reduce_torch_dtype(self) -> torch.dtype:
         """``reduce_dtype`` as a ``torch.dtype``."""
-        if isinstance(self.reduce_dtype, torch.dtype):
-            return self.reduce_dtype
-        return REDUCE_DTYPES[self.reduce_dtype or "float32"]
+        return _as_dtype(self.reduce_dtype) or torch.float32
+
+    @property
+    def estimate_reduce_torch_dtype(self) -> torch.dtype:
+        """``estimate_reduce_dtype`` as a ``torch.dtype`` (``reduce_dtype``'s when unset)."""
+        return _as_dtype(self.estimate_reduce_dtype) or self.reduce_torch_dtype
 
 
 @dataclass
@@ -280,7 +377,8 @@ class EngineSettings(ACCOSettings):
     """
 
     accumulation_steps: int = 1
-    """Micro-batches per round (the minimum with accumulate_until_ready)."""
+    """Micro-batches per round (the minimum with accumulate_until_ready); per update in
+    'auto'."""
 
     max_grad_norm: Optional[float] = None
     """Clip the averaged gradient to this global L2 norm before each step or estimate; None:
@@ -294,7 +392,7 @@ class EngineSettings(ACCOSettings):
 
     def __post_init__(self) -> None:
         self.check()
-        self.check_round_cap(self.accumulation_steps)
+        self.check_round_size(self.accumulation_steps)
 
     @classmethod
     def from_keywords(

@@ -242,7 +242,7 @@ class ACCOTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         weight = microbatch_weight(self, items, num_items_in_batch)
         ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()
-        while last and not ended:
+        while last and not engine.step_boundary:  # one round; in mode "auto" one update
             ended = engine.skip_microbatch()
         if ended:
             self._acco_rounds_since_log += 1
@@ -256,7 +256,7 @@ class ACCOTrainer(Trainer):
         if engine is not None and "loss" in logs:
             logs["acco/round"] = engine.round_index
             # Updates started (deterministic): the latest may still be communicating.
-            logs["acco/real_updates"] = real_updates(self.acco_args.mode, engine.round_index)
+            logs["acco/real_updates"] = engine.updates_launched
             rounds = max(1, self._acco_rounds_since_log)
             logs["acco/comm_wait_s"] = self._acco_wait_since_log / rounds
             if engine.skipped_rounds:

@@ -296,8 +296,8 @@ class ACCOTrainerBase(Trainer):
         one = torch.ones((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int64)
-        round_ended = False
-        while not round_ended:
+        step_ended = False  # a step is one round; in mode "auto" one update (one or two rounds)
+        while not step_ended:
             if self._fsdp_modules:
                 set_gradient_sync_for_next_microbatch(
                     engine, self._fsdp_modules, config.acco.fsdp_sync_every_microbatch
@@ -312,9 +312,10 @@ class ACCOTrainerBase(Trainer):
             loss_sum += loss.detach().reshape(())
             tokens += valid
             if valid > 0:
-                round_ended = engine.microbatch_done(weight=valid)
+                engine.microbatch_done(weight=valid)
             else:  # nothing to learn from; keep the round count in step with the other ranks
-                round_ended = engine.skip_microbatch()
+                engine.skip_microbatch()
+            step_ended = engine.step_boundary
         if self.step == config.training.steps:
             engine.flush()  # the final model (and a model-only last checkpoint) holds θ
         if self.metrics_processor.should_log(self.step):

@@ -127,7 +127,7 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     acco.check_until_ready(" and ".join(split_by) or None, _spelling)
-    acco.check_round_cap(round_size(acco, par, training, world_size), _spelling)
+    acco.check_round_size(round_size(acco, par, training, world_size), _spelling)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(

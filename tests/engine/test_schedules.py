@@ -1,0 +1,279 @@
+"""The schedules of an update: a split between the estimate and the update round, a narrower
+estimate on the wire, and ``mode="auto"``, which switches between them and the synchronous one.
+
+Three properties, on 2 gloo ranks:
+
+* today's ``acco`` (float32 estimate, even split) is bit for bit what it was before the
+  schedules existed: the engine of the commit before them, from the git history, trains the
+  same scenario;
+* every real update of every schedule is the float32 average of all its micro-batches'
+  gradients, wherever they were computed: a single-process replay recomputes each gradient at
+  the parameters the engine held when the micro-batch ran and steps its own AdamW with them;
+* ``auto`` switches (synchronous → overlapped → synchronous) at update boundaries, every rank
+  alike, and no gradient is lost across a switch (the same replay).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from acco_hooks import ACCOOptimizer, SettingError
+from acco_hooks.advisor import (
+    AUTO_SETTLE_UPDATES,
+    AUTO_TIMED_UPDATES,
+    AutoSchedule,
+    Schedule,
+    best_schedule,
+    candidate_schedules,
+    schedule_seconds,
+)
+from tests.dist_utils import run_distributed
+from tests.scenario import OPTIMIZERS, Config, make_model, microbatch_loss, param_groups
+
+# The last commit before the schedules existed: its engine is today's ``acco`` as it was.
+BEFORE_SCHEDULES = "567055e"
+FINGERPRINTED = {
+    "acco_2ranks": "Config(mode='acco', world_size=2, micro=[2, 2], rounds=13)",
+    "acco_clip_sched": "Config(mode='acco', max_grad_norm=0.05, scheduler=True, rounds=12)",
+    "acco_bf16_wire": "Config(mode='acco', reduce_dtype=torch.bfloat16, micro=[1, 3], rounds=12)",
+    "dpu": "Config(mode='dpu', rounds=12)",
+    "ddp": "Config(mode='ddp', rounds=12)",
+}
+# Runs FINGERPRINTED with whichever acco_hooks the path gives; prints {name: [sha256 per rank]}.
+FINGERPRINT_SCRIPT = """
+import hashlib, json, sys, torch
+from tests.dist_utils import run_distributed
+from tests.scenario import Config
+configs = {name: eval(text) for name, text in json.loads(sys.argv[1]).items()}
+def fingerprint(params):
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        digest.update(params[name].numpy().tobytes())
+    return digest.hexdigest()
+print(json.dumps({name: [fingerprint(r["params"]) for r in run_distributed(
+    "tests.scenario:engine_run", cfg.world_size, cfg)] for name, cfg in configs.items()}))
+"""
+
+
+def _fingerprints(acco_hooks_root: Path, scenario_root: Path) -> dict[str, list[str]]:
+    """Final parameters of every FINGERPRINTED run, hashed, with the ``acco_hooks`` package
+    under ``acco_hooks_root`` and the training scenario (``tests/``) under ``scenario_root``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (scenario_root, acco_hooks_root)))}
+    done = subprocess.run(
+        [sys.executable, "-c", FINGERPRINT_SCRIPT, json.dumps(FINGERPRINTED)], env=env,
+        cwd=scenario_root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_existing_modes_are_bit_identical_to_before_the_schedules(tmp_path: Path) -> None:
+    """``acco`` (float32 estimate, even split), ``dpu`` and ``ddp`` give the very bits they gave
+    before the schedules: the engine of ``BEFORE_SCHEDULES`` is taken from the git history and
+    both run its training scenario on this machine (hashes differ between CPUs, not runs)."""
+    root = Path(__file__).resolve().parents[2]
+    before, scenario = tmp_path / "before", tmp_path / "scenario"
+    before.mkdir(), scenario.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", BEFORE_SCHEDULES, "acco_hooks",
+                              "tests"], capture_output=True)  # fmt: skip
+    if archive.returncode != 0:
+        pytest.fail(f"this test needs the project's git history (commit {BEFORE_SCHEDULES}); "
+                    f"run it in a git clone: {archive.stderr.decode()[-500:]}")  # fmt: skip
+    for target in (before, scenario):
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    shutil.rmtree(scenario / "acco_hooks")  # the engine of this checkout, as installed
+    expected = _fingerprints(before, before)
+    actual = _fingerprints(root, scenario)
+    assert actual == expected
+    assert len({hashes[0] for hashes in actual.values()}) == len(FINGERPRINTED)  # distinct runs
+
+
+# ----------------------------------------------------------------- the replay of real updates
+
+
+def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
+                 emulated: dict | None = None) -> dict:  # fmt: skip
+    """Train with ``settings``; record where each micro-batch's gradient was computed.
+
+    ``emulated``: per-update seconds the loop sleeps, by schedule kind (``"synchronous"``,
+    ``"overlapped"``), as if it waited for a link or computed longer: it shapes what ``auto``
+    measures, so that its choices are known in advance.
+    """
+    torch.manual_seed(0)
+    model = make_model()
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    opt = ACCOOptimizer(param_groups(model, True), opt_class, **settings, **kwargs)
+    engine = opt.engine
+    points, schedules = [], []
+    while engine.updates_launched < updates:
+        update, position = engine.updates_launched, len(
+            [p for p in points if p[0] == engine.updates_launched]
+        )  # fmt: skip
+        live = [p.detach().clone() for p in model.parameters()]
+        microbatch_loss(model, rank, update, position).backward()
+        if emulated:
+            time.sleep(emulated["per_microbatch"])
+        opt.step()
+        points.append((update, position, live))
+        if engine.step_boundary:
+            kind = "synchronous" if engine.schedule.synchronous else "overlapped"
+            schedules.append(tuple(engine.schedule))
+            if emulated:
+                time.sleep(emulated[kind])
+    opt.flush()
+    result = {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "points": points, "schedules": schedules, "num_updates": opt.num_updates,
+    }  # fmt: skip
+    opt.close()
+    return result
+
+
+def replay(results: list[dict], updates: int) -> list[torch.Tensor]:
+    """θ after ``updates`` real updates, each the AdamW step of the float32 average of every
+    micro-batch gradient of that update, on every rank, at the parameters it was computed at."""
+    model = make_model()
+    params = list(model.parameters())
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    groups = [{**g, "params": [p for _, p in g["params"]]} for g in param_groups(model, True)]
+    opt = opt_class(groups, **kwargs)
+    theta = [p.detach().clone() for p in params]
+    for update in range(updates):
+        total, count = [torch.zeros_like(p) for p in params], 0
+        for rank, result in enumerate(results):
+            for u, position, live in result["points"]:
+                if u != update:
+                    continue
+                with torch.no_grad():
+                    for p, value in zip(params, live):
+                        p.copy_(value)
+                model.zero_grad()
+                microbatch_loss(model, rank, u, position).backward()
+                for t, p in zip(total, params):
+                    t.add_(p.grad)
+                count += 1
+        with torch.no_grad():
+            for p, value, g in zip(params, theta, total):
+                p.copy_(value)
+                p.grad = g / count
+        opt.step()
+        theta = [p.detach().clone() for p in params]
+    return theta
+
+
+def assert_every_update_is_the_average(results: list[dict], updates: int) -> None:
+    expected = replay(results, updates)
+    for result in results:
+        assert result["num_updates"] == updates
+        diff = sum(float((a - b).double().pow(2).sum()) for a, b in zip(result["params"], expected))
+        norm = sum(float(b.double().pow(2).sum()) for b in expected)
+        assert (diff / norm) ** 0.5 < 1e-6, (diff / norm) ** 0.5
+
+
+@pytest.mark.parametrize("settings", [
+    dict(mode="acco", accumulation_steps=2),
+    dict(mode="acco", accumulation_steps=2, estimate_reduce_dtype="bfloat16"),
+    dict(mode="acco", accumulation_steps=3, estimate_microbatches=1),
+    dict(mode="acco", accumulation_steps=1, estimate_microbatches=3, estimate_reduce_dtype="float16"),
+], ids=["even", "bfloat16-estimate", "split-1-3", "split-3-1-float16"])  # fmt: skip
+def test_every_real_update_averages_all_its_gradients_in_float32(settings: dict) -> None:
+    results = run_distributed(f"{__name__}:recorded_run", 2, settings, 8)
+    assert_every_update_is_the_average(results, 8)
+
+
+def test_a_narrower_estimate_changes_where_gradients_are_computed() -> None:
+    """The replay above can fail: a bfloat16 estimate is another point than a float32 one."""
+    even, narrow = (run_distributed(f"{__name__}:recorded_run", 2, dict(
+        mode="acco", accumulation_steps=2, estimate_reduce_dtype=dtype), 6)[0]
+        for dtype in (None, "bfloat16"))  # fmt: skip
+    differ = [not torch.equal(a[2][0], b[2][0]) for a, b in zip(even["points"], narrow["points"])]
+    assert any(differ) and not differ[0]
+
+
+# Per update of 4 micro-batches of 5 ms: synchronous updates wait 40 ms more (a link), the
+# overlapped ones nothing; then overlapped ones slower than synchronous (a link that got worse
+# while compute slowed down in the overlap).
+LINK_HIDES = dict(per_microbatch=0.005, synchronous=0.040, overlapped=0.0)
+OVERLAP_LOSES = dict(per_microbatch=0.005, synchronous=0.040, overlapped=0.100)
+
+
+@pytest.mark.parametrize("emulated, keeps", [(LINK_HIDES, True), (OVERLAP_LOSES, False)],
+                         ids=["keeps-overlapped", "back-to-synchronous"])  # fmt: skip
+def test_auto_switches_at_update_boundaries_and_loses_no_gradient(emulated, keeps) -> None:
+    updates = 30
+    results = run_distributed(f"{__name__}:recorded_run", 2,
+                              dict(mode="auto", accumulation_steps=4), updates, emulated)  # fmt: skip
+    schedules = results[0]["schedules"]
+    assert results[1]["schedules"] == schedules  # every rank ran the same schedule
+    synchronous = Schedule(0, 4)
+    timed_first = AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES  # synchronous updates, at least
+    assert schedules[:timed_first] == [synchronous] * timed_first
+    overlapped = [s for s in schedules if s != synchronous]
+    assert overlapped, schedules
+    assert all(s.estimate_microbatches + s.update_microbatches == 4 for s in map(Schedule._make, overlapped))
+    assert (schedules[-1] != synchronous) == keeps, schedules
+    assert_every_update_is_the_average(results, updates)
+
+
+# ------------------------------------------------------------------------ the law and choice
+
+
+def test_the_generalized_law_at_its_landmarks() -> None:
+    even = Schedule(2, 2, "float32")
+    # c = 1, C = 2 = one round's compute: ACCO's 1.5
+    assert schedule_seconds(1.0, 2.0, Schedule(0, 4), 2.0) / schedule_seconds(1.0, 2.0, even, 2.0) == 1.5
+    # a bfloat16 estimate (αC = 1) with the split 3/1: 4 + 2 against max(3, 2) + max(1, 1)
+    assert schedule_seconds(1.0, 2.0, Schedule(3, 1, "bfloat16"), 1.0) == 4.0
+    candidates = candidate_schedules(6, torch.float32)
+    best, speedup = best_schedule(1.0, 4.0, candidates, {"bfloat16": 2.0})
+    # C = 4, αC = 2: k1 = 4 hides C, k2 = 2 hides αC: 10 / 6 = 1 + 1/(1 + α)
+    assert best == Schedule(4, 2, "bfloat16") and speedup == pytest.approx(10 / 6)
+    best, speedup = best_schedule(1.0, 0.0, candidates, {"bfloat16": 0.0})
+    assert best == Schedule(0, 6) and speedup == 1.0  # nothing to hide: synchronous
+
+
+def test_auto_keeps_synchronous_when_no_trial_is_faster() -> None:
+    auto = AutoSchedule(candidate_schedules(4, torch.float32), torch.float32, report=False)
+    synchronous = auto.candidates[0]
+    for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
+        for _ in range(4):
+            auto.record_microbatch(0.01, communicating=False)
+        auto.record_comm(torch.float32, 0.03)
+        auto.record_update(synchronous, 0.07)
+    trial = auto.target
+    assert trial != synchronous  # the law prices an overlapped schedule below 0.07
+    for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
+        auto.record_comm(getattr(torch, trial.estimate_dtype), 0.03)
+        auto.record_update(trial, 0.09)  # but it is timed slower
+    while auto.target != auto.chosen:  # further trials, all slower
+        trial = auto.target
+        for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
+            auto.record_update(trial, 0.09)
+    assert auto.chosen == synchronous and auto.figures["measured_speedup"] == 1.0
+
+
+def test_auto_refuses_what_it_cannot_honour() -> None:
+    model = make_model()
+    with pytest.raises(SettingError, match="accumulate_until_ready=True: mode 'auto' times"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="auto", accumulation_steps=4,
+                      accumulate_until_ready=True)  # fmt: skip
+    with pytest.raises(SettingError, match="mode='auto' splits .* needs at least 2"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="auto", accumulation_steps=1)
+    with pytest.raises(SettingError, match="estimate_microbatches=4 leaves no micro-batch"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="auto", accumulation_steps=4,
+                      estimate_microbatches=4)  # fmt: skip
+    with pytest.raises(SettingError, match="estimate_reduce_dtype='float32' is wider than"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco",
+                      reduce_dtype="bfloat16", estimate_reduce_dtype="float32")  # fmt: skip
+    with pytest.raises(SettingError, match="estimate_microbatches=2 shapes the estimate round, "
+                                           "which mode 'ddp' does not have"):
+        ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="ddp", estimate_microbatches=2)
