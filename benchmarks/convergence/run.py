@@ -136,6 +136,15 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp": ("ddp", ()),  # --ddp-microbatches-per-rank on every rank
     "ddp_matched": ("ddp", ()),  # --control-mix: each rank its own micro-batches per update
 }
+# arm -> (acco.mode, extra overrides) for the schedules mode="auto" may pick (the convergence
+# gate): a bfloat16 estimate, and the uneven split 3 + 1 of an update's 4 micro-batches per rank
+# (with --training.local_batch_size 2 under the default batch: 2 + 2 per round otherwise).
+SCHEDULE_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "acco_bf16": ("acco", ("--acco.estimate_reduce_dtype", "bfloat16")),
+    "acco_split": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps", "1")),
+    "acco_split_bf16": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps",
+                                 "1", "--acco.estimate_reduce_dtype", "bfloat16")),
+}  # fmt: skip
 MANAGED = ("--training.dataset_path", "--acco.accumulation_steps", "--training.steps",
            "--debug.seed", "--job.dump_folder",
            "--job.config_file", "--metrics.disable_color_printing", "--experimental.custom_import",
@@ -648,7 +657,7 @@ def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
 
 def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, order: str,
              seed: int, arm: str) -> RunSpec:  # fmt: skip
-    mode, extra = ARMS[arm] if args.heterogeneous else (arm, ())
+    mode, extra = ARMS[arm] if args.heterogeneous else SCHEDULE_ARMS.get(arm, (arm, ()))
     _, config = load_config(mode, args.config_template)
     rank_args: tuple[tuple[str, ...], ...] = ()
     if args.heterogeneous:
@@ -662,7 +671,7 @@ def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, 
         if arm == "ddp_matched":
             rank_args = tuple(("--acco.accumulation_steps", str(n)) for n in args.control_mix)
     else:
-        extra = mode_overrides(mode, args.batch_per_update)
+        extra += mode_overrides(mode, args.batch_per_update)
     settings = batch_settings(config, extra + overrides, args.nproc)
     heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
     data_seed = seed if args.data_seed is None else args.data_seed
@@ -700,8 +709,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     )
     parser.add_argument("--updates", type=int, default=300,
                         help="real optimizer updates per run (acco: 2x as many rounds)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="convergence: acco.mode values, one TOML each")
+    parser.add_argument("--modes", nargs="+", choices=[*MODES, *SCHEDULE_ARMS], default=list(MODES),
+                        help="convergence: acco.mode values (one TOML each), or the schedule "
+                        "arms of mode auto: acco_bf16, acco_split, acco_split_bf16")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="seeds: --debug.seed (model initialisation) and the data order")
     parser.add_argument("--data-seed", type=int, default=None,
