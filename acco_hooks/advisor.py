@@ -16,13 +16,14 @@ communication.
 **The generalized law.** An update of ``n`` micro-batches of compute ``c`` each is split into an
 estimate round of ``k₁`` micro-batches, which hides the previous update's communication ``C``,
 and an update round of ``k₂ = n - k₁``, which hides the estimate's communication ``αC`` (``α`` <
-1 when the estimate round sends a narrower dtype, ``estimate_reduce_dtype``)::
+1 when the estimate round travels narrower, ``estimate_dtype``: α is its share of the update's
+bytes, ½ for bfloat16 and about ¼ for float8 against a float32 update)::
 
     T_sync = n·c + C            T_acco(k₁, α) = max(k₁·c, C) + max(k₂·c, αC)
 
 ACCO as the paper builds it is ``k₁ = k₂ = k``, ``α = 1``. With the split chosen so that each
 round's compute just covers what it hides, the ceiling becomes ``1 + 1/(1 + α)``: 1.67× for a
-bfloat16 estimate of a float32 update. :func:`best_schedule` searches every split and estimate
+bfloat16 estimate of a float32 update, 1.8× for float8. :func:`best_schedule` searches every split and estimate
 dtype; ``mode="auto"`` (:class:`AutoSchedule`) runs the synchronous schedule whenever none of
 them is faster as measured, so it is never slower than ``ddp`` by more than its trials cost.
 
@@ -44,14 +45,15 @@ ACCO does not pay, what to change.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["Advisor", "AutoSchedule", "Schedule", "best_schedule", "candidate_schedules",
-           "predicted_speedup", "schedule_seconds"]  # fmt: skip
+__all__ = ["AUTO_ESTIMATE_DTYPES", "Advisor", "AutoSchedule", "Schedule", "best_schedule",
+           "candidate_schedules", "predicted_speedup", "schedule_seconds"]  # fmt: skip
 
 logger = logging.getLogger("acco_hooks")
 
@@ -113,18 +115,19 @@ def schedule_seconds(
 
 
 def candidate_schedules(
-    microbatches: int, reduce_dtype: torch.dtype, estimate_microbatches: Optional[int] = None,
-    estimate_dtype: Optional[torch.dtype] = None,
-) -> list[Schedule]:  # fmt: skip
-    """Every schedule of ``microbatches`` per update: synchronous first, then each split and
-    estimate dtype (only those fixed when given; a narrower candidate: bfloat16)."""
-    if estimate_dtype is not None:
-        dtypes = [estimate_dtype]
+    microbatches: int, estimate_dtypes: Sequence[str], estimate_microbatches: Optional[int] = None
+) -> list[Schedule]:
+    """Every schedule of ``microbatches`` per update: synchronous first, then each split with
+    each of ``estimate_dtypes``: ``estimate_microbatches`` when given, else each split whose
+    update round keeps between a quarter and half of the update. The law never prefers an
+    update round larger than the estimate round (it hides the smaller communication), and the
+    convergence gate measured splits down to a quarter (docs/when_acco_helps.md)."""
+    if estimate_microbatches:
+        splits = [estimate_microbatches]
     else:
-        dtypes = [reduce_dtype] + [d for d in (torch.bfloat16,) if d.itemsize < reduce_dtype.itemsize]
-    splits = [estimate_microbatches] if estimate_microbatches else range(1, microbatches)
+        splits = range(math.ceil(microbatches / 2), microbatches - math.ceil(microbatches / 4) + 1)
     return [Schedule(0, microbatches)] + [
-        Schedule(k, microbatches - k, _name(d)) for d in dtypes for k in splits
+        Schedule(k, microbatches - k, d) for d in estimate_dtypes for k in splits
     ]
 
 
@@ -151,10 +154,6 @@ def best_schedule(
     return best, seconds(candidates[0]) / max(seconds(best), 1e-12)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class Advisor:
     """Compute, communication and round time of the engine's first measured rounds.
 
@@ -168,10 +167,14 @@ class Advisor:
         accumulation_steps: the engine's minimum micro-batches per round.
         overlapping: whether the engine overlaps rounds (``acco``, ``dpu``). In ``ddp`` mode
             nothing overlaps and ``predicted_speedup`` is the law's ideal.
+        microbatches_per_update: the micro-batches of a real update (what ``auto`` splits).
+        estimate_fractions: α of each estimate format ``auto`` may send (its share of the
+            update's bytes), by name.
     """
 
     __slots__ = (
-        "accumulation_steps", "overlapping", "microbatches_per_update", "report",
+        "accumulation_steps", "overlapping", "microbatches_per_update", "estimate_fractions",
+        "report",
         # measurements: undisturbed micro-batches, any micro-batch, rounds, communications
         "_quiet_microbatch", "_microbatch", "_round", "_round_microbatches", "_comm",
         "figures",
@@ -180,10 +183,12 @@ class Advisor:
     def __init__(
         self, accumulation_steps: int, overlapping: bool = True,
         microbatches_per_update: Optional[int] = None,
+        estimate_fractions: Optional[dict[str, float]] = None,
     ) -> None:  # fmt: skip
         self.accumulation_steps = accumulation_steps
         self.overlapping = overlapping
         self.microbatches_per_update = microbatches_per_update or accumulation_steps
+        self.estimate_fractions = estimate_fractions or {"float32": 1.0}
         self.report = not dist.is_initialized() or dist.get_rank() == 0  # one line per job
         self._quiet_microbatch: list[float] = []
         self._microbatch: list[float] = []
@@ -242,9 +247,10 @@ class Advisor:
         per_microbatch = compute / max(self.accumulation_steps, 1)
         steps = max(1, round(comm / per_microbatch)) if per_microbatch > 0 else 1
         if self.microbatches_per_update >= 2:  # what mode='auto' would try first
-            candidates = candidate_schedules(self.microbatches_per_update, torch.float32)
+            fractions = self.estimate_fractions
+            candidates = candidate_schedules(self.microbatches_per_update, list(fractions))
             best, best_speedup = best_schedule(per_microbatch, comm, candidates,
-                                               {"bfloat16": comm / 2})  # fmt: skip
+                                               {d: a * comm for d, a in fractions.items()})  # fmt: skip
             line += (f"; mode='auto' would try {best.describe()}, priced at "
                      f"{best_speedup:.2f}x synchronous")  # fmt: skip
         if ideal < 1.0:
@@ -265,6 +271,9 @@ class Advisor:
         return line
 
 
+# mode="auto": the estimate formats narrower than the update that it may try (those the backend
+# can send), each of which keeps held-out loss within 1 % of ddp's (docs/when_acco_helps.md).
+AUTO_ESTIMATE_DTYPES = ("bfloat16", "float8_e4m3fn")
 # mode="auto": updates ignored after each change of schedule (the first overlapped one hides
 # nothing), updates timed per schedule, schedules tried per decision, and after how many
 # updates a decision is taken again (links change under other jobs).
@@ -292,17 +301,21 @@ class AutoSchedule:
     Args:
         candidates: the schedules it may run, the synchronous one first
             (:func:`candidate_schedules`).
-        reduce_dtype: the update's dtype on the wire (its communication is ``C``).
+        reduce_dtype: the update's format on the wire (its communication is ``C``).
+        estimate_fractions: α of each estimate format (its share of the update's bytes), which
+            prices an estimate format before a trial has timed it.
         report: whether this rank logs the choice.
     """
 
-    __slots__ = ("candidates", "reduce_dtype", "report", "target", "chosen", "figures",
-                 "_timed", "_microbatch", "_comm", "_last_run", "_run_length", "_trials",
-                 "_held")  # fmt: skip
+    __slots__ = ("candidates", "reduce_dtype", "estimate_fractions", "report", "target",
+                 "chosen", "figures", "_timed", "_microbatch", "_comm", "_last_run",
+                 "_run_length", "_trials", "_held")  # fmt: skip
 
-    def __init__(self, candidates: list[Schedule], reduce_dtype: torch.dtype, report: bool) -> None:
+    def __init__(self, candidates: list[Schedule], reduce_dtype: str,
+                 estimate_fractions: dict[str, float], report: bool) -> None:  # fmt: skip
         self.candidates = candidates
-        self.reduce_dtype = _name(reduce_dtype)
+        self.reduce_dtype = reduce_dtype
+        self.estimate_fractions = estimate_fractions
         self.report = report
         self.target = candidates[0]  # what it wants run now
         self.chosen: Optional[Schedule] = None  # its last decision
@@ -323,9 +336,9 @@ class AutoSchedule:
         if not communicating and len(self._microbatch) < _SAMPLES:
             self._microbatch.append(seconds)
 
-    def record_comm(self, dtype: torch.dtype, seconds: float) -> None:
-        """One round's communication job, by the dtype it sent."""
-        samples = self._comm.setdefault(_name(dtype), [])
+    def record_comm(self, dtype: str, seconds: float) -> None:
+        """One round's communication job, by the format it was sent in."""
+        samples = self._comm.setdefault(dtype, [])
         if len(samples) < _SAMPLES:
             samples.append(seconds)
 
@@ -355,11 +368,8 @@ class AutoSchedule:
         per_microbatch = statistics.median(self._microbatch or [0.0])
         comm = statistics.median(self._comm.get(self.reduce_dtype) or [0.0])
         estimate_comm = {d: statistics.median(t) for d, t in self._comm.items()}
-        for schedule in self.candidates[1:]:  # untried narrower estimates: by their bytes
-            if schedule.estimate_dtype not in estimate_comm:
-                ratio = getattr(torch, schedule.estimate_dtype).itemsize / getattr(
-                    torch, self.reduce_dtype).itemsize
-                estimate_comm[schedule.estimate_dtype] = comm * ratio
+        for dtype, fraction in self.estimate_fractions.items():  # untried: by their bytes
+            estimate_comm.setdefault(dtype, comm * fraction)
         def priced(schedule: Schedule) -> float:
             return schedule_seconds(per_microbatch, comm, schedule,
                                     estimate_comm.get(schedule.estimate_dtype, comm))  # fmt: skip

@@ -79,6 +79,8 @@ class Config:
     # arguments of its optimizer (e.g. fused=True); the reference uses the plain optimizer.
     device: str = "cpu"
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The engine run's estimate round on the wire (acco_hooks' estimate_dtype); None: exact.
+    estimate_dtype: str | None = None
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -179,6 +181,7 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         accumulation_steps=cfg.micro[rank],
         max_grad_norm=cfg.max_grad_norm,
         reduce_dtype=cfg.reduce_dtype,
+        estimate_dtype=cfg.estimate_dtype,
         lr_scheduler=make_scheduler if cfg.scheduler else None,
         **kwargs,
         **cfg.optimizer_kwargs,

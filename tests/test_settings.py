@@ -15,7 +15,8 @@ What is valid is written here from the documented meaning of each setting (the d
 * ``timeout``: ``None`` or a real number of seconds that a process group's timeout can hold:
   between 1 ms (gloo counts whole ms) and 1e12 s (a larger ``timedelta`` overflows);
 * ``max_microbatches_per_round``: ``None`` (no cap) or an ``int`` ≥ 1: a number of micro-batches;
-* ``estimate_reduce_dtype``: ``None`` (the reduce dtype) or a dtype as ``reduce_dtype`` takes;
+* ``estimate_dtype``: ``None`` (the reduce dtype), a dtype as ``reduce_dtype`` takes, or
+  float8_e4m3fn (sent with block scales), as a ``torch.dtype`` or by name;
 * ``estimate_microbatches``: ``None`` or an ``int`` ≥ 1: a number of micro-batches.
 
 The front-ends and the settings each takes (the others come from the front-end's host):
@@ -41,8 +42,8 @@ Rules of composition (each value valid alone, the combination not):
   ``estimate_microbatches`` that leaves the update round none is refused, naming it;
 * the two ``estimate_*`` settings shape the estimate round, which only ``"acco"`` and ``"auto"``
   have: set with another mode, they are refused, naming the setting; an
-  ``estimate_reduce_dtype`` with more bytes per element than ``reduce_dtype`` (float32 when
-  ``None``) is refused, naming ``estimate_reduce_dtype``.
+  ``estimate_dtype`` with more bytes per element than ``reduce_dtype`` (float32 when
+  ``None``) is refused, naming ``estimate_dtype``.
 
 A valid configuration must construct; an invalid value must raise ``ValueError`` or
 ``TypeError`` (never another exception) whose message names at least one invalid setting and no
@@ -109,21 +110,21 @@ PREDICATES: dict[str, Callable[[Any], bool]] = {
     "nonfinite": lambda v: isinstance(v, str) and v in ("skip", "raise"),
     "timeout": lambda v: v is None or (_positive_finite(v) and 1e-3 <= float(v) <= 1e12),
     "max_microbatches_per_round": lambda v: v is None or (_is_int(v) and v >= 1),
-    "estimate_reduce_dtype": lambda v: v is None
-    or (isinstance(v, torch.dtype) and v in VALID_REDUCE_DTYPES)
-    or (isinstance(v, str) and v in VALID_REDUCE_NAMES),
+    "estimate_dtype": lambda v: v is None
+    or (isinstance(v, torch.dtype) and v in (*VALID_REDUCE_DTYPES, torch.float8_e4m3fn))
+    or (isinstance(v, str) and v in (*VALID_REDUCE_NAMES, "float8_e4m3fn")),
     "estimate_microbatches": lambda v: v is None or (_is_int(v) and v >= 1),
 }
 TITAN_SETTINGS = ("mode", "accumulation_steps", "accumulate_until_ready", "reduce_dtype",
-                  "nonfinite", "timeout", "max_microbatches_per_round", "estimate_reduce_dtype",
+                  "nonfinite", "timeout", "max_microbatches_per_round", "estimate_dtype",
                   "estimate_microbatches")  # fmt: skip
 HF_SETTINGS = ("mode", "accumulate_until_ready", "reduce_dtype", "nonfinite", "timeout",
-               "max_microbatches_per_round", "estimate_reduce_dtype",
+               "max_microbatches_per_round", "estimate_dtype",
                "estimate_microbatches")  # fmt: skip
 CAP = "max_microbatches_per_round"
-ESTIMATE_SETTINGS = ("estimate_reduce_dtype", "estimate_microbatches")
-BYTES = {None: 4, **{d: d.itemsize for d in VALID_REDUCE_DTYPES},
-         **{n: getattr(torch, n).itemsize for n in VALID_REDUCE_NAMES}}  # fmt: skip
+ESTIMATE_SETTINGS = ("estimate_dtype", "estimate_microbatches")
+BYTES = {None: 4, **{d: d.itemsize for d in (*VALID_REDUCE_DTYPES, torch.float8_e4m3fn)},
+         **{n: getattr(torch, n).itemsize for n in (*VALID_REDUCE_NAMES, "float8_e4m3fn")}}  # fmt: skip
 
 
 def conflicting(
@@ -143,10 +144,10 @@ def conflicting(
     for name in ESTIMATE_SETTINGS:
         if values.get(name) is not None and mode not in ("acco", "auto"):
             broken |= {name, "mode"}
-    if BYTES[values.get("estimate_reduce_dtype")] > BYTES[values.get("reduce_dtype")] and (
-        values.get("estimate_reduce_dtype") is not None
+    if BYTES[values.get("estimate_dtype")] > BYTES[values.get("reduce_dtype")] and (
+        values.get("estimate_dtype") is not None
     ):
-        broken |= {"estimate_reduce_dtype", "reduce_dtype"}
+        broken |= {"estimate_dtype", "reduce_dtype"}
     if round_size_rules:
         steps = values.get("accumulation_steps", 1) or 1  # torchtitan's 0: one micro-batch here
         if cap is not None and cap < steps:
@@ -192,7 +193,8 @@ EDGE_GOOD = {
     "nonfinite": ["skip", "raise"],
     "timeout": [None, 1e-3, 0.5, 1, 1e12],
     CAP: [None, 1, 2, 10**18],
-    "estimate_reduce_dtype": [None, *VALID_REDUCE_DTYPES, *VALID_REDUCE_NAMES],
+    "estimate_dtype": [None, *VALID_REDUCE_DTYPES, *VALID_REDUCE_NAMES, torch.float8_e4m3fn,
+                       "float8_e4m3fn"],
     "estimate_microbatches": [None, 1, 2, 10**18],
 }
 EDGE_BAD = {
@@ -207,8 +209,8 @@ EDGE_BAD = {
     "timeout": [0, 0.0, -1, math.nan, math.inf, -math.inf, True, False, "30", 1e-4, 5e-324,
                 1e13, 10**400],
     CAP: [0, -1, True, False, 1.0, 2.0, math.nan, math.inf, "2", [4]],
-    "estimate_reduce_dtype": [torch.int32, torch.bool, "fp32", "bf16", 16, True,
-                              torch.float8_e4m3fn, ["bfloat16"]],
+    "estimate_dtype": [torch.int32, torch.bool, "fp32", "bf16", 16, True, torch.float8_e5m2,
+                       "float8_e5m2", "fp8", ["bfloat16"]],
     "estimate_microbatches": [0, -1, True, False, 1.0, math.nan, "2", [4]],
 }  # fmt: skip
 
@@ -232,7 +234,7 @@ VALID = {
         st.integers(1, 10**6),
     ),
     CAP: st.one_of(st.none(), st.sampled_from(EDGE_GOOD[CAP]), st.integers(1, 64)),
-    "estimate_reduce_dtype": st.sampled_from(EDGE_GOOD["estimate_reduce_dtype"]),
+    "estimate_dtype": st.sampled_from(EDGE_GOOD["estimate_dtype"]),
     "estimate_microbatches": st.one_of(st.none(), st.sampled_from(EDGE_GOOD["estimate_microbatches"]),
                                        st.integers(1, 64)),
 }  # fmt: skip
@@ -263,7 +265,7 @@ INVALID = {
     ),
     CAP: st.one_of(st.integers(max_value=0), st.booleans(), any_float, near_miss,
                    wrong_container),
-    "estimate_reduce_dtype": st.one_of(
+    "estimate_dtype": st.one_of(
         non_floating_dtype, near_miss, junk_text, st.integers(), any_float, st.booleans(),
         wrong_container,
     ),
@@ -417,7 +419,7 @@ def with_companions(key: str, value: Any) -> dict[str, Any]:
         values["accumulate_until_ready"] = True
     if key in ESTIMATE_SETTINGS:
         values["mode"] = "acco"
-    if key == "estimate_reduce_dtype":
+    if key == "estimate_dtype":
         values["reduce_dtype"] = "float64"
     if key == "mode" and value == "auto":
         values["accumulation_steps"] = 2
@@ -466,7 +468,7 @@ def test_front_end_names_the_cap_where_the_combination_conflicts(front_end: str,
     round's size, is refused by naming the cap only."""
     names, _, valid, _ = FRONT_ENDS[front_end]
     values = {k: data.draw(VALID[k]) for k in names}
-    values.update(mode="acco", estimate_reduce_dtype=None, estimate_microbatches=None)  # no other rule
+    values.update(mode="acco", estimate_dtype=None, estimate_microbatches=None)  # no other rule
     values[CAP] = data.draw(st.integers(1, 64))
     if "accumulation_steps" not in names or data.draw(st.booleans()):
         values["accumulate_until_ready"] = False

@@ -16,9 +16,19 @@ buffer                size, dtype  role
                                    added to the update round's sum
 ====================  ===========  ========================================================
 
-An estimate round that sends a narrower dtype than the update (``estimate_reduce_dtype``) uses
-the same bytes: :meth:`GroupBuffers.payload` views the communication buffer in that dtype and
-adds a shard-sized ``shard_sum`` of it.
+An estimate round sent narrower than the update (``estimate_dtype``, ``wire``) needs, when the
+engine may run one:
+
+====================  ===========  ========================================================
+``wire_front``        Φ·w          the first bytes of the communication buffer, free once
+                                   the payload is encoded: the reduce-scatter receives there
+``wire_tail``         Φ·w          after the communication buffer: the encoded payload is
+                                   sent from there, the encoded θ̃ − θ received there
+``difference``        Φ/N, fp32    θ̃ − θ of this rank's shard
+``encoded_shard``     Φ/N·w        that difference, encoded: kept for a checkpoint
+====================  ===========  ========================================================
+
+(w: bytes per element of the widest narrow format; 2 for bfloat16, ≈1.03 for float8.)
 
 A parameter replicated over a mesh dimension other than the data-parallel one (tensor
 parallelism) counts once in the global gradient norm: ``norm_discounts`` says where.
@@ -109,14 +119,17 @@ class GroupBuffers:
         "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
         # Shard-size buffers (the communication side); ``carried`` in acco only
         "shard_sum", "master", "gather_input", "carried",
-        # The bytes under comm_input and gathered, and the (payload, shard_sum) of each dtype
-        "_comm_bytes", "_payloads",
+        # A narrow estimate round's (``wire``): None when the engine never sends one
+        "wire_front", "wire_tail", "difference", "encoded_shard",
     )  # fmt: skip
 
     def __init__(
         self, params: list[Tensor], names: list[str], world_size: int, rank: int,
         reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...], carry: bool = False,
+        wire_bytes: Callable[[int], int] | None = None,
     ) -> None:  # fmt: skip
+        """``wire_bytes(n)``: the most bytes n values take in a narrow format the engine may
+        send its estimate in (None: it never does)."""
         self.params, self.names = params, names
         self.locals = [local_tensor(p) for p in params]
         device = self.locals[0].device
@@ -135,8 +148,10 @@ class GroupBuffers:
         # The reduce-scatter reads the payload once, before the all-gather writes the new
         # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
         itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
-        raw = torch.empty(self.padded_numel * itemsize, dtype=torch.uint8, device=device)
-        self._comm_bytes = raw
+        size = self.padded_numel * itemsize
+        encoded = 0 if wire_bytes is None else world_size * wire_bytes(self.shard_numel)
+        front = max(size, encoded)
+        raw = torch.empty(front + encoded, dtype=torch.uint8, device=device)
         self.comm_input = raw[: self.padded_numel * reduce_dtype.itemsize].view(reduce_dtype)
         self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
             self.gather_dtype
@@ -144,32 +159,30 @@ class GroupBuffers:
         self.gathered_views = _split(self.gathered, self.locals)
 
         self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
-        self._payloads = {reduce_dtype: (self.comm_input, self.shard_sum)}
         self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
         self.master = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
         self.carried = (
             torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if carry else None
         )
+        self.wire_front = self.wire_tail = self.difference = self.encoded_shard = None
+        if wire_bytes is not None:
+            self.wire_front, self.wire_tail = raw[:encoded], raw[front:]
+            self.difference = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
+            self.encoded_shard = torch.empty(wire_bytes(self.shard_numel), dtype=torch.uint8,
+                                             device=device)  # fmt: skip
         self.reset_master(rank)
 
-    def payload(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(comm_input, shard_sum)`` for gradients sent in ``dtype``, no wider than the
-        reduce dtype: a view of the same communication bytes, and a shard sum of that dtype."""
-        if dtype not in self._payloads:
-            if dtype.itemsize > self.comm_input.dtype.itemsize:
-                raise ValueError(f"acco_hooks: a {dtype} payload is wider than {self.comm_input.dtype}")
-            self._payloads[dtype] = (
-                self._comm_bytes[: self.padded_numel * dtype.itemsize].view(dtype),
-                torch.empty(self.shard_numel, dtype=dtype, device=self.master.device),
-            )
-        return self._payloads[dtype]
-
-    def copy_gathered_into_params(self) -> None:
+    def copy_gathered_into_params(self, difference: bool = False) -> None:
+        """The live parameters become ``gathered``; with ``difference``, ``gathered`` holds
+        θ̃ − θ (a narrow estimate) and is added to them."""
         if all(t.dtype == self.gather_dtype for t in self.locals):
-            torch._foreach_copy_(self.locals, self.gathered_views)
-        else:
-            for t, view in zip(self.locals, self.gathered_views):
-                t.copy_(view)
+            if difference:
+                torch._foreach_add_(self.locals, self.gathered_views)
+            else:
+                torch._foreach_copy_(self.locals, self.gathered_views)
+            return
+        for t, view in zip(self.locals, self.gathered_views):
+            t.add_(view) if difference else t.copy_(view)
 
     @torch.no_grad()
     def reset_master(self, rank: int) -> None:
@@ -194,6 +207,7 @@ class GroupBuffers:
 def build_shard(
     param_groups: list[dict[str, Any]], world_size: int, rank: int,
     data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype, carry: bool,
+    wire_bytes: Callable[[int], int] | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
@@ -208,7 +222,7 @@ def build_shard(
     """
     buffers = [
         GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks,
-                     carry)  # fmt: skip
+                     carry, wire_bytes)  # fmt: skip
         for g in param_groups
     ]
     shard_groups = [
@@ -231,17 +245,19 @@ def memory_bytes(
     return {
         "model": nbytes(t for g in buffers for t in g.locals),
         "grad_accumulator": nbytes(g.accumulator for g in buffers),
-        # comm_input and gathered share one byte buffer
+        # comm_input and gathered share one byte buffer (with a narrow estimate's wire after it)
         "comm_buffer": sum(
             g.padded_numel * max(reduce_dtype.itemsize, g.gather_dtype.itemsize) for g in buffers
         ),
+        "estimate_wire": nbytes(t for g in buffers for t in (g.wire_tail, g.difference,
+                                                               g.encoded_shard) if t is not None),
         "master_shard": nbytes(g.master for g in buffers),
         "carried_shard": nbytes(g.carried for g in buffers if g.carried is not None),
         "optimizer_state": nbytes(state),
         "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the
             id(t): t                 # reduce-scatter output is the master's gradient
             for g in buffers
-            for t in (*(shard for _, shard in g._payloads.values()), g.gather_input, g.master.grad)
+            for t in (g.shard_sum, g.gather_input, g.master.grad)
             if t is not None
         }.values()),
     }

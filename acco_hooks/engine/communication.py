@@ -32,6 +32,9 @@ groups for it (once, in the same order on every rank) and destroys them when it 
                                                              ESTIMATE: Peek (no state changes)
                                ─► all-gather the new shard (θ_{t+1} or θ̃_{t+1})
 
+An estimate sent narrower than the update (``estimate_dtype``) travels as encoded bytes both
+ways and gathers θ̃ − θ instead of θ̃ (``wire``).
+
 Only this thread touches the shard side of the buffers (``shard_sum``, ``master``,
 ``gather_input``), the shard optimizer and the engine's process groups while a job runs; the
 training loop reads ``gathered`` once the job's future is done.
@@ -58,10 +61,16 @@ from torch import Tensor
 from acco_hooks.engine.buffers import GroupBuffers
 from acco_hooks.engine.collectives import all_gather, reduce_scatter_sum
 from acco_hooks.engine.peek import peek
+from acco_hooks.engine.wire import (
+    WireFormat,
+    all_gather_difference,
+    gather_encoded,
+    reduce_scatter_encoded,
+)
 
 __all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundResult",
            "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
-           "build_engine_groups", "communicate", "release_communication"]  # fmt: skip
+           "build_engine_groups", "communicate", "regather_shards", "release_communication"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -336,43 +345,48 @@ class RoundResult(NamedTuple):
     nonfinite: bool  # NaN/Inf in the averaged gradient: nothing was stepped, θ was re-gathered
     updated: bool  # the shard optimizer stepped (a real update θ_t -> θ_{t+1})
     comm_s: float  # how long the job took on the communication thread
+    difference: bool = False  # ``gathered`` holds θ̃ − θ (a narrow estimate), to add to θ
     schedule_choice: int | None = None  # mode="auto": the schedule every rank runs next
 
 
 def communicate(
     job: Job, local_count: float, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
-    dtype: torch.dtype, carry: bool, proposal: int | None = None,
+    wire: WireFormat | None = None, carry: bool = False, proposal: int | None = None,
 ) -> RoundResult:  # fmt: skip
     """reduce-scatter -> average -> clip -> step or estimate -> all-gather.
 
     Args:
-        dtype: the dtype ``comm_input`` was filled in (``GroupBuffers.payload``).
-        carry: ``acco`` with the estimate sent in the update's dtype: the estimate job keeps
-            its reduce-scattered ΣG̃, the update job adds it. Without it the update round's
-            payload holds both rounds' sum already.
+        wire: an estimate job sent narrower than the update (``wire``): its gradients are
+            reduce-scattered in that format and θ̃ − θ is all-gathered in it. None: the job
+            travels in the reduce dtype and gathers θ itself.
+        carry: ``acco`` with the estimate in the reduce dtype: the estimate job keeps its
+            reduce-scattered ΣG̃, the update job adds it. Without it the update round's payload
+            holds both rounds' sum already (the accumulator was not zeroed after a narrow
+            estimate).
         proposal: ``mode="auto"``: the schedule this rank wants next; the first rank of the
             norm group's proposal is returned to every rank as ``schedule_choice``.
     """
     start = time.perf_counter()
-    payloads = [g.payload(dtype) for g in buffers]
-    shard_sums = [shard_sum for _, shard_sum in payloads]
-    if groups.data is None:
-        for comm_input, shard_sum in payloads:
-            shard_sum.copy_(comm_input)
-    else:
-        for comm_input, shard_sum in payloads:
-            reduce_scatter_sum(shard_sum, comm_input, groups.data)
+    for g in buffers:
+        if wire is not None:
+            reduce_scatter_encoded(g.shard_sum, g.comm_input, wire, g.wire_tail, g.wire_front,
+                                   groups.data)  # fmt: skip
+        elif groups.data is None:
+            g.shard_sum.copy_(g.comm_input)
+        else:
+            reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
     carried = [g.carried for g in buffers] if carry else []
     if carried and job is Job.ESTIMATE:
-        torch._foreach_copy_(carried, shard_sums)
+        torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
     add_carried = bool(carried) and job is Job.UPDATE
     # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
     # whether to skip, although each has seen only its own shard. A NaN estimate round also
     # skips the update that carries it.
-    finite = all(bool(torch.isfinite(t).all()) for t in shard_sums + carried)
+    sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
+    finite = all(bool(torch.isfinite(t).all()) for t in sums)
     device = buffers[0].master.device
     counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
                           device=device)  # fmt: skip
@@ -381,10 +395,15 @@ def communicate(
     global_count, nonfinite = counts[0].item(), counts[1].item() > 0
     choice = None if proposal is None else _agree(proposal, groups.norm, device)
     if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
-        for g in buffers:
-            g.gather_input.copy_(g.master)
-        all_gather_shards(buffers, groups)
-        return RoundResult(global_count, None, True, False, time.perf_counter() - start, choice)
+        if wire is not None:  # they hold θ already: add a zero difference, send nothing
+            for g in buffers:
+                g.gathered.zero_()
+        else:
+            for g in buffers:
+                g.gather_input.copy_(g.master)
+            all_gather_shards(buffers, groups)
+        return RoundResult(global_count, None, True, False, time.perf_counter() - start,
+                           wire is not None, choice)  # fmt: skip
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -392,13 +411,13 @@ def communicate(
         )
 
     grads = []
-    for g, shard_sum in zip(buffers, shard_sums):
-        if shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
-            total = shard_sum
+    for g in buffers:
+        if g.shard_sum.dtype == torch.float32:  # average in place: no shard-sized copy
+            total = g.shard_sum
         else:
-            if g.master.grad is None or g.master.grad is g.shard_sum:  # (fp32 in the last job)
+            if g.master.grad is None or g.master.grad is g.shard_sum:
                 g.master.grad = torch.empty_like(g.master)
-            total = g.master.grad.copy_(shard_sum)
+            total = g.master.grad.copy_(g.shard_sum)
         if add_carried:
             total.add_(g.carried)
         g.master.grad = total.div_(global_count)
@@ -413,12 +432,18 @@ def communicate(
             lr_scheduler.step()
         for g in buffers:
             g.gather_input.copy_(g.master)
+    elif wire is not None:  # θ̃ − θ, narrow: θ stays exact on every rank
+        peek(optimizer, [g.difference for g in buffers])
+        for g in buffers:
+            all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
+                                  g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
+        return RoundResult(global_count, grad_norm, False, False, time.perf_counter() - start,
+                           True, choice)  # fmt: skip
     else:
         peek(optimizer, [g.gather_input for g in buffers])
     all_gather_shards(buffers, groups)
-    return RoundResult(
-        global_count, grad_norm, False, job is Job.UPDATE, time.perf_counter() - start, choice
-    )
+    return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
+                       time.perf_counter() - start, False, choice)  # fmt: skip
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
@@ -448,6 +473,18 @@ def _clip_(
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, coef)
     return norm.item()
+
+
+def regather_shards(
+    buffers: list[GroupBuffers], groups: EngineGroups, wire: WireFormat | None
+) -> None:
+    """Rebuild a finished job's result from the shards every rank kept (after a load): θ from
+    ``gather_input``, or a narrow estimate's θ̃ − θ from ``encoded_shard``."""
+    if wire is None:
+        all_gather_shards(buffers, groups)
+        return
+    for g in buffers:
+        gather_encoded(g.gathered, g.shard_numel, wire, g.encoded_shard, g.wire_tail, groups.data)
 
 
 def all_gather_shards(buffers: list[GroupBuffers], groups: EngineGroups) -> None:

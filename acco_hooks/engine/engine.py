@@ -56,10 +56,17 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from acco_hooks.advisor import Advisor, AutoSchedule, Schedule, candidate_schedules
+from acco_hooks.advisor import (
+    AUTO_ESTIMATE_DTYPES,
+    Advisor,
+    AutoSchedule,
+    Schedule,
+    candidate_schedules,
+)
 from acco_hooks.engine import ownership
 from acco_hooks.engine.buffers import (
     GroupBuffers,
@@ -73,15 +80,16 @@ from acco_hooks.engine.communication import (
     CommWorker,
     Job,
     RoundResult,
-    all_gather_shards,
     barrier_each,
     broadcast_from_first_rank,
     build_engine_groups,
     communicate,
+    regather_shards,
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
-from acco_hooks.engine.settings import EngineSettings
+from acco_hooks.engine.settings import ESTIMATE_DTYPES, EngineSettings, SettingError
+from acco_hooks.engine.wire import WireFormat, backend_can_send
 
 __all__ = ["ACCOEngine", "STATE_VERSION"]
 
@@ -95,15 +103,15 @@ STATE_VERSION = 2
 class RoundInFlight:
     """A round whose communication was launched and whose result is not applied yet."""
 
-    __slots__ = ("future", "job", "round_index", "dtype", "seen")
+    __slots__ = ("future", "job", "round_index", "wire", "seen")
 
     def __init__(
-        self, future: Future, job: Job, round_index: int, dtype: torch.dtype | None = None
+        self, future: Future, job: Job, round_index: int, wire: WireFormat | None = None
     ) -> None:
         self.future = future  # of the job's RoundResult (None for a re-gather after a load)
         self.job = job  # what the result is: a real update θ, or an estimate θ̃
         self.round_index = round_index  # the round whose gradients it communicates
-        self.dtype = dtype  # the gradients' dtype on the wire
+        self.wire = wire  # a narrow estimate's format: the result is θ̃ − θ, added to θ
         self.seen = False  # its RoundResult was read (counted) already, e.g. by state_dict()
 
 
@@ -202,10 +210,15 @@ class ACCOEngine:
                 broadcast_from_first_rank(
                     [local_tensor(p) for g in param_groups for p in g["params"]], self._groups.data
                 )
+            # The estimate formats it may send: the reduce dtype's carries ΣG̃ on the shard
+            # side; a narrower one needs the wire buffers.
+            formats = _estimate_formats(settings, self._groups)
+            narrow = [WireFormat(ESTIMATE_DTYPES[f]) for f in formats if f != _reduce_name(settings)]
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
-                settings.reduce_torch_dtype, settings.has_estimate_round, optimizer_class,
-                optimizer_kwargs, lr_scheduler,
+                settings.reduce_torch_dtype, _reduce_name(settings) in formats,
+                (lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
+                optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
@@ -219,7 +232,8 @@ class ACCOEngine:
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
         self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
-        self.schedule, self._auto = _first_schedule(settings, self._groups)
+        fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
+        self.schedule, self._auto = _first_schedule(settings, formats, fractions, self._groups)
         self._estimate_next, self._agreed, self._update_started = True, None, None
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
@@ -227,6 +241,7 @@ class ACCOEngine:
         self.advisor = Advisor(
             settings.accumulation_steps, overlapping=settings.overlaps_every_update,
             microbatches_per_update=settings.accumulation_steps * (2 if settings.mode == "acco" else 1),
+            estimate_fractions=fractions or None,
         )  # fmt: skip
         self._round_started: float | None = None
         self._microbatch_started: float | None = None
@@ -313,6 +328,12 @@ class ACCOEngine:
         return self.schedule.estimate_microbatches
 
     @property
+    def candidate_schedules(self) -> list[Schedule]:
+        """The schedules this engine may run: ``auto``'s candidates (the synchronous one first,
+        then each split and estimate format it may try); otherwise its one schedule."""
+        return list(self._auto.candidates) if self._auto is not None else [self.schedule]
+
+    @property
     def communication_in_flight(self) -> bool:
         """Whether a round's communication was launched and has not finished yet.
 
@@ -396,17 +417,16 @@ class ACCOEngine:
 
         # 2. the payload; the accumulator restarts. acco's update round averages both halves:
         #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side
-        #    ("carry"), and its count c̃ stays in the local count. An estimate sent in a
-        #    narrower dtype is not carried: the accumulator keeps it, and the update round
-        #    sends both rounds' sum in the update's dtype.
+        #    ("carry"), and its count c̃ stays in the local count. An estimate sent narrower
+        #    (``wire``) is not carried: the accumulator keeps it, and the update round sends
+        #    both rounds' sum in the reduce dtype.
         schedule = self.schedule
         estimate = not schedule.synchronous and self._estimate_next
-        reduce_dtype = self.settings.reduce_torch_dtype
-        estimate_dtype = reduce_dtype if schedule.synchronous else _dtype(schedule.estimate_dtype)
-        carry = not schedule.synchronous and estimate_dtype == reduce_dtype
-        dtype = estimate_dtype if estimate else reduce_dtype
+        narrow = not schedule.synchronous and schedule.estimate_dtype != _reduce_name(self.settings)
+        carry = not schedule.synchronous and not narrow
+        wire = WireFormat(ESTIMATE_DTYPES[schedule.estimate_dtype]) if estimate and narrow else None
         for g in self._buffers:
-            g.payload(dtype)[0].copy_(g.accumulator)
+            g.comm_input.copy_(g.accumulator)
             if carry or not estimate:
                 g.accumulator.zero_()
         count = self._local_count
@@ -419,9 +439,9 @@ class ACCOEngine:
             proposal = self._auto.candidates.index(self._auto.target)
         future = self._worker.submit(
             communicate, job, count, self._buffers, self._groups, self.optimizer,
-            self.lr_scheduler, self.settings.max_grad_norm, dtype, carry, proposal,
+            self.lr_scheduler, self.settings.max_grad_norm, wire, carry, proposal,
         )  # fmt: skip
-        self._in_flight = RoundInFlight(future, job, self.round_index, dtype)
+        self._in_flight = RoundInFlight(future, job, self.round_index, wire)
 
         self.last_round_microbatches = self._round_microbatches
         self._round_microbatches = 0
@@ -492,7 +512,7 @@ class ACCOEngine:
         if apply:
             with torch.no_grad():
                 for g in self._buffers:
-                    g.copy_gathered_into_params()
+                    g.copy_gathered_into_params(difference=flight.wire is not None)
             self._in_flight = None
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
@@ -500,7 +520,10 @@ class ACCOEngine:
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
         if self._auto is not None:
-            self._auto.record_comm(flight.dtype, result.comm_s)
+            wire = flight.wire
+            self._auto.record_comm(
+                _reduce_name(self.settings) if wire is None else _name(wire.dtype), result.comm_s
+            )
             if result.schedule_choice is not None:
                 self._agreed = self._auto.candidates[result.schedule_choice]
         if not result.nonfinite:
@@ -632,7 +655,13 @@ class ACCOEngine:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "pending_job": None if flight is None else flight.job.value,
-            "pending_shard": [g.gather_input for g in self._buffers],
+            # a narrow estimate's result: its encoded θ̃ − θ shard, re-gathered at a load
+            "pending_wire": None if flight is None or flight.wire is None
+            else _name(flight.wire.dtype),
+            "pending_shard": [
+                g.gather_input if flight is None or flight.wire is None else g.encoded_shard
+                for g in self._buffers
+            ],
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -655,7 +684,7 @@ class ACCOEngine:
                 if kept is not None:
                     g.carried.copy_(kept)
                 g.master.copy_(master)
-                g.gather_input.copy_(shard)
+                (g.gather_input if state.get("pending_wire") is None else g.encoded_shard).copy_(shard)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -676,8 +705,12 @@ class ACCOEngine:
         if state["pending_job"] is not None:
             # The saved run had a finished, not yet applied result: every rank kept its shard of
             # it; gathering the shards again rebuilds the full result bit for bit.
-            future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
-            self._in_flight = RoundInFlight(future, Job(state["pending_job"]), self.round_index - 1)
+            wire = state.get("pending_wire")
+            wire = None if wire is None else WireFormat(ESTIMATE_DTYPES[wire])
+            future = self._worker.submit(regather_shards, self._buffers, self._groups, wire)
+            self._in_flight = RoundInFlight(
+                future, Job(state["pending_job"]), self.round_index - 1, wire
+            )
 
     @property
     def _accumulator_holds_gradients(self) -> bool:
@@ -685,7 +718,7 @@ class ACCOEngine:
         round (the update round sends both rounds' sum)."""
         schedule = self.schedule
         kept = (not schedule.synchronous and not self._estimate_next
-                and _dtype(schedule.estimate_dtype) != self.settings.reduce_torch_dtype)  # fmt: skip
+                and schedule.estimate_dtype != _reduce_name(self.settings))  # fmt: skip
         return bool(self._round_microbatches) or kept
 
     def _param_shapes(self) -> list[list[tuple[int, ...]]]:
@@ -777,28 +810,63 @@ class ACCOEngine:
 # ---------------------------------------------------------------- the schedule
 
 
-def _first_schedule(settings: EngineSettings, groups: Any) -> tuple[Schedule, AutoSchedule | None]:
+def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
+    """The formats the engine may send an estimate round in, by name: none in ``ddp`` and
+    ``dpu``, ``estimate_dtype`` in ``acco``; in ``auto`` that one, or the reduce dtype and each
+    narrower one of ``AUTO_ESTIMATE_DTYPES`` the backend can send."""
+    if not settings.has_estimate_round:
+        return []
+    chosen = _name(settings.estimate_torch_dtype)
+    if chosen == "float8_e4m3fn" and not backend_can_send(groups.data):
+        raise SettingError(
+            f"acco_hooks: estimate_dtype={settings.estimate_dtype!r} sends bytes with "
+            f"all_to_all_single, which the {dist.get_backend(groups.data)!r} backend of the "
+            "data-parallel group does not run here: use a gloo or NCCL process group, or "
+            "estimate_dtype='bfloat16'",
+            "estimate_dtype",
+        )
+    if settings.mode == "acco" or settings.estimate_dtype is not None:
+        return [chosen]
+    reduce = settings.reduce_torch_dtype
+    return [_reduce_name(settings)] + [
+        name for name in AUTO_ESTIMATE_DTYPES
+        if ESTIMATE_DTYPES[name].itemsize < reduce.itemsize
+        and (name != "float8_e4m3fn" or backend_can_send(groups.data))
+    ]  # fmt: skip
+
+
+def _wire_fraction(buffers: list[GroupBuffers], settings: EngineSettings, name: str) -> float:
+    """α of an estimate format: its bytes on the wire, both ways, over the update's."""
+    if name == _reduce_name(settings):
+        return 1.0
+    wire = WireFormat(ESTIMATE_DTYPES[name])
+    update = sum(g.padded_numel * (settings.reduce_torch_dtype.itemsize + g.gather_dtype.itemsize)
+                 for g in buffers)  # fmt: skip
+    world_size = buffers[0].padded_numel // buffers[0].shard_numel
+    return sum(2 * world_size * wire.nbytes(g.shard_numel) for g in buffers) / update
+
+
+def _first_schedule(
+    settings: EngineSettings, formats: list[str], fractions: dict[str, float], groups: Any
+) -> tuple[Schedule, AutoSchedule | None]:
     """The schedule of the first update, and in ``auto`` the controller that picks the next."""
     steps = settings.accumulation_steps
-    if not settings.has_estimate_round:  # ddp, dpu (one overlapped round per update)
+    if not formats:  # ddp, dpu (one round per update)
         return Schedule(0, steps), None
-    estimate_dtype = _name(settings.estimate_reduce_torch_dtype)
     if settings.mode == "acco":
-        return Schedule(settings.estimate_microbatches or steps, steps, estimate_dtype), None
-    candidates = candidate_schedules(
-        steps, settings.reduce_torch_dtype, settings.estimate_microbatches,
-        None if settings.estimate_reduce_dtype is None else settings.estimate_reduce_torch_dtype,
-    )  # fmt: skip
-    first = groups.norm is None or torch.distributed.get_rank() == 0
-    return candidates[0], AutoSchedule(candidates, settings.reduce_torch_dtype, report=first)
+        return Schedule(settings.estimate_microbatches or steps, steps, formats[0]), None
+    candidates = candidate_schedules(steps, formats, settings.estimate_microbatches)
+    first = groups.norm is None or dist.get_rank() == 0
+    auto = AutoSchedule(candidates, _reduce_name(settings), fractions, report=first)
+    return candidates[0], auto
+
+
+def _reduce_name(settings: EngineSettings) -> str:
+    return _name(settings.reduce_torch_dtype)
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 # ---------------------------------------------------------------- what the engine refuses

@@ -12,7 +12,7 @@ word for:
 
 * :class:`ACCOSettings` holds what only ACCO knows (``mode``, ``accumulate_until_ready``,
   ``reduce_dtype``, ``nonfinite``, ``timeout``, ``max_microbatches_per_round``, the estimate
-  round's ``estimate_reduce_dtype`` and ``estimate_microbatches``), spelled alike
+  round's ``estimate_dtype`` and ``estimate_microbatches``), spelled alike
   in a Python call, a TOML section
   and a command-line flag;
 * :class:`EngineSettings` adds the round size (``accumulation_steps``) and the clipping
@@ -40,8 +40,8 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-__all__ = ["ACCOSettings", "EngineSettings", "MODES", "NONFINITE_POLICIES", "REDUCE_DTYPES",
-           "SettingError", "boolean", "check_accumulation_steps", "real_updates",
+__all__ = ["ACCOSettings", "ESTIMATE_DTYPES", "EngineSettings", "MODES", "NONFINITE_POLICIES",
+           "REDUCE_DTYPES", "SettingError", "boolean", "check_accumulation_steps", "real_updates",
            "with_own_fields"]  # fmt: skip
 
 MODES = ("acco", "dpu", "ddp", "auto")
@@ -51,6 +51,9 @@ REDUCE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float64": torch.float64,
 }  # fmt: skip
+# The estimate round's formats on the wire (acco_hooks.engine.wire): those, and float8 with a
+# float32 scale per block of 128 values, sent as bytes and summed in float32 on arrival.
+ESTIMATE_DTYPES: dict[str, torch.dtype] = {**REDUCE_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 # Seconds a process group's timeout can hold: gloo counts whole milliseconds, and a
 # ``datetime.timedelta`` of more than 999,999,999 days overflows.
 TIMEOUT_RANGE_S = (1e-3, 1e12)
@@ -135,11 +138,14 @@ def _check_max_microbatches(value: Any) -> Optional[str]:
     return "must be an integer >= 1 (micro-batches per round), or None for no cap"
 
 
-def _check_estimate_reduce_dtype(value: Any) -> Optional[str]:
-    if value is None or _check_reduce_dtype(value) is None:
+def _check_estimate_dtype(value: Any) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value in ESTIMATE_DTYPES):
         return None
-    return (f"must be one of {', '.join(map(repr, REDUCE_DTYPES))} (the estimate round's dtype "
-            "on the wire), or None to send it as the update round's")  # fmt: skip
+    if isinstance(value, torch.dtype) and value in ESTIMATE_DTYPES.values():
+        return None
+    return (f"must be one of {', '.join(map(repr, ESTIMATE_DTYPES))} (the estimate round's "
+            "format on the wire), as a name or a torch.dtype, or None to send it as the update "
+            "round's")  # fmt: skip
 
 
 def _check_estimate_microbatches(value: Any) -> Optional[str]:
@@ -159,7 +165,7 @@ def _as_dtype(value: Any) -> Optional[torch.dtype]:
     """A dtype setting (a name, a ``torch.dtype`` or None) as a ``torch.dtype`` or None."""
     if value is None or isinstance(value, torch.dtype):
         return value
-    return REDUCE_DTYPES[value]
+    return ESTIMATE_DTYPES[value]
 
 
 # ---------------------------------------------------------------------------- the settings
@@ -215,11 +221,12 @@ class ACCOSettings:
     of every update that the fastest rank's samples make (one rank N times faster than another
     otherwise runs about N micro-batches per round to the slow rank's one). None: no cap."""
 
-    estimate_reduce_dtype: Optional[str] = None
-    """'acco' and 'auto': dtype of the estimate round's gradients on the wire, no wider than
-    reduce_dtype. 'bfloat16' halves the bytes of every other round; the real update still
-    averages every micro-batch's gradient in reduce_dtype (its round then sends both rounds'
-    sum). None: reduce_dtype ('auto' may then pick 'bfloat16' itself)."""
+    estimate_dtype: Optional[str] = None
+    """'acco' and 'auto': the estimate round's format on the wire, both ways (its gradients,
+    and θ̃ − θ), no wider than reduce_dtype: 'bfloat16' halves its bytes, 'float8_e4m3fn' (a
+    float32 scale per 128 values, gloo and NCCL) quarters them. The real update still averages
+    every micro-batch's gradient in reduce_dtype (its round then sends both rounds' sum).
+    None: reduce_dtype ('auto' then tries the narrower formats itself)."""
 
     estimate_microbatches: Optional[int] = None
     """'acco' and 'auto': micro-batches of the estimate round. In 'acco' the update round runs
@@ -233,7 +240,7 @@ class ACCOSettings:
         "nonfinite": one_of(NONFINITE_POLICIES),
         "timeout": _check_timeout,
         "max_microbatches_per_round": _check_max_microbatches,
-        "estimate_reduce_dtype": _check_estimate_reduce_dtype,
+        "estimate_dtype": _check_estimate_dtype,
         "estimate_microbatches": _check_estimate_microbatches,
     }
     """What each field allows (a subclass extends it with its own fields)."""
@@ -275,7 +282,7 @@ class ACCOSettings:
                 "defeat: set accumulate_until_ready to false, or choose mode 'acco'",
                 "accumulate_until_ready",
             )
-        for name in ("estimate_reduce_dtype", "estimate_microbatches"):
+        for name in ("estimate_dtype", "estimate_microbatches"):
             value = getattr(self, name)
             if value is not None and not self.has_estimate_round:
                 raise SettingError(
@@ -284,13 +291,13 @@ class ACCOSettings:
                     f"{name} unset (None)",
                     name,
                 )
-        estimate = self.estimate_reduce_torch_dtype
+        estimate = self.estimate_torch_dtype
         if estimate.itemsize > self.reduce_torch_dtype.itemsize:
             raise SettingError(
-                f"{spell('estimate_reduce_dtype', self.estimate_reduce_dtype)} is wider than "
+                f"{spell('estimate_dtype', self.estimate_dtype)} is wider than "
                 f"reduce_dtype {self.reduce_dtype!r}: the estimate round sends at most the bytes "
                 "of the update round. Leave it unset (None), or raise reduce_dtype",
-                "estimate_reduce_dtype",
+                "estimate_dtype",
             )
 
     def check_round_size(self, accumulation_steps: int, spell: Spelling = python_spelling) -> None:
@@ -362,9 +369,9 @@ class ACCOSettings:
         return _as_dtype(self.reduce_dtype) or torch.float32
 
     @property
-    def estimate_reduce_torch_dtype(self) -> torch.dtype:
-        """``estimate_reduce_dtype`` as a ``torch.dtype`` (``reduce_dtype``'s when unset)."""
-        return _as_dtype(self.estimate_reduce_dtype) or self.reduce_torch_dtype
+    def estimate_torch_dtype(self) -> torch.dtype:
+        """``estimate_dtype`` as a ``torch.dtype`` (``reduce_dtype``'s when unset)."""
+        return _as_dtype(self.estimate_dtype) or self.reduce_torch_dtype
 
 
 @dataclass

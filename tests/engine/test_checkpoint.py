@@ -19,8 +19,8 @@ def build(cfg: Config):
 
     model = make_model()
     opt = ACCOOptimizer(param_groups(model, True), torch.optim.AdamW, mode=cfg.mode,
-                        accumulation_steps=MICRO, lr_scheduler=make_scheduler,
-                        lr=3e-2, weight_decay=0.1)  # fmt: skip
+                        accumulation_steps=MICRO, estimate_dtype=cfg.estimate_dtype,
+                        lr_scheduler=make_scheduler, lr=3e-2, weight_decay=0.1)  # fmt: skip
     return model, opt
 
 
@@ -60,17 +60,24 @@ def second_half(rank: int, world_size: int, cfg: Config, save_at: int, ckpt_dir:
 
 
 @pytest.mark.parametrize(
-    "mode, save_at",
+    "mode, save_at, estimate_dtype",
     [
-        ("acco", 8 * MICRO),  # after 8 rounds: a real update in flight
-        ("acco", 7 * MICRO),  # after 7 rounds: an estimate in flight, its gradient carried
-        ("acco", 5 * MICRO + 1),  # in the middle of a round
-        ("dpu", 8 * MICRO),
-        ("ddp", 8 * MICRO),
+        ("acco", 8 * MICRO, None),  # after 8 rounds: a real update in flight
+        ("acco", 7 * MICRO, None),  # after 7 rounds: an estimate in flight, its gradient carried
+        ("acco", 5 * MICRO + 1, None),  # in the middle of a round
+        # a float8 estimate in flight (its encoded θ̃ − θ is gathered again at the load), and
+        # the accumulator kept for the update round, before and after its first micro-batch
+        ("acco", 7 * MICRO, "float8_e4m3fn"),
+        ("acco", 7 * MICRO + 1, "float8_e4m3fn"),
+        ("acco", 8 * MICRO, "bfloat16"),
+        ("dpu", 8 * MICRO, None),
+        ("ddp", 8 * MICRO, None),
     ],
 )
-def test_resume_in_fresh_processes_is_bit_exact(mode: str, save_at: int, tmp_path) -> None:
-    cfg = Config(mode=mode)
+def test_resume_in_fresh_processes_is_bit_exact(
+    mode: str, save_at: int, estimate_dtype: str | None, tmp_path
+) -> None:
+    cfg = Config(mode=mode, estimate_dtype=estimate_dtype)
     straight = run_distributed("tests.engine.test_checkpoint:first_half", 2, cfg, save_at, str(tmp_path))
     resumed = run_distributed("tests.engine.test_checkpoint:second_half", 2, cfg, save_at, str(tmp_path))
     for rank in range(2):
