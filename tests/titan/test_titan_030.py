@@ -144,7 +144,7 @@ def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     assert group.optimizer_name == "AdamW" and group.pattern == ".*"
     assert group.optimizer_kwargs == {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8,
                                       "weight_decay": 0.1}  # fmt: skip
-    assert config.optimizer.implementation == "for-loop"
+    assert config.optimizer.implementation == "fused"
     assert (config.acco.mode, config.acco.enable) == ("dpu", True)
     assert config.training.steps == 7 and config.training.disable_cuda_graphs
     assert config.checkpoint.enable is False
