@@ -23,9 +23,13 @@ bytes, ½ for bfloat16 and about ¼ for float8 against a float32 update)::
 
 ACCO as the paper builds it is ``k₁ = k₂ = k``, ``α = 1``. With the split chosen so that each
 round's compute just covers what it hides, the ceiling becomes ``1 + 1/(1 + α)``: 1.67× for a
-bfloat16 estimate of a float32 update, 1.8× for float8. :func:`best_schedule` searches every split and estimate
-dtype; ``mode="auto"`` (:class:`AutoSchedule`) runs the synchronous schedule whenever none of
-them is faster as measured, so it is never slower than ``ddp`` by more than its trials cost.
+bfloat16 estimate of a float32 update, 1.8× for float8. An estimate that needs no communication
+(``α = 0``: extrapolated from past updates, or a Peek of the local gradient) would make it
+``T = max(n·c, C)``, never slower than synchronous and 2× at ``C = n·c``; none is offered
+(``docs/when_acco_helps.md``: the one measured fails the convergence gate).
+:func:`best_schedule` searches every split and estimate format; ``mode="auto"``
+(:class:`AutoSchedule`) runs the synchronous schedule whenever none of them is faster as
+measured, so it is never slower than ``ddp`` by more than its trials cost.
 
 :class:`Advisor` measures on the engine's own rounds, on every rank:
 
@@ -391,7 +395,8 @@ class AutoSchedule:
         speedup = timed.get(synchronous, timed[best]) / timed[best]
         self.figures = {"per_microbatch_s": per_microbatch, "comm_s": comm,
                         "synchronous_update_s": timed.get(synchronous, float("nan")),
-                        "chosen_update_s": timed[best], "measured_speedup": speedup}  # fmt: skip
+                        "chosen_update_s": timed[best], "measured_speedup": speedup,
+                        "predicted_speedup": priced(synchronous) / max(priced(best), 1e-12)}  # fmt: skip
         changed = best != self.chosen
         self.chosen = self.target = best
         self._held = 0
@@ -405,7 +410,7 @@ class AutoSchedule:
                 f"C={f['comm_s']:.4f}s per update's communication; runs "
                 f"{self.chosen.describe()}: {f['chosen_update_s']:.4f}s per update against "
                 f"{f['synchronous_update_s']:.4f}s synchronous, speedup "
-                f"{f['measured_speedup']:.2f} per token")  # fmt: skip
+                f"{f['measured_speedup']:.2f} per token (the law: {f['predicted_speedup']:.2f})")  # fmt: skip
         if timed:
             tried = ", ".join(f"{s.describe()} {t:.4f}s" for s, t in timed.items())
             line += f" (timed: {tried})"

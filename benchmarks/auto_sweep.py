@@ -1,24 +1,31 @@
 """Every schedule and ``mode="auto"`` against synchronous ZeRO-1, per token, on capped links.
 
-    python -m benchmarks.auto_sweep                        # as root (the netbed), ~25 min
+    python -m benchmarks.auto_sweep                        # as root (the netbed), ~50 min
     python -m benchmarks.auto_sweep --plot-only            # redraw from the JSON
 
 2 gloo ranks on the two-host netbed (``benchmarks.netbed``), one core each, a 1.05M-parameter
-MLP through the public API (``ACCOOptimizer``), 20 micro-batches per real update in every arm,
-so tokens per update are equal and the ratio of update times is the per-token speedup:
+MLP through the public API (``ACCOOptimizer``, fused AdamW), 20 micro-batches per real update in
+every arm, so tokens per update are equal and the ratio of update times is the per-token
+speedup:
 
 * ``ddp``: synchronous ZeRO-1, one round of 20;
-* ``acco``: today's schedule, 10 + 10, float32 estimate;
-* ``acco_bf16``: 10 + 10 with a bfloat16 estimate;
-* ``law_fp32`` / ``law_bf16``: the split the generalized law picks for the c and C measured in
-  this link's ``ddp`` run (``acco_hooks.advisor.best_schedule``), float32 / bfloat16 estimate;
-* ``auto``: ``mode="auto"``; its time is that of the updates after its decision.
+* ``acco``: the paper's schedule, 10 + 10, float32 estimate;
+* ``acco_bf16`` / ``acco_fp8``: 10 + 10 with the estimate round in bfloat16 / float8;
+* ``law``: the schedule (split and estimate format) that the generalized law prices fastest
+  for the c and C measured by this link's ``ddp`` run (``acco_hooks.advisor.best_schedule``,
+  the candidates ``auto`` has);
+* ``auto``: ``mode="auto"``, which measures and decides on its own. ``speedup`` is its steady
+  state (the updates after its decision); ``speedup_whole_run`` counts every update from the
+  third on, its synchronous measurements and trials included.
 
 ``--compute real``: each micro-batch is a forward and backward of the MLP. ``--compute sleep``:
 each is a sleep of the compute time measured in the real mode, plus the addition of a fixed
 gradient: the core is free while the "device" computes, as on a GPU, so the schedule's own
 efficiency shows apart from this machine's contention between compute and the communication
-thread. Per arm the median update time over the timed updates; ``speedup`` = ddp's ÷ the arm's.
+thread. Each arm runs ``--repeats`` times, the arms interleaved; per run the median update
+time over its timed updates, and ``speedup`` = the same repeat's ddp median ÷ the arm's.
+``law_speedup``: the generalized law's figure for the arm's schedule, from ddp's c and C and
+the estimate format's share of the bytes (α).
 
 Writes ``docs/results/auto_sweep.json`` and ``docs/figures/auto_sweep.png``.
 """
@@ -37,9 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "auto_sweep.json"
 FIGURE = ROOT / "docs" / "figures" / "auto_sweep.png"
-RATES = ("none", "1gbit", "200mbit", "100mbit", "50mbit")
+# The issue's links, and 300mbit: C between one and two rounds' compute (K = 10 micro-batches)
+RATES = ("none", "1gbit", "300mbit", "200mbit", "100mbit", "50mbit")
 MICROBATCHES = 20  # per real update, every arm
-WIDTH, BATCH = 724, 256  # two 724x724 layers: 1.05M parameters; ~10 ms per micro-batch here
+WIDTH, BATCH = 724, 256  # two 724x724 layers: 1.05M parameters; ~9 ms per micro-batch here
+ARMS = ("ddp", "acco", "acco_bf16", "acco_fp8", "law", "auto")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -55,12 +64,12 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
     settings = json.loads(args.settings)
-    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, foreach=True,
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True,
                         accumulation_steps=settings.pop("accumulation_steps"), **settings)  # fmt: skip
     engine = opt.engine
     x = torch.randn(BATCH, WIDTH)
     fixed = [torch.full_like(p, 1e-3) for p in model.parameters()]
-    boundaries, compute = [], []
+    boundaries, compute, schedules = [], [], []
     while engine.updates_launched < args.updates:
         start = time.perf_counter()
         if args.compute == "real":
@@ -74,42 +83,57 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
         if engine.updates_launched != launched:  # an update's micro-batches are all in
             boundaries.append(time.perf_counter())
+            schedules.append(list(engine.schedule))
     opt.flush()
     update_s = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    timed = update_s[-args.timed:]
-    figures = dict(engine.advisor.figures)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
-            "update_s": update_s, "median_update_s": statistics.median(timed),
+            "update_s": update_s, "median_update_s": statistics.median(update_s[-args.timed:]),
+            "mean_update_s_from_3rd": statistics.fmean(update_s[1:]),
             "per_microbatch_s": statistics.median(compute[: MICROBATCHES * 3]),
-            "advisor": figures, "final_schedule": list(engine.schedule),
+            "advisor": dict(engine.advisor.figures),
+            "estimate_fractions": engine.advisor.estimate_fractions,
+            "schedules": schedules, "final_schedule": list(engine.schedule),
         }), flush=True)  # fmt: skip
     opt.close()
     dist.destroy_process_group()
 
 
-def arms(ddp: dict | None) -> dict[str, dict]:
-    """Each arm's settings; the law's splits need this link's ``ddp`` figures."""
-    out = {
-        "ddp": dict(mode="ddp", accumulation_steps=MICROBATCHES),
-        "acco": dict(mode="acco", accumulation_steps=MICROBATCHES // 2),
-        "acco_bf16": dict(mode="acco", accumulation_steps=MICROBATCHES // 2,
-                          estimate_reduce_dtype="bfloat16"),
-        "auto": dict(mode="auto", accumulation_steps=MICROBATCHES),
-    }  # fmt: skip
-    if ddp is not None:
-        import torch
+def arm_settings(name: str, ddp: dict | None) -> dict | None:
+    """An arm's ``ACCOOptimizer`` settings; ``law`` needs this link's ``ddp`` figures."""
+    half = MICROBATCHES // 2
+    if name == "ddp":
+        return dict(mode="ddp", accumulation_steps=MICROBATCHES)
+    if name == "auto":
+        return dict(mode="auto", accumulation_steps=MICROBATCHES)
+    if name.startswith("acco"):
+        dtype = {"acco": None, "acco_bf16": "bfloat16", "acco_fp8": "float8_e4m3fn"}[name]
+        return dict(mode="acco", accumulation_steps=half, estimate_dtype=dtype)
+    best = law_best(ddp)
+    if best.synchronous:  # nothing to hide: the law's pick is ddp itself
+        return None
+    return dict(mode="acco", accumulation_steps=best.update_microbatches,
+                estimate_microbatches=best.estimate_microbatches,
+                estimate_dtype=best.estimate_dtype)  # fmt: skip
 
-        from acco_hooks.advisor import best_schedule, candidate_schedules
 
-        c, comm = ddp["per_microbatch_s"], ddp["comm_s"]
-        for name, dtype, alpha in (("law_fp32", torch.float32, 1.0), ("law_bf16", torch.bfloat16, 0.5)):
-            candidates = candidate_schedules(MICROBATCHES, torch.float32, estimate_dtype=dtype)
-            best, _ = best_schedule(c, comm, candidates[1:], {"bfloat16": alpha * comm})
-            out[name] = dict(mode="acco", accumulation_steps=best.update_microbatches,
-                             estimate_microbatches=best.estimate_microbatches,
-                             estimate_reduce_dtype=best.estimate_dtype)  # fmt: skip
-    return out
+def law_best(ddp: dict):
+    from acco_hooks.advisor import best_schedule, candidate_schedules
+
+    c, comm, fractions = ddp["per_microbatch_s"], ddp["comm_s"], ddp["fractions"]
+    candidates = candidate_schedules(MICROBATCHES, list(fractions))
+    best, _ = best_schedule(c, comm, candidates, {d: a * comm for d, a in fractions.items()})
+    return best
+
+
+def law_speedup(ddp: dict, schedule: list) -> float:
+    """The generalized law's per-token speedup of ``schedule`` with this link's c, C and α."""
+    from acco_hooks.advisor import Schedule, schedule_seconds
+
+    c, comm = ddp["per_microbatch_s"], ddp["comm_s"]
+    schedule = Schedule(*schedule)
+    alpha = ddp["fractions"].get(schedule.estimate_dtype, 1.0)
+    return (MICROBATCHES * c + comm) / schedule_seconds(c, comm, schedule, alpha * comm)
 
 
 def run_arm(link, settings: dict, compute: str, microbatch_s: float, updates: int,
@@ -123,57 +147,73 @@ def run_arm(link, settings: dict, compute: str, microbatch_s: float, updates: in
     lines = [line for line in out0.splitlines() if line.startswith("RESULT ")]
     if status or not lines:
         raise SystemExit(f"auto_sweep: {settings} failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["settings"] = settings
+    return result
 
 
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import two_host_link
     from benchmarks.throughput import _machine
 
+    import torch
+
     results: dict = {
         "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "model": f"MLP 2 x Linear({WIDTH}, {WIDTH}), 1.05M parameters, batch {BATCH}",
+        "torch": torch.__version__,
+        "model": f"MLP 2 x Linear({WIDTH}, {WIDTH}), 1.05M parameters, batch {BATCH}, fused AdamW",
         "microbatches_per_update": MICROBATCHES, "updates": args.updates, "timed": args.timed,
-        "auto_updates": args.auto_updates, "runs": {},
+        "auto_updates": args.auto_updates, "repeats": args.repeats, "runs": {},
     }  # fmt: skip
+    if RESULTS.exists() and args.resume:
+        results = json.loads(RESULTS.read_text())
     with two_host_link() as link:
         for compute in args.compute:
             microbatch_s = results.get("real_microbatch_s", args.microbatch_s)
             for rate in args.rates:
-                link.set_rate(rate)
                 key = f"{compute}/{rate}"
-                runs: dict = {}
-                ddp = run_arm(link, arms(None)["ddp"], compute, microbatch_s, args.updates, args.timed)
-                ddp["comm_s"] = ddp["advisor"].get("comm_per_round_s", 0.0)
-                runs["ddp"] = ddp
-                if compute == "real" and rate == "none":
-                    results["real_microbatch_s"] = ddp["per_microbatch_s"]
-                for name, settings in arms(ddp).items():
-                    if name == "ddp":
-                        continue
-                    updates = args.auto_updates if name == "auto" else args.updates
-                    runs[name] = run_arm(link, settings, compute, microbatch_s, updates, args.timed)
-                    runs[name]["settings"] = settings
-                for name, run in runs.items():
-                    run["speedup"] = ddp["median_update_s"] / run["median_update_s"]
-                results["runs"][key] = runs
-                print(f"{key}: c={ddp['per_microbatch_s']*1e3:.1f}ms C={ddp['comm_s']*1e3:.0f}ms "
-                      + " ".join(f"{n}={r['speedup']:.2f}" for n, r in runs.items()), flush=True)
+                if key in results["runs"]:
+                    continue
+                link.set_rate(rate)
+                repeats: list[dict] = []
+                for _ in range(args.repeats):
+                    runs: dict = {}
+                    ddp = run_arm(link, arm_settings("ddp", None), compute, microbatch_s,
+                                  args.updates, args.timed)  # fmt: skip
+                    ddp["comm_s"] = ddp["advisor"].get("comm_per_round_s", 0.0)
+                    runs["ddp"] = ddp
+                    if compute == "real" and rate == "none" and "real_microbatch_s" not in results:
+                        results["real_microbatch_s"] = ddp["per_microbatch_s"]
+                    for name in ARMS[1:]:
+                        settings = arm_settings(name, {**ddp, "fractions": _fractions(runs)})
+                        if settings is None:
+                            continue
+                        updates = args.auto_updates if name == "auto" else args.updates
+                        runs[name] = run_arm(link, settings, compute, microbatch_s, updates,
+                                             args.timed)  # fmt: skip
+                    figures = {**ddp, "fractions": _fractions(runs)}
+                    for name, run in runs.items():
+                        run["speedup"] = ddp["median_update_s"] / run["median_update_s"]
+                        run["law_speedup"] = law_speedup(figures, run["final_schedule"])
+                    auto = runs["auto"]
+                    auto["speedup_whole_run"] = ddp["mean_update_s_from_3rd"] / auto["mean_update_s_from_3rd"]
+                    auto["law_best_speedup"] = law_speedup(figures, list(law_best(figures)))
+                    repeats.append(runs)
+                    print(f"{key}: c={ddp['per_microbatch_s']*1e3:.1f}ms C={ddp['comm_s']*1e3:.0f}ms "
+                          + " ".join(f"{n}={r['speedup']:.2f}(law {r['law_speedup']:.2f})"
+                                     for n, r in runs.items())
+                          + f" auto_whole={auto['speedup_whole_run']:.2f}", flush=True)  # fmt: skip
+                results["runs"][key] = repeats
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
-def law_speedup(c: float, comm: float, settings: dict) -> float:
-    """The generalized law's speedup of an arm, with α = ½ for a bfloat16 estimate."""
-    from acco_hooks.advisor import Schedule, schedule_seconds
-
-    n = MICROBATCHES
-    if settings["mode"] == "ddp":
-        return 1.0
-    k2 = settings["accumulation_steps"]
-    k1 = settings.get("estimate_microbatches") or k2
-    alpha = 0.5 if settings.get("estimate_reduce_dtype") == "bfloat16" else 1.0
-    return (n * c + comm) / schedule_seconds(c, comm, Schedule(k1, k2, "x"), alpha * comm)
+def _fractions(runs: dict) -> dict[str, float]:
+    """α of each estimate format, as the engine computed it (the acco arms report theirs)."""
+    fractions = {"float32": 1.0}
+    for run in runs.values():
+        fractions.update(run.get("estimate_fractions") or {})
+    return fractions
 
 
 def plot(results: dict) -> None:
@@ -182,30 +222,34 @@ def plot(results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    computes = sorted({key.split("/")[0] for key in results["runs"]})
-    fig, axes = plt.subplots(1, len(computes), figsize=(6 * len(computes), 4.5), squeeze=False)
-    markers = {"acco": "o", "acco_bf16": "s", "law_fp32": "^", "law_bf16": "v", "auto": "*"}
+    computes = [c for c in ("real", "sleep") if any(k.startswith(c + "/") for k in results["runs"])]
+    fig, axes = plt.subplots(1, len(computes), figsize=(6.5 * len(computes), 4.8), squeeze=False)
+    markers = {"acco": "o", "acco_bf16": "s", "acco_fp8": "D", "law": "^", "auto": "*"}
+    colors = {"acco": "C0", "acco_bf16": "C1", "acco_fp8": "C2", "law": "C3", "auto": "C4"}
     for ax, compute in zip(axes[0], computes):
-        for key, runs in results["runs"].items():
+        for key, repeats in results["runs"].items():
             if not key.startswith(compute + "/"):
                 continue
-            ddp = runs["ddp"]
-            ratio = ddp["comm_s"] / (ddp["per_microbatch_s"] * MICROBATCHES / 2)
-            for name, marker in markers.items():
-                if name in runs:
-                    ax.scatter(ratio, runs[name]["speedup"], marker=marker,
-                               label=name if key.endswith("/none") else None, s=60)  # fmt: skip
-                    if "settings" in runs[name] and name != "auto":
-                        ax.scatter(ratio, law_speedup(ddp["per_microbatch_s"], ddp["comm_s"],
-                                                      runs[name]["settings"]),
-                                   marker=marker, facecolors="none", edgecolors="gray", s=60)  # fmt: skip
+            for index, runs in enumerate(repeats):
+                ddp = runs["ddp"]
+                ratio = ddp["comm_s"] / (ddp["per_microbatch_s"] * MICROBATCHES / 2)
+                for name, marker in markers.items():
+                    if name not in runs:
+                        continue
+                    first = key.endswith("/none") and index == 0
+                    ax.scatter(ratio, runs[name]["speedup"], marker=marker, color=colors[name],
+                               label=name if first else None, s=70 if name == "auto" else 40)  # fmt: skip
+                    ax.scatter(ratio, runs[name]["law_speedup"], marker=marker, facecolors="none",
+                               edgecolors=colors[name], s=40, alpha=0.6)  # fmt: skip
             ax.annotate(key.split("/")[1], (ratio, 0.55), fontsize=8, ha="center")
         ax.axhline(1.0, color="black", lw=0.8)
+        ax.axhline(1.5, color="gray", lw=0.5, ls=":")
         ax.set_xscale("log")
-        ax.set_xlabel("C / K (K: compute of 10 micro-batches, measured in the ddp run)")
+        ax.set_ylim(0.5, 2.1)
+        ax.set_xlabel("C / K (C: ddp's communication; K: compute of 10 micro-batches)")
         ax.set_ylabel("per-token speedup over synchronous ZeRO-1")
-        ax.set_title(f"compute: {compute} (hollow grey: the generalized law)")
-        ax.legend(fontsize=8)
+        ax.set_title(f"compute: {compute} (filled: measured, every repeat; hollow: the law)")
+        ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=120)
@@ -215,15 +259,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
-    parser.add_argument("--microbatch-s", type=float, default=0.010,
+    parser.add_argument("--microbatch-s", type=float, default=0.009,
                         help="--compute sleep alone: seconds per micro-batch")  # fmt: skip
     parser.add_argument("--compute", nargs="+", default=["real", "sleep"],
                         choices=["real", "sleep"])  # fmt: skip
     parser.add_argument("--rates", nargs="+", default=list(RATES))
     parser.add_argument("--updates", type=int, default=14, help="real updates per fixed arm")
-    parser.add_argument("--auto-updates", type=int, default=34,
+    parser.add_argument("--auto-updates", type=int, default=40,
                         help="real updates of the auto arm (it decides within ~25)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=8, help="last updates timed per arm")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every arm per link")
+    parser.add_argument("--resume", action="store_true", help="keep the links already measured")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     if args.worker:

@@ -137,13 +137,17 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_matched": ("ddp", ()),  # --control-mix: each rank its own micro-batches per update
 }
 # arm -> (acco.mode, extra overrides) for the schedules mode="auto" may pick (the convergence
-# gate): a bfloat16 estimate, and the uneven split 3 + 1 of an update's 4 micro-batches per rank
-# (with --training.local_batch_size 2 under the default batch: 2 + 2 per round otherwise).
+# gate): the estimate round in bfloat16 or float8, and the most uneven split auto tries, 3 + 1
+# of an update's 4 micro-batches per rank (run the gate with --training.local_batch_size 2:
+# 2 + 2 per round in "acco", 4 per update in "ddp").
 SCHEDULE_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "acco_bf16": ("acco", ("--acco.estimate_reduce_dtype", "bfloat16")),
+    "acco_bf16": ("acco", ("--acco.estimate_dtype", "bfloat16")),
+    "acco_fp8": ("acco", ("--acco.estimate_dtype", "float8_e4m3fn")),
     "acco_split": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps", "1")),
     "acco_split_bf16": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps",
-                                 "1", "--acco.estimate_reduce_dtype", "bfloat16")),
+                                 "1", "--acco.estimate_dtype", "bfloat16")),
+    "acco_split_fp8": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps",
+                                "1", "--acco.estimate_dtype", "float8_e4m3fn")),
 }  # fmt: skip
 MANAGED = ("--training.dataset_path", "--acco.accumulation_steps", "--training.steps",
            "--debug.seed", "--job.dump_folder",
@@ -711,7 +715,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
                         help="real optimizer updates per run (acco: 2x as many rounds)")
     parser.add_argument("--modes", nargs="+", choices=[*MODES, *SCHEDULE_ARMS], default=list(MODES),
                         help="convergence: acco.mode values (one TOML each), or the schedule "
-                        "arms of mode auto: acco_bf16, acco_split, acco_split_bf16")
+                        "arms of mode auto: " + ", ".join(SCHEDULE_ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="seeds: --debug.seed (model initialisation) and the data order")
     parser.add_argument("--data-seed", type=int, default=None,

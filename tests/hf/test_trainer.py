@@ -170,6 +170,18 @@ def test_acco_logs_show_rounds_real_updates_and_communication_wait(acco_results)
     assert {"grad_norm", "learning_rate"} <= logs[-1].keys()
 
 
+def test_auto_mode_trains_one_update_per_step_starting_synchronous(acco_results) -> None:
+    """accumulation_steps per update as in ddp: switching ddp -> auto keeps the batch; while it
+    measures (its first 5 updates) it is the synchronous schedule, bit for bit."""
+    for result in acco_results:
+        auto, ddp = result["auto"], result["ddp"]
+        assert sorted(auto["loss"]) == list(range(1, 9))
+        assert [auto["loss"][s] for s in range(1, 6)] == [ddp["loss"][s] for s in range(1, 6)]
+        logs = [e for e in auto["log_history"] if "loss" in e]
+        assert [e["acco/real_updates"] for e in logs] == list(range(1, 9))
+        assert auto["loss"][7] + auto["loss"][8] < auto["loss"][1] + auto["loss"][2] - 0.5
+
+
 def test_evaluation_runs_at_real_parameters_without_changing_training(acco_results) -> None:
     for result in acco_results:
         with_eval, without = result["acco"], result["acco_plain"]

@@ -119,7 +119,8 @@ def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) ->
 
 
 def acco_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
-    """acco and dpu runs with evaluation and checkpoints, without them, and resumed ones."""
+    """acco and dpu runs with evaluation and checkpoints, without them, and resumed ones; auto
+    and ddp runs without them."""
     from acco_hooks.hf import ACCOArguments, ACCOTrainer
 
     distributed_env(rank, world_size)
@@ -156,6 +157,8 @@ def acco_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
         "acco_resumed_3", "acco", resume=os.path.join(output_dir, "acco", "checkpoint-3"),
         **checkpoints,
     )  # fmt: skip
+    # mode="auto": one update per Trainer step, synchronous while it measures (5 updates)
+    results["auto"], results["ddp"] = run("auto", "auto"), run("ddp", "ddp")
     results["dpu"] = run("dpu", "dpu", **checkpoints)
     results["dpu_resumed_3"] = run(
         "dpu_resumed_3", "dpu", resume=os.path.join(output_dir, "dpu", "checkpoint-3"),

@@ -130,6 +130,18 @@ def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     assert our_norms[1] == pytest.approx((1 if TITAN_030 else 2) * their_norms[1], rel=1e-3)
 
 
+def test_auto_mode_takes_one_step_per_update_and_starts_synchronous(tmp_path) -> None:
+    """``[acco] mode = "auto"``: a torchtitan step is one real update of torchtitan's gradient
+    accumulation steps, as in ``ddp``; while it measures (its first 5 updates) it runs the
+    synchronous schedule, so its losses are the engine's ddp mode's."""
+    common = ("--training.steps", "8", *FAST)
+    auto = run_titan(2, "debug_cpu_ddp.toml", "--acco.mode", "auto", *common, dump=tmp_path / "auto")
+    ddp = run_titan(2, "debug_cpu_ddp.toml", *common, dump=tmp_path / "ddp")
+    assert sorted(auto) == sorted(ddp) == list(range(1, 9))
+    assert [auto[s] for s in range(1, 6)] == [ddp[s] for s in range(1, 6)]
+    assert float(auto[8]) < float(auto[1])
+
+
 def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
     """``data_parallel_replicate_degree = 1`` (one GPU): the engine runs its rounds over the
     rank alone. Its synchronous mode trains as torchtitan's own single-process run, clipping

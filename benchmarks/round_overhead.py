@@ -1,0 +1,163 @@
+"""What an ACCO round costs beyond its compute when there is nothing to hide, before and after.
+
+    git worktree add /tmp/before 567055e                 # the engine before mode="auto"
+    sudo python -m benchmarks.round_overhead --before /tmp/before   # ~10 min
+
+2 gloo ranks on the netbed with no cap (``benchmarks.netbed``: one namespace and one core per
+rank), the 1.05M-parameter MLP of ``benchmarks.auto_sweep``, 10 micro-batches per ACCO round
+and 20 per synchronous update, every arm's checkout imported through ``PYTHONPATH``:
+
+* ``acco_before`` / ``ddp_before``: the checkout given as ``--before``, its shard stepped by
+  foreach AdamW (what the issue measured);
+* ``acco_foreach``, ``acco``, ``acco_bf16``, ``acco_fp8``, ``ddp``: this checkout, foreach
+  then fused AdamW, and the estimate round in float32, bfloat16, float8.
+
+Per round (round end to round end, from round 3 on): its time, the compute inside it (forward
+and backward, or the sleep of ``--compute sleep``), and their difference, the round's fixed
+cost: the main thread's bookkeeping at the round end, and on a shared core the communication
+thread's own CPU time (copies, ring additions, the shard step or Peek, gloo's TCP). Medians per
+run; the arms interleaved, ``--repeats`` times. Writes ``docs/results/round_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "round_overhead.json"
+WIDTH, BATCH, UPDATE = 724, 256, 20
+ARMS = {  # name: (checkout, settings)
+    "ddp_before": ("before", dict(mode="ddp", accumulation_steps=UPDATE, foreach=True)),
+    "acco_before": ("before", dict(mode="acco", accumulation_steps=UPDATE // 2, foreach=True)),
+    "ddp": ("after", dict(mode="ddp", accumulation_steps=UPDATE, fused=True)),
+    "acco_foreach": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, foreach=True)),
+    "acco": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True)),
+    "acco_bf16": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True,
+                                estimate_dtype="bfloat16")),
+    "acco_fp8": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True,
+                               estimate_dtype="float8_e4m3fn")),
+}  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: ``args.rounds`` rounds through the public API of whichever acco_hooks is on
+    the path (``step()`` returns whether a round ended, in every version)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from acco_hooks import ACCOOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, **json.loads(args.settings))
+    x = torch.randn(BATCH, WIDTH)
+    fixed = [torch.full_like(p, 1e-3) for p in model.parameters()]
+    rounds, computed, last = [], 0.0, time.perf_counter()
+    while len(rounds) < args.rounds:
+        start = time.perf_counter()
+        if args.compute == "real":
+            model(x).pow(2).mean().backward()
+        else:
+            time.sleep(args.microbatch_s)
+            for p, g in zip(model.parameters(), fixed):
+                opt.engine.accumulate_grad(p, g)
+        computed += time.perf_counter() - start
+        if opt.step():
+            now = time.perf_counter()
+            rounds.append((now - last, computed))
+            last, computed = now, 0.0
+    opt.flush()
+    if dist.get_rank() == 0:
+        timed = rounds[2:]
+        print("RESULT " + json.dumps({
+            "round_s": statistics.median(r for r, _ in timed),
+            "compute_s": statistics.median(c for _, c in timed),
+            "overhead_s": statistics.median(r - c for r, c in timed),
+            "comm_per_round_s": opt.engine.advisor.figures.get("comm_per_round_s"),
+        }), flush=True)  # fmt: skip
+    opt.close()
+    dist.destroy_process_group()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from benchmarks.netbed import run_two_ranks, two_host_link
+    from benchmarks.throughput import _machine
+
+    trees = {"before": str(Path(args.before).resolve()), "after": str(ROOT)}
+    results: dict = {
+        "date": datetime.date.today().isoformat(), "machine": _machine(), "trees": trees,
+        "model": f"MLP 2 x Linear({WIDTH}, {WIDTH}), 1.05M parameters, batch {BATCH}",
+        "microbatches_per_update": UPDATE, "rounds": args.rounds, "repeats": args.repeats,
+        "link": "netbed, no cap", "runs": {},
+    }  # fmt: skip
+    with two_host_link() as link:
+        for compute in args.compute:
+            runs: dict = {name: [] for name in ARMS}
+            for _ in range(args.repeats):
+                for name, (tree, settings) in ARMS.items():
+                    # a script, not -m: the arm's checkout, first on the path, has no such module
+                    argv = [sys.executable, str(Path(__file__).resolve()), "--worker",
+                            "--settings", json.dumps(settings), "--compute", compute,
+                            "--microbatch-s", str(args.microbatch_s), "--rounds",
+                            str(args.rounds)]  # fmt: skip
+                    env = {"PYTHONPATH": trees[tree]}  # its acco_hooks
+                    status, out0, out1 = run_two_ranks(link, argv, env=env, timeout_s=900)
+                    lines = [line for line in out0.splitlines() if line.startswith("RESULT ")]
+                    if status or not lines:
+                        raise SystemExit(f"{name} failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
+                    runs[name].append(json.loads(lines[-1][len("RESULT "):]))
+                    print(f"{compute} {name}: {runs[name][-1]}", flush=True)
+            summary = {}
+            for name, repeats in runs.items():
+                rounds_per_update = 1 if name.startswith("ddp") else 2
+                summary[name] = {
+                    key: statistics.median(r[key] for r in repeats)
+                    for key in ("round_s", "compute_s", "overhead_s")
+                }  # fmt: skip
+                summary[name]["update_s"] = summary[name]["round_s"] * rounds_per_update
+            for name in summary:
+                ddp = summary["ddp_before" if name.endswith("_before") else "ddp"]
+                summary[name]["speedup_vs_ddp"] = ddp["update_s"] / summary[name]["update_s"]
+            results["runs"][compute] = {"runs": runs, "summary": summary}
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--before", default=None, help="the checkout to compare against")
+    parser.add_argument("--compute", nargs="+", default=["real", "sleep"], choices=["real", "sleep"])
+    parser.add_argument("--microbatch-s", type=float, default=0.009,
+                        help="--compute sleep: seconds per micro-batch")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=24, help="rounds per run (2 untimed)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.worker:
+        args.compute = args.compute[0]
+        worker(args)
+        return
+    if args.before is None:
+        raise SystemExit("round_overhead: --before CHECKOUT is needed (git worktree add ...)")
+    for compute, result in measure(args)["runs"].items():
+        for name, figures in result["summary"].items():
+            print(f"{compute:5s} {name:13s} round {figures['round_s'] * 1e3:6.1f} ms, compute "
+                  f"{figures['compute_s'] * 1e3:6.1f} ms, fixed cost {figures['overhead_s'] * 1e3:5.1f}"
+                  f" ms per round; per token {figures['speedup_vs_ddp']:.3f}x its ddp")  # fmt: skip
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
