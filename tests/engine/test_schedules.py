@@ -101,18 +101,25 @@ def test_the_existing_modes_are_bit_identical_to_before_the_schedules(tmp_path: 
 
 
 def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
-                 emulated: dict | None = None) -> dict:  # fmt: skip
+                 emulated: dict | None = None, save_to: str | None = None,
+                 load_from: str | None = None) -> dict:  # fmt: skip
     """Train with ``settings``; record where each micro-batch's gradient was computed.
 
     ``emulated``: per-update seconds the loop sleeps, by schedule kind (``"synchronous"``,
     ``"overlapped"``), as if it waited for a link or computed longer: it shapes what ``auto``
-    measures, so that its choices are known in advance.
+    measures, so that its choices are known in advance. ``load_from`` / ``save_to``: a folder
+    to resume from first / to save into at the end (model and optimizer, per rank).
     """
     torch.manual_seed(0)
     model = make_model()
     opt_class, kwargs = OPTIMIZERS["adamw"]
     opt = ACCOOptimizer(param_groups(model, True), opt_class, **settings, **kwargs)
     engine = opt.engine
+    if load_from is not None:
+        state = torch.load(os.path.join(load_from, f"rank{rank}.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    resumed_with = tuple(engine.schedule)
     points, schedules = [], []
     while engine.updates_launched < updates:
         update, position = engine.updates_launched, len(
@@ -129,10 +136,14 @@ def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
             schedules.append(tuple(engine.schedule))
             if emulated:
                 time.sleep(emulated[kind])
+    if save_to is not None:  # the update just launched is in flight: saved pending
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        torch.save(state, os.path.join(save_to, f"rank{rank}.pt"))
     opt.flush()
     result = {
         "params": [p.detach().clone() for p in model.parameters()],
         "points": points, "schedules": schedules, "num_updates": opt.num_updates,
+        "resumed_with": resumed_with,
     }  # fmt: skip
     opt.close()
     return result
@@ -268,6 +279,24 @@ def test_auto_switches_at_update_boundaries_and_loses_no_gradient(emulated, keep
     assert all(s.estimate_microbatches + s.update_microbatches == 4 for s in map(Schedule._make, overlapped))
     assert (schedules[-1] != synchronous) == keeps, schedules
     assert_every_update_is_the_average(results, updates)
+
+
+def test_auto_resumes_its_schedule_from_a_checkpoint(tmp_path) -> None:
+    """Saved after it chose an overlapped schedule, with that update in flight: the resumed run
+    goes on with the same schedule, every rank alike, and every update of both halves is the
+    float32 average of its gradients."""
+    settings, first, total = dict(mode="auto", accumulation_steps=4), 14, 22
+    before = run_distributed(f"{__name__}:recorded_run", 2, settings, first, LINK_HIDES,
+                             str(tmp_path))  # fmt: skip
+    after = run_distributed(f"{__name__}:recorded_run", 2, settings, total, LINK_HIDES, None,
+                            str(tmp_path))  # fmt: skip
+    saved = before[0]["schedules"][-1]
+    assert not Schedule(*saved).synchronous, before[0]["schedules"]
+    assert [r["resumed_with"] for r in after] == [saved, saved]
+    assert after[0]["schedules"] == after[1]["schedules"]
+    joined = [{**b, "points": b["points"] + a["points"], "num_updates": a["num_updates"],
+               "params": a["params"]} for b, a in zip(before, after)]  # fmt: skip
+    assert_every_update_is_the_average(joined, total)
 
 
 # ------------------------------------------------------------------------ the law and choice

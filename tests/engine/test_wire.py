@@ -100,3 +100,18 @@ def test_the_encoded_collectives_sum_and_gather_every_ranks_rounded_values(
         torch.testing.assert_close(result["summed"], expected, rtol=1e-6, atol=0.0)
         gathered = torch.cat([_round_trip(dtype, _values(shard, seed=200 + r)) for r in range(world_size)])
         assert torch.equal(result["gathered"], gathered)
+
+
+@pytest.mark.parametrize("dtype, per_value", [(None, 0.0), ("bfloat16", 2.0),
+                                              ("float8_e4m3fn", 1 + 4 / BLOCK)])  # fmt: skip
+def test_a_narrow_estimate_costs_one_encoded_model_and_two_shards(dtype, per_value) -> None:
+    from acco_hooks import ACCOOptimizer
+
+    model = torch.nn.Linear(1000, 1000)  # 1,001,000 parameters, one process: the shard is all
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, estimate_dtype=dtype)
+    memory = opt.engine.memory_bytes()
+    opt.close()
+    numel = 1_001_000
+    expected = 0 if dtype is None else 2 * per_value * numel + 4 * numel  # wire, shard; θ̃ − θ
+    assert memory["estimate_wire"] == pytest.approx(expected, abs=64)
+    assert memory["comm_buffer"] == 4 * numel
