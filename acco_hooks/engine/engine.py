@@ -980,6 +980,15 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine) -> None:
             "the resumed run would take another batch per update than the saved one. Build "
             f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
         )
+    saved = state.get("schedule")  # (absent before the schedules: the mode's own)
+    if saved is not None and Schedule(*saved) not in engine.candidate_schedules:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved running "
+            f"{Schedule(*saved).describe()}, which this engine's estimate_microbatches="
+            f"{engine.settings.estimate_microbatches!r} and estimate_dtype="
+            f"{engine.settings.estimate_dtype!r} do not run: build the optimizer with the "
+            "saved run's estimate settings to resume"
+        )
     if [[tuple(s) for s in g] for g in state["param_shapes"]] != engine._param_shapes():
         raise ValueError(
             "acco_hooks: load_state_dict: the checkpoint's parameter groups and shapes differ "

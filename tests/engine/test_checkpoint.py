@@ -111,6 +111,19 @@ def test_resuming_in_another_mode_is_refused(two_rank_checkpoint: str) -> None:
     opt.close()
 
 
+def test_resuming_with_another_estimate_format_is_refused(tmp_path) -> None:
+    """A float8 estimate pending in the checkpoint cannot resume in a run without one."""
+    cfg = Config(mode="acco", estimate_dtype="float8_e4m3fn")
+    run_distributed("tests.engine.test_checkpoint:first_half", 2, cfg, 7 * MICRO, str(tmp_path))
+    state = torch.load(tmp_path / "rank0.pt", weights_only=False)["optimizer"]
+    state["world_size"] = 1
+    model, opt = build(Config(mode="acco"))
+    with pytest.raises(ValueError, match=r"saved running acco \(estimate round 2 micro-batches in "
+                                         r"float8_e4m3fn.*estimate_dtype=None do not run"):
+        opt.load_state_dict(state)
+    opt.close()
+
+
 def test_resuming_with_other_accumulation_steps_or_groups_is_refused(
     two_rank_checkpoint: str,
 ) -> None:
