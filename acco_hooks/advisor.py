@@ -279,9 +279,11 @@ class Advisor:
 # can send), each of which keeps held-out loss within 1 % of ddp's (docs/when_acco_helps.md).
 AUTO_ESTIMATE_DTYPES = ("bfloat16", "float8_e4m3fn")
 # mode="auto": updates ignored after each change of schedule (the first overlapped one hides
-# nothing), updates timed per schedule, schedules tried per decision, and after how many
-# updates a decision is taken again (links change under other jobs).
-AUTO_SETTLE_UPDATES, AUTO_TIMED_UPDATES, AUTO_TRIALS, AUTO_REDECIDE_UPDATES = 2, 3, 3, 200
+# nothing), updates timed per schedule, schedules tried per decision, updates of a chosen
+# overlapped schedule timed again to confirm it, and after how many updates a decision is
+# taken again (links change under other jobs).
+AUTO_SETTLE_UPDATES, AUTO_TIMED_UPDATES, AUTO_TRIALS = 2, 3, 3
+AUTO_CONFIRM_UPDATES, AUTO_REDECIDE_UPDATES = 10, 200
 # A schedule is tried when the law prices it this much faster than the fastest one timed, and
 # replaces the synchronous one when it is timed this much faster.
 AUTO_TRY_BELOW, AUTO_KEEP_BELOW = 0.95, 0.98
@@ -296,8 +298,9 @@ class AutoSchedule:
     with what that trial measured (a narrower estimate's real ``αC``, and how much slower than
     its price it ran) and may try another, up to ``AUTO_TRIALS``; then
     it keeps the fastest schedule *as timed*, the synchronous one unless another beats it by
-    2 %: the law only chooses what to try. Every ``AUTO_REDECIDE_UPDATES`` updates it decides
-    again from scratch.
+    2 %: the law only chooses what to try. An overlapped schedule it keeps is timed again over
+    ``AUTO_CONFIRM_UPDATES`` updates, and dropped for the synchronous one unless it still beats
+    it by 2 %. Every ``AUTO_REDECIDE_UPDATES`` updates it decides again from scratch.
 
     The engine feeds it on every rank; only one rank's :attr:`target` is run (the engine
     agrees on it through its communication), so every rank runs the same schedule.
@@ -313,7 +316,7 @@ class AutoSchedule:
 
     __slots__ = ("candidates", "reduce_dtype", "estimate_fractions", "report", "target",
                  "chosen", "figures", "_timed", "_microbatch", "_comm", "_last_run",
-                 "_run_length", "_trials", "_held")  # fmt: skip
+                 "_run_length", "_trials", "_held", "_confirming")  # fmt: skip
 
     def __init__(self, candidates: list[Schedule], reduce_dtype: str,
                  estimate_fractions: dict[str, float], report: bool) -> None:  # fmt: skip
@@ -328,6 +331,7 @@ class AutoSchedule:
         self._last_run: Optional[Schedule] = None
         self._run_length = 0
         self._held: Optional[int] = None  # updates since the decision; None while deciding
+        self._confirming: Optional[list[float]] = None  # the chosen overlapped one, timed again
 
     def _restart(self) -> None:
         self._timed: dict[Schedule, list[float]] = {}
@@ -353,6 +357,9 @@ class AutoSchedule:
         self._run_length += 1
         if self._held is not None:
             self._held += 1
+            if (self._confirming is not None and ran == self.chosen
+                    and self._run_length > AUTO_SETTLE_UPDATES):
+                self._confirm(seconds)
             if self._held >= AUTO_REDECIDE_UPDATES:
                 self._held = None
                 self._restart()
@@ -378,14 +385,19 @@ class AutoSchedule:
             return schedule_seconds(per_microbatch, comm, schedule,
                                     estimate_comm.get(schedule.estimate_dtype, comm))  # fmt: skip
 
-        # What the law misses of an overlapped schedule here (the overlap slowing the compute
-        # down, a thread's hand-offs), as the trials so far timed it: later prices include it.
-        missed = max([timed[s] / max(priced(s), 1e-12) for s in timed if not s.synchronous] + [1.0])
+        # What the law leaves out of every update (the loop's own work between micro-batches,
+        # the bookkeeping at the round ends), as the synchronous schedule timed it; and what it
+        # misses of an overlapped one beyond that (the overlap slowing the compute down, a
+        # thread's hand-offs), as the trials so far timed it: later prices include both.
+        overhead = max(timed.get(synchronous, 0.0) / max(priced(synchronous), 1e-12), 1.0)
+        missed = max([timed[s] / max(priced(s) * overhead, 1e-12)
+                      for s in timed if not s.synchronous] + [1.0])  # fmt: skip
         untried = [s for s in self.candidates if s not in timed]
         fastest_timed = min(timed.values())
         if untried and self._trials < AUTO_TRIALS:
             best, _ = best_schedule(per_microbatch, comm, [synchronous, *untried], estimate_comm)
-            if not best.synchronous and priced(best) * missed < AUTO_TRY_BELOW * fastest_timed:
+            trial = priced(best) * overhead * missed
+            if not best.synchronous and trial < AUTO_TRY_BELOW * fastest_timed:
                 self._trials += 1
                 self.target = best
                 return
@@ -400,8 +412,28 @@ class AutoSchedule:
         changed = best != self.chosen
         self.chosen = self.target = best
         self._held = 0
+        self._confirming = None if best.synchronous else []
         if self.report and changed:
             logger.info("%s", self.describe(timed))
+
+    def _confirm(self, seconds: float) -> None:
+        """Time the chosen overlapped schedule over more updates than its trial had: a trial of
+        a few updates can be lucky on a noisy machine. Slower than the synchronous schedule's
+        time (by the same 2 %): back to synchronous until the next decision."""
+        self._confirming.append(seconds)
+        if len(self._confirming) < AUTO_CONFIRM_UPDATES:
+            return
+        confirmed = statistics.median(self._confirming)
+        self._confirming = None
+        synchronous_s = self.figures["synchronous_update_s"]
+        if confirmed <= AUTO_KEEP_BELOW * synchronous_s:
+            return
+        self.chosen = self.target = self.candidates[0]
+        self.figures.update(chosen_update_s=synchronous_s, measured_speedup=1.0)
+        if self.report:
+            logger.info("acco auto: %s took %.4fs per update over %d more updates, not below "
+                        "%.4fs synchronous: back to synchronous", self._last_run.describe(),
+                        confirmed, AUTO_CONFIRM_UPDATES, synchronous_s)
 
     def describe(self, timed: Optional[dict[Schedule, float]] = None) -> str:
         """The ``acco auto:`` line: what was measured, what runs, and how much faster."""
@@ -419,10 +451,12 @@ class AutoSchedule:
     def state_dict(self) -> dict:
         """The decision and what it rests on (a resumed run keeps its schedule)."""
         return {"target": tuple(self.target), "chosen": None if self.chosen is None else
-                tuple(self.chosen), "figures": dict(self.figures), "held": self._held}  # fmt: skip
+                tuple(self.chosen), "figures": dict(self.figures), "held": self._held,
+                "confirming": self._confirming}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.target = Schedule(*state["target"])
         self.chosen = None if state["chosen"] is None else Schedule(*state["chosen"])
         self.figures, self._held = dict(state["figures"]), state["held"]
+        self._confirming = state.get("confirming")
         self._restart()

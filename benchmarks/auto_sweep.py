@@ -165,8 +165,8 @@ def measure(args: argparse.Namespace) -> dict:
         "microbatches_per_update": MICROBATCHES, "updates": args.updates, "timed": args.timed,
         "auto_updates": args.auto_updates, "repeats": args.repeats, "runs": {},
     }  # fmt: skip
-    if RESULTS.exists() and args.resume:
-        results = json.loads(RESULTS.read_text())
+    if args.out.exists() and args.resume:
+        results = json.loads(args.out.read_text())
     with two_host_link() as link:
         for compute in args.compute:
             microbatch_s = results.get("real_microbatch_s", args.microbatch_s)
@@ -184,7 +184,7 @@ def measure(args: argparse.Namespace) -> dict:
                     runs["ddp"] = ddp
                     if compute == "real" and rate == "none" and "real_microbatch_s" not in results:
                         results["real_microbatch_s"] = ddp["per_microbatch_s"]
-                    for name in ARMS[1:]:
+                    for name in [a for a in ARMS[1:] if a in args.arms]:
                         settings = arm_settings(name, {**ddp, "fractions": _fractions(runs)})
                         if settings is None:
                             continue
@@ -195,16 +195,19 @@ def measure(args: argparse.Namespace) -> dict:
                     for name, run in runs.items():
                         run["speedup"] = ddp["median_update_s"] / run["median_update_s"]
                         run["law_speedup"] = law_speedup(figures, run["final_schedule"])
-                    auto = runs["auto"]
-                    auto["speedup_whole_run"] = ddp["mean_update_s_from_3rd"] / auto["mean_update_s_from_3rd"]
-                    auto["law_best_speedup"] = law_speedup(figures, list(law_best(figures)))
+                    auto = runs.get("auto", {})
+                    if auto:
+                        auto["speedup_whole_run"] = (ddp["mean_update_s_from_3rd"]
+                                                     / auto["mean_update_s_from_3rd"])  # fmt: skip
+                        auto["law_best_speedup"] = law_speedup(figures, list(law_best(figures)))
                     repeats.append(runs)
                     print(f"{key}: c={ddp['per_microbatch_s']*1e3:.1f}ms C={ddp['comm_s']*1e3:.0f}ms "
                           + " ".join(f"{n}={r['speedup']:.2f}(law {r['law_speedup']:.2f})"
                                      for n, r in runs.items())
-                          + f" auto_whole={auto['speedup_whole_run']:.2f}", flush=True)  # fmt: skip
+                          + (f" auto_whole={auto['speedup_whole_run']:.2f}" if auto else ""),
+                          flush=True)  # fmt: skip
                 results["runs"][key] = repeats
-                RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+                args.out.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
@@ -269,6 +272,9 @@ def main() -> None:
                         help="real updates of the auto arm (it decides within ~25)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=8, help="last updates timed per arm")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every arm per link")
+    parser.add_argument("--arms", nargs="+", choices=ARMS[1:], default=list(ARMS[1:]),
+                        help="arms besides ddp (which every link runs)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     parser.add_argument("--resume", action="store_true", help="keep the links already measured")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
@@ -276,9 +282,10 @@ def main() -> None:
         args.compute = args.compute[0]
         worker(args)
         return
-    results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
-    plot(results)
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
+    results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
+    if args.out == RESULTS:
+        plot(results)
+    print(f"wrote {args.out}" + (f" and {FIGURE.relative_to(ROOT)}" if args.out == RESULTS else ""))
 
 
 if __name__ == "__main__":

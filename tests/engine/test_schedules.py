@@ -28,6 +28,7 @@ import torch
 
 from acco_hooks import ACCOOptimizer, SettingError
 from acco_hooks.advisor import (
+    AUTO_CONFIRM_UPDATES,
     AUTO_SETTLE_UPDATES,
     AUTO_TIMED_UPDATES,
     AutoSchedule,
@@ -335,6 +336,38 @@ def test_auto_keeps_synchronous_when_no_trial_is_faster() -> None:
         for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
             auto.record_update(trial, 0.09)
     assert auto.chosen == synchronous and auto.figures["measured_speedup"] == 1.0
+
+
+def _chose_an_overlapped_schedule() -> AutoSchedule:
+    """An AutoSchedule whose trial was timed faster than the synchronous schedule."""
+    auto = AutoSchedule(candidate_schedules(4, ["float32", "bfloat16"]), "float32",
+                        {"float32": 1.0, "bfloat16": 0.5}, report=False)  # fmt: skip
+    synchronous = auto.candidates[0]
+    for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
+        for _ in range(4):
+            auto.record_microbatch(0.01, communicating=False)
+        auto.record_comm("float32", 0.03)
+        auto.record_update(synchronous, 0.07)
+    while auto.chosen is None:  # every trial timed at 0.05: faster
+        trial = auto.target
+        for _ in range(AUTO_SETTLE_UPDATES + AUTO_TIMED_UPDATES):
+            auto.record_update(trial, 0.05)
+    assert not auto.chosen.synchronous
+    return auto
+
+
+@pytest.mark.parametrize("confirmed_s, keeps", [(0.05, True), (0.0695, False), (0.09, False)])
+def test_auto_drops_an_overlapped_schedule_that_does_not_stay_faster(confirmed_s, keeps) -> None:
+    """A trial of a few updates can be lucky: the chosen schedule is timed again, and must
+    still beat the synchronous one by 2 % (0.0686 s here)."""
+    auto = _chose_an_overlapped_schedule()
+    chosen = auto.chosen
+    for _ in range(AUTO_SETTLE_UPDATES + AUTO_CONFIRM_UPDATES):
+        auto.record_update(chosen, confirmed_s)
+    assert (auto.chosen == chosen) == keeps and auto.target == auto.chosen
+    assert auto.chosen.synchronous != keeps
+    if not keeps:
+        assert auto.figures["measured_speedup"] == 1.0
 
 
 def test_auto_refuses_what_it_cannot_honour() -> None:
