@@ -2,6 +2,7 @@
 
     python -m benchmarks.auto_sweep                        # as root (the netbed), ~50 min
     python -m benchmarks.auto_sweep --plot-only            # redraw from the JSON
+    python -m benchmarks.auto_sweep --paired 6 --updates 40   # no cap: ddp, auto, acco alternated
 
 2 gloo ranks on the two-host netbed (``benchmarks.netbed``), one core each, a 1.05M-parameter
 MLP through the public API (``ACCOOptimizer``, fused AdamW), 20 micro-batches per real update in
@@ -52,18 +53,32 @@ ARMS = ("ddp", "acco", "acco_bf16", "acco_fp8", "law", "auto")
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank of one arm: train ``args.updates`` updates, print one JSON line on rank 0."""
+    """One rank: train each arm of ``args.settings`` (one dict, or a list that ``--paired``
+    alternates ``args.paired`` times in these processes), print a JSON line per run on rank 0."""
     import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    settings = json.loads(args.settings)
+    arms = settings if isinstance(settings, list) else [settings]
+    for repeat in range(args.paired or 1):
+        for arm in arms if repeat % 2 == 0 else arms[::-1]:
+            result = train(dict(arm), args)
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps({**result, "settings": arm}), flush=True)
+    dist.destroy_process_group()
+
+
+def train(settings: dict, args: argparse.Namespace) -> dict:
+    """``args.updates`` real updates of the MLP under ``settings``; the update times."""
+    import torch
     from torch import nn
 
     from acco_hooks import ACCOOptimizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
-    settings = json.loads(args.settings)
     opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True,
                         accumulation_steps=settings.pop("accumulation_steps"), **settings)  # fmt: skip
     engine = opt.engine
@@ -86,17 +101,59 @@ def worker(args: argparse.Namespace) -> None:
             schedules.append(list(engine.schedule))
     opt.flush()
     update_s = [b - a for a, b in zip(boundaries, boundaries[1:])]
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({
-            "update_s": update_s, "median_update_s": statistics.median(update_s[-args.timed:]),
-            "mean_update_s_from_3rd": statistics.fmean(update_s[1:]),
-            "per_microbatch_s": statistics.median(compute[: MICROBATCHES * 3]),
-            "advisor": dict(engine.advisor.figures),
-            "estimate_fractions": engine.advisor.estimate_fractions,
-            "schedules": schedules, "final_schedule": list(engine.schedule),
-        }), flush=True)  # fmt: skip
+    result = {
+        "update_s": update_s, "median_update_s": statistics.median(update_s[-args.timed:]),
+        "mean_update_s_from_3rd": statistics.fmean(update_s[1:]),
+        "per_microbatch_s": statistics.median(compute[: MICROBATCHES * 3]),
+        "advisor": dict(engine.advisor.figures),
+        "estimate_fractions": engine.advisor.estimate_fractions,
+        "schedules": schedules, "final_schedule": list(engine.schedule),
+    }  # fmt: skip
     opt.close()
-    dist.destroy_process_group()
+    return result
+
+
+def paired(args: argparse.Namespace) -> dict:
+    """``--paired N``: ddp and auto (and the paper's acco) in the same two processes on the
+    uncapped netbed, alternated N times: what separate launches add to the noise (±4 % here)
+    stays out of the ratio."""
+    from benchmarks.netbed import run_two_ranks, two_host_link
+    from benchmarks.throughput import _machine
+
+    arms = [arm_settings(name, None) for name in ("ddp", "auto", "acco")]
+    results: dict = {"date": datetime.date.today().isoformat(), "machine": _machine(),
+                     "link": "netbed, no cap", "updates": args.updates, "timed": args.timed,
+                     "alternations": args.paired, "runs": {}}  # fmt: skip
+    with two_host_link() as link:
+        for compute in args.compute:
+            argv = [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
+                    json.dumps(arms), "--compute", compute, "--microbatch-s",
+                    str(args.microbatch_s), "--updates", str(args.updates), "--timed",
+                    str(args.timed), "--paired", str(args.paired)]  # fmt: skip
+            status, out0, out1 = run_two_ranks(link, argv, env={"PYTHONPATH": str(ROOT)},
+                                               timeout_s=3000)  # fmt: skip
+            if status:
+                raise SystemExit(f"auto_sweep --paired failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
+            runs = [json.loads(line[len("RESULT "):]) for line in out0.splitlines()
+                    if line.startswith("RESULT ")]  # fmt: skip
+            by_mode: dict[str, list] = {}
+            for run in runs:
+                by_mode.setdefault(run["settings"]["mode"], []).append(run)
+            ddp = statistics.median(r["median_update_s"] for r in by_mode["ddp"])
+            summary = {
+                mode: {"speedup_per_run": [ddp / r["median_update_s"] for r in rs],
+                       "speedup": ddp / statistics.median(r["median_update_s"] for r in rs),
+                       "speedup_whole_run": statistics.median(
+                           d["mean_update_s_from_3rd"] for d in by_mode["ddp"]) / statistics.median(
+                           r["mean_update_s_from_3rd"] for r in rs),
+                       "final_schedules": [r["final_schedule"] for r in rs]}
+                for mode, rs in by_mode.items()
+            }  # fmt: skip
+            results["runs"][compute] = {"runs": runs, "summary": summary}
+            print(compute, {m: (round(v["speedup"], 3), [round(x, 3) for x in v["speedup_per_run"]])
+                            for m, v in summary.items()}, flush=True)  # fmt: skip
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
 
 
 def arm_settings(name: str, ddp: dict | None) -> dict | None:
@@ -276,11 +333,19 @@ def main() -> None:
                         help="arms besides ddp (which every link runs)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
     parser.add_argument("--resume", action="store_true", help="keep the links already measured")
+    parser.add_argument("--paired", type=int, default=0,
+                        help="alternate ddp, auto and acco this many times in the same processes "
+                        "on the uncapped link (writes --out; default docs/results/auto_no_cap.json)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     if args.worker:
         args.compute = args.compute[0]
         worker(args)
+        return
+    if args.paired:
+        if args.out == RESULTS:
+            args.out = RESULTS.with_name("auto_no_cap.json")
+        paired(args)
         return
     results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
     if args.out == RESULTS:
