@@ -27,7 +27,9 @@ class DDPVariant:
     device: str = "cpu"  # "cuda": the model on this rank's GPU (tests/test_cuda.py, on NCCL)
 
 
-def train_with_acco_optimizer(rank: int, mode: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+def train_with_acco_optimizer(
+    rank: int, mode: str, device: str = "cpu", rounds: int = ROUNDS
+) -> dict[str, torch.Tensor]:
     from acco_hooks import ACCOOptimizer
     from tests.scenario import make_model, microbatch_loss, param_groups
 
@@ -35,7 +37,7 @@ def train_with_acco_optimizer(rank: int, mode: str, device: str = "cpu") -> dict
     opt_class, kwargs = OPTIMIZERS["adamw"]
     opt = ACCOOptimizer(param_groups(model, True), opt_class, mode=mode,
                         accumulation_steps=MICRO, **kwargs)  # fmt: skip
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for m in range(MICRO):
             microbatch_loss(model, rank, r, m).backward()
             opt.step()
@@ -44,13 +46,14 @@ def train_with_acco_optimizer(rank: int, mode: str, device: str = "cpu") -> dict
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
-def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant) -> dict:
+def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant,
+                      rounds: int = ROUNDS, optimizer_mode: str | None = None) -> dict:  # fmt: skip
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from acco_hooks import ACCOState, acco_hook
     from tests.scenario import make_model, microbatch_loss, param_groups
 
-    expected = train_with_acco_optimizer(rank, mode, variant.device)
+    expected = train_with_acco_optimizer(rank, optimizer_mode or mode, variant.device, rounds)
 
     model = make_model()
     if variant.unused_param:
@@ -71,7 +74,7 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
         return acco_hook(state, bucket)
 
     ddp.register_comm_hook(state, counting_acco_hook)
-    for r in range(ROUNDS):
+    for r in range(rounds):
         for m in range(MICRO):
             skip_sync = variant.no_sync and m == 0
             buckets_per_backward.append([])
@@ -105,6 +108,14 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
 def test_acco_hook_equals_acco_optimizer(mode: str, variant: DDPVariant) -> None:
     results = run_distributed("tests.ddp_hooks.test_ddp_hooks:hook_vs_optimizer", 2, mode, variant)
     assert_hook_equals_optimizer(results, variant)
+
+
+def test_acco_hook_in_auto_mode_starts_as_synchronous_training() -> None:
+    """``mode="auto"`` through the hook: its first 5 updates, while it measures, are the
+    synchronous schedule: ``ddp`` mode of ACCOOptimizer, to float noise."""
+    results = run_distributed("tests.ddp_hooks.test_ddp_hooks:hook_vs_optimizer", 2, "auto",
+                              DDPVariant(), 5, "ddp")  # fmt: skip
+    assert_hook_equals_optimizer(results, DDPVariant())
 
 
 def assert_hook_equals_optimizer(results: list[dict], variant: DDPVariant) -> None:
