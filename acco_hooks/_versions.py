@@ -23,17 +23,19 @@ __all__ = ["SUPPORTED_VERSIONS", "TORCHTITAN_RELEASES", "UNTESTED_VERSIONS_ENV",
 # name -> (lowest supported, highest supported or None, the fix to print)
 SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
     "python": ("3.11", None, "create the virtual environment with python3.11 or newer"),
-    "torch": ("2.13", None, "pip install 'torch==2.13.0' (scripts/setup.sh does it)"),
+    # CI runs torch 2.13.0 (with torchtitan 0.2.2) and 2.15.0 (with 0.3.0): 2.15.x is the newest.
+    "torch": ("2.13", "2.15", "pip install 'torch==2.13.0' (scripts/setup.sh does it), or "
+              "'torch==2.15.0' with torchtitan 0.3.0"),
     # torchtitan changes its config and trainer APIs between releases (0.3.0 replaced the TOML
     # job configs): only the releases the integration is tested against are accepted, each
     # with the lowest torch CI runs it on (TORCHTITAN_RELEASES).
     "torchtitan": ("0.2.2", "0.3.0",
                    "pip install 'torchtitan==0.2.2' (scripts/setup.sh does it), or "
-                   "ACCO_TITAN=0.3.0 bash scripts/setup.sh for torchtitan 0.3.0 with torch 2.14"),
+                   "ACCO_TITAN=0.3.0 bash scripts/setup.sh for torchtitan 0.3.0 with torch 2.15"),
 }  # fmt: skip
 
-# torchtitan release -> the lowest torch it is tested with (CI: 2.13.0 and 2.14.1)
-TORCHTITAN_RELEASES: dict[str, str] = {"0.2.2": "2.13", "0.3.0": "2.14"}
+# torchtitan release -> the lowest torch it is tested with (CI: 2.13.0 and 2.15.0)
+TORCHTITAN_RELEASES: dict[str, str] = {"0.2.2": "2.13", "0.3.0": "2.15"}
 
 
 # Set to 1 to run on versions outside the tested ranges (a warning instead of the error).

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Install acco_hooks and its dependencies into the current Python.
 #
-# torch is installed first, pinned to 2.13.0, when it is missing: installing anything that
-# depends on torch before it would make pip pull the newest (multi-GB CUDA) build. Then the
-# torchtitan release: 0.2.2 by default; ACCO_TITAN=0.3.0 installs torchtitan 0.3.0 with the
-# torch it is tested on (2.14.1; a CUDA build of about 6 GB that also runs on CPU).
+# The torch and torchtitan releases come from requirements/titan-<release>.txt, the stacks CI
+# tests: torchtitan 0.2.2 with torch 2.13.0 by default; ACCO_TITAN=0.3.0 installs torchtitan
+# 0.3.0 with torch 2.15.0 (a CUDA build of several GB that also runs on CPU). torch is installed
+# first, when it is missing or outside what that release is tested with: installing anything
+# that depends on torch before it would make pip pull the newest build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -24,22 +25,23 @@ pip_install() {
 }
 
 titan=${ACCO_TITAN:-0.2.2}
-case "$titan" in
-    0.2.2) torch_pin="2.13.0"; torch_floor="2.13" ;;
-    0.3.0) torch_pin="2.14.1"; torch_floor="2.14" ;;
-    *) echo "setup: ACCO_TITAN=$titan is not a supported torchtitan release (0.2.2 or 0.3.0)" >&2
-       exit 1 ;;
-esac
-# torch: installed when missing or older than the release needs
+stack=requirements/titan-$titan.txt
+if [ ! -f "$stack" ]; then
+    echo "setup: ACCO_TITAN=$titan is not a supported torchtitan release (0.2.2 or 0.3.0)" >&2
+    exit 1
+fi
+torch_pin=$(sed -n 's/^torch==//p' "$stack")
+titan_pin=$(sed -n 's/^torchtitan==//p' "$stack")
+# torch: installed when missing or another minor release than the one tested with torchtitan
 if ! "$PYTHON" -c "
 import sys, torch
-have = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2])
-sys.exit(have < tuple(int(p) for p in '$torch_floor'.split('.')))" 2>/dev/null; then
+have = torch.__version__.split('+')[0].split('.')[:2]
+sys.exit(have != '$torch_pin'.split('.')[:2])" 2>/dev/null; then
     echo "setup: installing torch==$torch_pin"
     pip_install "torch==$torch_pin"
 fi
-echo "setup: installing torchtitan==$titan"
-pip_install "torchtitan==$titan"
+echo "setup: installing torchtitan==$titan_pin"
+pip_install "torchtitan==$titan_pin"
 echo "setup: installing acco_hooks[test] and its dependencies"
 pip_install -e ".[test]"
 "$PYTHON" -c "import acco_hooks, torch; print(f'setup: acco_hooks {acco_hooks.__version__}, torch {torch.__version__}')"

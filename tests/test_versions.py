@@ -37,7 +37,12 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
         low, high, _ = SUPPORTED_VERSIONS[name]
         if low == high:
             return SpecifierSet(f"=={low}")
-        return SpecifierSet(f">={low}" + (f",<={high}" if high else ""))
+        if high is None:
+            return SpecifierSet(f">={low}")
+        if high.count(".") == 1:  # "2.15" admits every 2.15.x, as the check at start does
+            major, minor = high.split(".")
+            return SpecifierSet(f">={low},<{major}.{int(minor) + 1}")
+        return SpecifierSet(f">={low},<={high}")
 
     assert SpecifierSet(project["requires-python"]) == expected("python")
     assert requirements["torch"].specifier == expected("torch")
@@ -47,22 +52,22 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
 @pytest.mark.parametrize(
     ("name", "version"),
     [("python", "3.11.7"), ("python", "3.13.0"), ("torch", "2.13.0+cpu"), ("torch", "2.13.0"),
-     ("torch", "2.14.0.dev20261101+cu128"), ("torchtitan", "0.2.2"), ("torchtitan", "0.3.0")],
+     ("torch", "2.14.0.dev20261101+cu128"), ("torch", "2.15.0+cu132"), ("torch", "2.15.1"),
+     ("torchtitan", "0.2.2"), ("torchtitan", "0.3.0")],
 )  # fmt: skip
 def test_supported_versions_pass(name: str, version: str) -> None:
     check_supported_versions(**{name: version})
 
 
-@pytest.mark.parametrize(("torch", "torchtitan"), [("2.13.0", "0.2.2"), ("2.14.1", "0.2.2"),
-                                                   ("2.14.1+cu128", "0.3.0")])  # fmt: skip
+@pytest.mark.parametrize(("torch", "torchtitan"), [("2.13.0", "0.2.2"), ("2.15.0+cu132", "0.3.0")])
 def test_tested_torch_and_torchtitan_pairs_pass(torch: str, torchtitan: str) -> None:
     check_supported_versions(torch=torch, torchtitan=torchtitan)
 
 
-def test_torchtitan_030_on_torch_213_is_refused_naming_the_pair() -> None:
+def test_torchtitan_030_on_torch_214_is_refused_naming_the_pair() -> None:
     with pytest.raises(UnsupportedVersionError) as error:
-        check_supported_versions(torch="2.13.0", torchtitan="0.3.0")
-    assert "torch 2.13.0 with torchtitan 0.3.0 (supported: torch>=2.14 with torchtitan==0.3.0)" in (
+        check_supported_versions(torch="2.14.1", torchtitan="0.3.0")
+    assert "torch 2.14.1 with torchtitan 0.3.0 (supported: torch>=2.15 with torchtitan==0.3.0)" in (
         str(error.value)
     )
     assert "ACCO_TITAN=0.3.0 bash scripts/setup.sh" in str(error.value)
@@ -72,6 +77,7 @@ def test_torchtitan_030_on_torch_213_is_refused_naming_the_pair() -> None:
     ("name", "version", "fix"),
     [("python", "3.10.13", "python3.11"), ("torch", "2.6.0", "pip install 'torch==2.13.0'"),
      ("torch", "2.12.1+cu126", "pip install 'torch==2.13.0'"),
+     ("torch", "2.16.0", "'torch==2.15.0' with torchtitan 0.3.0"),
      ("torchtitan", "0.3.1", "pip install 'torchtitan==0.2.2'"),
      ("torchtitan", "0.2.3", "ACCO_TITAN=0.3.0 bash scripts/setup.sh"),
      ("torchtitan", "0.2.1", "pip install 'torchtitan==0.2.2'")],
