@@ -29,6 +29,7 @@ that, and refuses a torch without them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -225,9 +226,17 @@ def turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:
                 "parallelism use ACCOOptimizer"
             )
         groups = groups or (info.replicate_process_group, info.shard_process_group)
-        param_group.mesh_info = FSDPMeshInfo(
-            mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim
-        )
+        # The same mesh info without the replicate dimension. Its other fields stay: with
+        # spmd_types parameters (torchtitan 0.3.0's default backend) ``dp_mesh_dims`` is what
+        # keeps the replicate dimension's gradient Partial, i.e. not all-reduced by DTensor.
+        param_group.mesh_info = FSDPMeshInfo(**{
+            f.name: getattr(info, f.name) for f in dataclasses.fields(FSDPMeshInfo)
+            if f.init and f.name != "replicate_mesh_dim"
+        })  # fmt: skip
+        # With reshard_after_forward=True the post-forward mesh is the mesh itself: another
+        # object would read as resharding to a smaller mesh (torch 2.14 refuses that).
+        if getattr(param_group, "post_forward_mesh_info", None) is info:
+            param_group.post_forward_mesh_info = param_group.mesh_info
     if groups is None:
         raise ValueError(
             "acco_hooks: ACCOHSDPOptimizer: the model has no parameters managed by fully_shard; "

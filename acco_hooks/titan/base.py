@@ -60,7 +60,8 @@ Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
 class WithoutReplicate:
-    """A ``ParallelDims`` view without the ``dp_replicate`` dimension (both releases).
+    """A ``ParallelDims`` view without the ``dp_replicate`` dimension (0.2.2, and 0.3.0's
+    ``partial_dtensor`` backend).
 
     A model's parallelize function handed this view applies no DDP (0.2.2) and FSDP over the
     ``fsdp`` mesh alone instead of HSDP over ``["dp_replicate", "fsdp"]``: everything but the
@@ -128,7 +129,7 @@ class EngineOptimizersContainer(OptimizersContainer):
             process_group=_replica_group(parallel_dims),
             # FSDP: each rank's parameters are its fsdp shard, gradients FSDP-summed over it.
             fsdp_process_group=(
-                parallel_dims.get_mesh("fsdp") if parallel_dims.dp_shard_enabled else None
+                _shard_group(parallel_dims) if parallel_dims.dp_shard_enabled else None
             ),
             norm_process_group=dist.group.WORLD if model_parallel else None,
             **optimizer_kwargs,
@@ -201,6 +202,14 @@ def _replica_group(parallel_dims: Any) -> Any:
         return parallel_dims.get_mesh("dp_replicate")
     alone, _ = dist.new_subgroups(group_size=1)  # every rank builds every 1-rank group
     return alone
+
+
+def _shard_group(parallel_dims: Any) -> Any:
+    """The mesh FSDP shards over inside a replica: ``fsdp`` (0.2.2; 0.3.0's ``partial_dtensor``
+    backend) or ``dp_shard`` (0.3.0's ``spmd_types``, which has no ``fsdp`` mesh)."""
+    if getattr(parallel_dims, "spmd_backend", "partial_dtensor") == "spmd_types":
+        return parallel_dims.get_mesh("dp_shard")
+    return parallel_dims.get_mesh("fsdp")
 
 
 class ACCOTrainerBase(Trainer):

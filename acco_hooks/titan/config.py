@@ -21,7 +21,8 @@ from acco_hooks.engine.settings import Check, boolean, check_accumulation_steps
 __all__ = ["ACCO", "engine_settings", "validate_acco"]
 
 
-def _spelling(name: str, value: Any) -> str:
+def spelling(name: str, value: Any) -> str:
+    """How a refusal names an ``acco`` setting: ``[acco] mode = 'x'``."""
     return f"[acco] {name} = {value!r}"
 
 
@@ -100,10 +101,10 @@ def validate_acco(
     Raises:
         ValueError: naming the setting and the fix.
     """
-    acco.check(_spelling, names=("enable",))
+    acco.check(spelling, names=("enable",))
     if not acco.enable:
         return
-    acco.check(_spelling)
+    acco.check(spelling)
     par = parallelism
     replicate, shard = _data_parallel_degrees(
         par, world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -126,8 +127,8 @@ def validate_acco(
                "tensor_parallel_degree": par.tensor_parallel_degree,
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
-    acco.check_until_ready(" and ".join(split_by) or None, _spelling)
-    acco.check_round_size(round_size(acco, par, training, world_size), _spelling)
+    acco.check_until_ready(" and ".join(split_by) or None, spelling)
+    acco.check_round_size(round_size(acco, par, training, world_size), spelling)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(

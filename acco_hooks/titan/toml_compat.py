@@ -77,6 +77,7 @@ KEYS: dict[str, Key] = {
             "tensor_parallel_degree pipeline_parallel_degree pipeline_parallel_microbatch_size "
             "context_parallel_degree expert_parallel_degree", int),
     "parallelism.pipeline_parallel_schedule": Key(str, "parallelism.pipeline_parallel_schedule"),
+    "parallelism.spmd_backend": Key(str, "parallelism.spmd_backend"),  # 0.3.0 only
     "parallelism.enable_sequence_parallel": Key(bool, "parallelism.enable_sequence_parallel"),
     "activation_checkpoint.mode": Key(str, None),
     "activation_checkpoint.selective_ac_option": Key(str, None),
@@ -259,7 +260,7 @@ def build_config(settings: dict[str, Any]) -> Any:
     from torchtitan.models.llama3 import model_registry
     from torchtitan.trainer import Trainer
 
-    from acco_hooks.titan.v030 import ACCO_SPMD_BACKEND, ACCOTrainer
+    from acco_hooks.titan.v030 import ACCOTrainer
 
     get = settings.get
     spec = model_registry(get("model.flavor", "debugmodel"))
@@ -300,9 +301,7 @@ def build_config(settings: dict[str, Any]) -> Any:
         ),  # fmt: skip
         lr_scheduler=LRSchedulersContainer.Config(),
         training=TrainingConfig(disable_cuda_graphs=True),  # 0.2.2 had no CUDA graphs
-        parallelism=ParallelismConfig(
-            spmd_backend=ACCO_SPMD_BACKEND if acco.enable else "spmd_types"
-        ),
+        parallelism=ParallelismConfig(),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="c4"),
         activation_checkpoint=ac,
         compile=CompileConfig(),

@@ -20,13 +20,17 @@ The training step (one ACCO round) is shared with the 0.2.2 adapter: :mod:`acco_
 Data parallelism in 0.3.0 is FSDP2 everywhere (torchtitan's "DDP" is FSDP with a replicate
 mesh dimension). ACCO keeps FSDP2 inside a replica (mixed precision; sharding with
 ``data_parallel_shard_degree > 1``, i.e. HSDP) and replaces the cross-replica all-reduce.
-ACCO runs need ``parallelism.spmd_backend = "partial_dtensor"`` (DTensor parameters, the
-``fsdp`` mesh): the engine reads DTensor placements, which the default ``spmd_types`` backend
-only gives FSDP parameters.
+ACCO runs on torchtitan's default ``parallelism.spmd_backend = "spmd_types"`` and on
+``partial_dtensor``. Under ``spmd_types`` a parameter's type spans the whole data-parallel axis
+(replicas x shards), so FSDP is applied as torchtitan's HSDP and then stops after its
+intra-replica reduce-scatter (:func:`acco_hooks.fsdp.turn_off_replica_all_reduce`); under
+``partial_dtensor`` the model is parallelized as one replica. Either way the engine is the only
+thing that reduces gradients across replicas. ``full_dtensor`` is refused (not tested).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -45,6 +49,7 @@ from torchtitan.trainer import Trainer  # noqa: E402
 
 from acco_hooks._frontend import label_tokens  # noqa: E402
 from acco_hooks.engine import EngineSettings, real_updates  # noqa: E402
+from acco_hooks.fsdp import fsdp_modules, turn_off_replica_all_reduce  # noqa: E402
 from acco_hooks.titan.base import (  # noqa: E402
     OPTIMIZER_CLASSES,
     ACCOTrainerBase,
@@ -52,12 +57,13 @@ from acco_hooks.titan.base import (  # noqa: E402
     EngineOptimizersContainer,
     WithoutReplicate,
 )
-from acco_hooks.titan.config import ACCO, engine_settings, validate_acco  # noqa: E402
+from acco_hooks.titan.config import ACCO, engine_settings, spelling, validate_acco  # noqa: E402
 
 __all__ = ["ACCOLRSchedulersContainer", "ACCOOptimizersContainer", "ACCOTrainer",
-           "validate_acco_config"]  # fmt: skip
+           "validate_acco_config", "with_acco"]  # fmt: skip
 
-ACCO_SPMD_BACKEND = "partial_dtensor"
+ACCO_SPMD_BACKENDS = ("spmd_types", "partial_dtensor")
+"""The ``parallelism.spmd_backend`` values ACCO is tested on; the first is torchtitan's default."""
 
 
 def validate_acco_config(config: Trainer.Config, world_size: int | None = None) -> None:
@@ -80,11 +86,11 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
             f"optimizer.param_groups[0].pattern = {groups[0].pattern!r}: the ACCO engine "
             "optimizes every parameter with one optimizer; use the catch-all pattern '.*'"
         )
-    if config.parallelism.spmd_backend != ACCO_SPMD_BACKEND:
+    if config.parallelism.spmd_backend not in ACCO_SPMD_BACKENDS:
         raise ValueError(
             f"parallelism.spmd_backend = {config.parallelism.spmd_backend!r}: ACCO runs on "
-            f"DTensor parameters; set --parallelism.spmd-backend {ACCO_SPMD_BACKEND} (the "
-            "acco_hooks.titan configs do)"
+            f"{' or '.join(ACCO_SPMD_BACKENDS)}; set --parallelism.spmd-backend spmd_types "
+            "(torchtitan's default)"
         )
 
 
@@ -161,9 +167,21 @@ class ACCOTrainer(ACCOTrainerBase):
             raise ValueError("ACCOTrainer needs acco.enable = true")
         spec = config.model_spec
         parallelize_fn = spec.parallelize_fn
+        # Which mesh dimensions a parameter's layout names depends on the backend. Under
+        # partial_dtensor FSDP never sees dp_replicate: the model is parallelized as one
+        # replica. Under spmd_types a parameter is typed over the whole data-parallel axis
+        # (replicas x shards), which FSDP must know as HSDP's: it is applied as HSDP, then
+        # stops after its intra-replica reduce-scatter.
+        spmd_types = config.parallelism.spmd_backend == "spmd_types"
 
         def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
-            return parallelize_fn(model, parallel_dims=WithoutReplicate(parallel_dims), **kwargs)
+            if not spmd_types:
+                return parallelize_fn(model, parallel_dims=WithoutReplicate(parallel_dims),
+                                      **kwargs)  # fmt: skip
+            model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+            if parallel_dims.dp_replicate_enabled:
+                turn_off_replica_all_reduce(fsdp_modules([model]))
+            return model
 
         parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
         config.model_spec = dataclasses.replace(
@@ -199,3 +217,48 @@ class ACCOTrainer(ACCOTrainerBase):
                    for _ in range(self.num_pipeline_parallel_microbatches)]  # fmt: skip
         valid = sum(label_tokens(labels, IGNORE_INDEX) for _, labels in batches)
         return [b[0] for b in batches], [b[1] for b in batches], valid
+
+
+def with_acco(config: Trainer.Config, **acco: Any) -> ACCOTrainer.Config:
+    """``config`` trained with ACCO over its ``data_parallel_replicate`` dimension.
+
+    For a recipe module of your own, the way torchtitan 0.3.0 composes configs: a function
+    that returns a ``Trainer.Config`` built from another one, run with ``-m torchtitan.train
+    --module my_recipes --config NAME``, every setting in Python, none on the command line.
+
+    Args:
+        config: any torchtitan ``Trainer.Config`` (a model's config function, one of
+            :mod:`acco_hooks.titan.config_registry`'s, ...); it is not changed.
+        **acco: the ``acco`` section's settings (:class:`acco_hooks.titan.config.ACCO`:
+            ``mode``, ``accumulation_steps``, ...); ``enable`` is implied.
+
+    Returns:
+        An ``ACCOTrainer.Config`` with every other setting of ``config``.
+
+    Raises:
+        ValueError: naming a setting that does not exist or has a bad value. How they compose
+            with the run's parallelism is checked when the trainer is built, before any step.
+
+    Example::
+
+        # my_recipes.py
+        from torchtitan.models.llama3.config_registry import llama3_8b
+        from acco_hooks.titan.v030 import with_acco
+
+        def llama3_8b_acco():
+            config = with_acco(llama3_8b(), mode="acco")
+            config.parallelism.data_parallel_replicate_degree = 2
+            return config
+    """
+    unknown = sorted(set(acco) - {f.name for f in dataclasses.fields(ACCO)})
+    if unknown:
+        raise ValueError(
+            f"with_acco: {', '.join(unknown)} is not an acco setting; the settings are "
+            f"{', '.join(f.name for f in dataclasses.fields(ACCO))}"
+        )
+    base = config.acco if isinstance(config, ACCOTrainer.Config) else ACCO()
+    settings = dataclasses.replace(base, **{**acco, "enable": True})
+    settings.check(spelling)
+    others = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.init and f.name != "acco"}  # fmt: skip
+    return ACCOTrainer.Config(**copy.deepcopy(others), acco=settings)

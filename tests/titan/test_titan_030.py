@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from acco_hooks.titan import TITAN_030
+from tests.titan.conftest import backend_overrides
 
 if not TITAN_030:
     pytest.skip("torchtitan 0.3.0 only (CI runs it in its 0.3.0 venv)", allow_module_level=True)
@@ -29,33 +30,83 @@ CONFIGS = ROOT / "torchtitan_configs"
 STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 
 
-def _losses(cmd: list[str]) -> dict[int, tuple[str, str]]:
+def _losses(cmd: list[str], pythonpath: pathlib.Path | None = None) -> dict[int, tuple[str, str]]:
     # the checkout first: a script outside it imports the scaffolding too
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(ROOT), *([str(pythonpath)] if pythonpath else []), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     return {int(step): (loss, norm) for step, loss, norm in STEP_LOSS.findall(output)}
 
 
-def test_native_entry_point_trains_as_the_toml_command(tmp_path) -> None:
-    """``--module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's overrides, and the
-    TOML with 0.2.2's: the same run, loss and norm for loss and norm.
+_RECIPES = '''
+"""A user's recipe module: configs derived in Python from other configs, no flags."""
+from acco_hooks.titan.config_registry import debug_cpu_acco, debug_cpu_titan_ddp
+from acco_hooks.titan.v030 import with_acco
+
+
+def shipped_config_changed():
+    config = debug_cpu_acco()
+    config.acco.mode = "dpu"
+    config.training.steps = 4
+    return config
+
+
+def torchtitan_baseline_with_acco():
+    config = with_acco(debug_cpu_titan_ddp(), mode="dpu")
+    config.optimizer.implementation = "fused"  # as the ACCO configs
+    config.training.global_batch_size, config.training.steps = 8, 4
+    return config
+'''
+
+
+def test_native_entry_point_and_recipe_modules_train_as_the_toml_command(tmp_path) -> None:
+    """``--module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's overrides, the TOML
+    with 0.2.2's, and a user's recipe module that derives the same run in Python (from the
+    shipped ACCO config, and with :func:`with_acco` from torchtitan's DDP baseline config): the
+    same run, loss and norm for loss and norm.
     """
+    (tmp_path / "my_recipes.py").write_text(_RECIPES)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=2"]  # fmt: skip
     native = _losses([*torchrun, "train_titan.py", "--module", "acco_hooks.titan",
                       "--config", "debug_cpu_acco", "--training.steps", "4", "--acco.mode",
                       "dpu", "--dump-folder", str(tmp_path / "native"),
-                      "--metrics.disable-color-printing"])  # fmt: skip
+                      "--metrics.disable-color-printing", *backend_overrides("-")])  # fmt: skip
     toml = _losses([*torchrun, "train_titan.py", "--job.config_file",
                     str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
                     "--acco.mode", "dpu", "--job.dump_folder", str(tmp_path / "toml"),
-                    "--metrics.disable_color_printing"])  # fmt: skip
+                    "--metrics.disable_color_printing", *backend_overrides()])  # fmt: skip
     assert sorted(native) == sorted(toml) == [1, 2, 3, 4]
     assert native == toml
     assert float(native[4][0]) < float(native[1][0])
+    for recipe in ("shipped_config_changed", "torchtitan_baseline_with_acco"):
+        losses = _losses([*torchrun, "train_titan.py", "--module", "my_recipes", "--config",
+                          recipe, "--dump-folder", str(tmp_path / recipe),
+                          "--metrics.disable-color-printing", *backend_overrides("-")],
+                         pythonpath=tmp_path)  # fmt: skip
+        assert losses == native, recipe
+
+
+def test_with_acco_refuses_what_is_not_an_acco_setting_and_leaves_its_input_alone() -> None:
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from acco_hooks.titan.v030 import ACCOTrainer, with_acco
+
+    baseline = llama3_debugmodel()
+    config = with_acco(baseline, mode="auto", accumulation_steps=4)
+    assert isinstance(config, ACCOTrainer.Config) and not isinstance(baseline, ACCOTrainer.Config)
+    assert (config.acco.enable, config.acco.mode, config.acco.accumulation_steps) == (True, "auto", 4)
+    config.training.steps = 99
+    assert baseline.training.steps != 99
+    again = with_acco(config, mode="dpu")  # an ACCO config keeps its other acco settings
+    assert (again.acco.mode, again.acco.accumulation_steps) == ("dpu", 4)
+    with pytest.raises(ValueError, match=r"with_acco: mdoe is not an acco setting; the settings "
+                       r"are .*mode"):
+        with_acco(baseline, mdoe="acco")
+    with pytest.raises(ValueError, match=r"\[acco\] mode = 'sync'"):
+        with_acco(baseline, mode="sync")
 
 
 def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None:
@@ -65,7 +116,7 @@ def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None
                 "--nproc_per_node=2", "train_titan.py", "--job.config_file",
                 str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
                 "--training.seq_len", "64", "--training.local_batch_size", "2",
-                "--metrics.disable_color_printing"]  # fmt: skip
+                "--metrics.disable_color_printing", *backend_overrides()]  # fmt: skip
     plain = _losses([*torchrun, "--job.dump_folder", str(tmp_path / "plain")])
     assert sorted(plain) == [1, 2, 3, 4]
     for name, flags in (("ac", ["--activation_checkpoint.mode", "full"]),
@@ -88,6 +139,7 @@ config.training.steps, config.training.seq_len, config.training.local_batch_size
 config.training.global_batch_size = 16  # 2 micro-batches per round on 4 ranks
 config.metrics.disable_color_printing = True
 config.dump_folder = sys.argv[2]
+config.parallelism.spmd_backend = sys.argv[3]
 if sys.argv[1] == "chunked":
     config.loss = ChunkedLossWrapper.Config(loss_fn=config.loss)
 trainer = config.build()
@@ -97,7 +149,7 @@ torch.distributed.destroy_process_group()
 """
 
 
-def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(tmp_path) -> None:
+def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(spmd_backend, tmp_path) -> None:
     """torchtitan 0.3.0's ChunkedLossWrapper (the default loss of its llama3 configs) turns
     FSDP gradient sync on for the lm_head unit at every micro-batch, undoing ACCO's choice to
     reduce-scatter only at a round's last one: the engine takes the early gradients, and the
@@ -107,8 +159,8 @@ def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(tmp_path) ->
     script.write_text(_CONFIG_BUILD_SCRIPT)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=4", str(script)]  # fmt: skip
-    plain = _losses([*torchrun, "plain", str(tmp_path / "plain")])
-    chunked = _losses([*torchrun, "chunked", str(tmp_path / "chunked")])
+    plain = _losses([*torchrun, "plain", str(tmp_path / "plain"), spmd_backend])
+    chunked = _losses([*torchrun, "chunked", str(tmp_path / "chunked"), spmd_backend])
     assert sorted(plain) == [1, 2, 3, 4]
     assert chunked == plain
 
@@ -150,7 +202,7 @@ def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     assert config.checkpoint.enable is False
     par = config.parallelism
     assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree) == (2, 2)
-    assert par.spmd_backend == "partial_dtensor"
+    assert par.spmd_backend == "spmd_types"  # torchtitan's default: no flag to set
     assert config.dataloader.dataset == "stdlib" and config.activation_checkpoint is None
     assert (config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_type) == (2, "cosine")
 
@@ -187,12 +239,16 @@ def test_train_titan_refuses_a_meaningless_key_before_any_step(tmp_path) -> None
     assert "step:" not in proc.stdout + proc.stderr
 
 
-def test_acco_refuses_the_spmd_types_backend_naming_the_fix() -> None:
+def test_acco_runs_on_spmd_types_and_partial_dtensor_and_refuses_full_dtensor() -> None:
     from acco_hooks.titan.v030 import validate_acco_config
 
     config = load_toml_config(CONFIGS / "debug_cpu_acco.toml")
-    config.parallelism.spmd_backend = "spmd_types"
-    with pytest.raises(ValueError, match=r"--parallelism.spmd-backend partial_dtensor"):
+    for backend in ("spmd_types", "partial_dtensor"):
+        config.parallelism.spmd_backend = backend
+        validate_acco_config(config, world_size=2)
+    config.parallelism.spmd_backend = "full_dtensor"
+    with pytest.raises(ValueError, match=r"parallelism.spmd_backend = 'full_dtensor'.*"
+                       r"set --parallelism.spmd-backend spmd_types"):
         validate_acco_config(config, world_size=2)
 
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from acco_hooks.titan import TITAN_030
+from tests.titan.conftest import backend_overrides
 
 pytestmark = pytest.mark.titan
 ROOT = pathlib.Path(__file__).parents[2]
@@ -34,7 +35,7 @@ def run_titan(
            f"--nproc_per_node={nproc}", str(ROOT / "train_titan.py"),
            "--job.config_file", str(ROOT / "torchtitan_configs" / config),
            "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
-           *overrides]  # fmt: skip
+           *backend_overrides(), *overrides]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOG_RANK": "all"}  # every rank's losses
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     output = proc.stdout + proc.stderr
@@ -213,7 +214,7 @@ def test_hsdp_ddp_mode_equals_torchtitan_hsdp(seed_checkpoint, tmp_path) -> None
 
 
 @pytest.fixture(scope="module")
-def hsdp_acco(seed_checkpoint, tmp_path_factory) -> tuple[tuple[str, ...], pathlib.Path, dict, dict]:
+def hsdp_acco(seed_checkpoint, spmd_backend, tmp_path_factory) -> tuple[tuple[str, ...], pathlib.Path, dict, dict]:
     """ACCO on 2 replicas x 2 FSDP shards, 6 steps, checkpoints every 3: (args, dump, losses, norms)."""
     common = (*HSDP, "--training.steps", "6", "--checkpoint.interval", "3",
               "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
