@@ -181,6 +181,8 @@ class ACCOTrainer(ACCOTrainerBase):
             model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
             if parallel_dims.dp_replicate_enabled:
                 turn_off_replica_all_reduce(fsdp_modules([model]))
+                logger.info("ACCO: FSDP's cross-replica all-reduce is off (spmd_types "
+                            "backend); the engine reduces gradients across replicas")  # fmt: skip
             return model
 
         parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
