@@ -36,6 +36,7 @@ torchtitan's own ``main()``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -203,12 +204,34 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
         )
     batch, heads, q_len, _ = q.shape
     kv_len = k.shape[-2]
-    # torch's own dense evaluation of a mask_mod: (B, H, Q_LEN, KV_LEN) booleans
-    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=q.device)
+    # torch's own dense evaluation of a mask_mod: (B, H, Q_LEN, KV_LEN) booleans. It indexes
+    # with autograd functions spmd_types does not know; a constant needs no type checking.
+    with _no_spmd_typecheck():
+        mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=q.device)
+    _same_spmd_type(mask, q)  # laid out as q: (batch, heads, query, ...)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
     return out, AuxOutput(lse=None, max_scores=None)
+
+
+def _no_spmd_typecheck():
+    """spmd_types' ``no_typecheck()`` (torchtitan 0.3.0 depends on it), else nothing."""
+    try:
+        import spmd_types
+    except ImportError:
+        return contextlib.nullcontext()
+    return spmd_types.no_typecheck()
+
+
+def _same_spmd_type(tensor, like) -> None:
+    """Give ``tensor`` the spmd_types type of ``like`` when type checking is on."""
+    try:
+        import spmd_types
+    except ImportError:
+        return
+    if spmd_types.is_type_checking():
+        spmd_types.assert_type(tensor, spmd_types.get_local_type(like))
 
 
 def _install_cpu_attention() -> None:

@@ -92,6 +92,7 @@ KEYS: dict[str, Key] = {
     **_same("metrics", "enable_tensorboard disable_color_printing", bool),
     "debug.seed": Key(int, "debug.seed"),
     "debug.deterministic": Key(bool, "debug.deterministic"),
+    "debug.spmd_typechecking": Key(bool, "debug.spmd_typechecking"),  # 0.3.0 only
     "comm.trace_buf_size": Key(int, "comm.trace_buf_size"),
     "comm.init_timeout_seconds": Key(int, "comm.init_timeout_seconds"),
     "comm.train_timeout_seconds": Key(int, "comm.train_timeout_seconds"),
