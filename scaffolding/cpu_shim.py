@@ -36,7 +36,6 @@ torchtitan's own ``main()``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -194,6 +193,7 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
     mask's own ``mask_mod`` evaluated at every (batch, head, query, key) index, so the
     attention pattern is exactly the one FlexAttention would use; only the kernel differs.
     """
+    import spmd_types  # torchtitan 0.3.0's type system (debug.spmd_typechecking)
     from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
     if score_mod is not None or (return_aux is not None and (return_aux.lse or
@@ -206,32 +206,14 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
     kv_len = k.shape[-2]
     # torch's own dense evaluation of a mask_mod: (B, H, Q_LEN, KV_LEN) booleans. It indexes
     # with autograd functions spmd_types does not know; a constant needs no type checking.
-    with _no_spmd_typecheck():
+    with spmd_types.no_typecheck():
         mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=q.device)
-    _same_spmd_type(mask, q)  # laid out as q: (batch, heads, query, ...)
+    if spmd_types.is_type_checking():  # the mask is laid out as q: (batch, heads, query, ...)
+        spmd_types.assert_type(mask, spmd_types.get_local_type(q))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
     return out, AuxOutput(lse=None, max_scores=None)
-
-
-def _no_spmd_typecheck():
-    """spmd_types' ``no_typecheck()`` (torchtitan 0.3.0 depends on it), else nothing."""
-    try:
-        import spmd_types
-    except ImportError:
-        return contextlib.nullcontext()
-    return spmd_types.no_typecheck()
-
-
-def _same_spmd_type(tensor, like) -> None:
-    """Give ``tensor`` the spmd_types type of ``like`` when type checking is on."""
-    try:
-        import spmd_types
-    except ImportError:
-        return
-    if spmd_types.is_type_checking():
-        spmd_types.assert_type(tensor, spmd_types.get_local_type(like))
 
 
 def _install_cpu_attention() -> None:
