@@ -37,6 +37,7 @@ from acco_hooks.titan import TITAN_030  # noqa: I001
 def main() -> None:
     if not torch.cuda.is_available():
         import scaffolding.cpu_shim  # noqa: F401  (installs it, before torchtitan reads its device)
+    from scaffolding.process_exit import finish
 
     from torchtitan.tools.logging import init_logger, logger
 
@@ -67,12 +68,15 @@ def main() -> None:
         elif trainer is not None:
             trainer.close()
         raise
-    trainer.close()
-    # Every group is destroyed while the interpreter is alive: a gloo group destructed during
-    # interpreter shutdown can abort the process after a successful run.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    trainer.close()  # checkpoints written, metric writers closed
+    # The trainer's reference cycles hold every process group (torchtitan turned automatic
+    # garbage collection off): let them go, so that finish() can destroy the groups and join
+    # their worker threads while the interpreter is alive. A group's worker thread left to
+    # interpreter finalization can abort the process after a successful run
+    # (scaffolding/process_exit.py).
+    trainer = None
     logger.info("train_titan: done")
+    finish()
 
 
 def _config_022():

@@ -58,6 +58,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from scaffolding.process_exit import finish
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     settings = json.loads(args.settings)
@@ -67,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
             result = train(dict(arm), args)
             if dist.get_rank() == 0:
                 print("RESULT " + json.dumps({**result, "settings": arm}), flush=True)
-    dist.destroy_process_group()
+    finish()  # scaffolding/process_exit.py: no abort at exit
 
 
 def train(settings: dict, args: argparse.Namespace) -> dict:

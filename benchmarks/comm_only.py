@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchtitan.models.llama3 import Transformer, llama3_args
 
 from acco_hooks import ACCOEngine
+from scaffolding.process_exit import finish
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
         print(json.dumps({"comm_s": times[1:], "memory_bytes": engine.memory_bytes(),
                           "params": sum(p.numel() for p in engine.params)}))  # fmt: skip
     engine.close()
-    dist.destroy_process_group()
+    finish()  # scaffolding/process_exit.py: no abort at exit
 
 
 if __name__ == "__main__":

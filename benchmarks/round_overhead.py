@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -86,7 +87,12 @@ def worker(args: argparse.Namespace) -> None:
             "comm_per_round_s": opt.engine.advisor.figures.get("comm_per_round_s"),
         }), flush=True)  # fmt: skip
     opt.close()
-    dist.destroy_process_group()
+    # This checkout's exit (scaffolding/process_exit.py: no abort at exit), loaded by its path:
+    # the arm's checkout comes first on the path, and an older one has no such module.
+    spec = importlib.util.spec_from_file_location("process_exit", ROOT / "scaffolding" / "process_exit.py")
+    process_exit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(process_exit)
+    process_exit.finish()
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from acco_hooks import ACCOState, acco_hook
+from scaffolding.process_exit import finish
 from scaffolding.stdlib_data import random_windows, stdlib_corpus
 
 
@@ -75,7 +76,7 @@ def main() -> None:
               f"updates={state.num_updates} mean_loss_first_{k}_microbatches={sum(losses[:k]) / k:.4f} "
               f"mean_loss_last_{k}_microbatches={sum(losses[-k:]) / k:.4f} time={elapsed:.1f}s", flush=True)  # fmt: skip
     state.close()
-    dist.destroy_process_group()
+    finish()  # dist.destroy_process_group(), and an exit that cannot abort (README: Ending)
 
 
 if __name__ == "__main__":

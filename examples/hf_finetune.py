@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from acco_hooks.hf import ACCOArguments, ACCOTrainer, real_updates, tokenize_and_group
+from scaffolding.process_exit import finish
 
 logger = logging.getLogger("hf_finetune")
 
@@ -147,9 +148,11 @@ def main() -> None:
             f"eval_loss={metrics.get('eval_loss', float('nan')):.4f}",
             flush=True,
         )
-    # Destroy the process group while the interpreter is alive: a gloo group left to be
-    # destructed during interpreter shutdown can abort a process whose training succeeded.
-    trainer.accelerator.end_training()
+    trainer.accelerator.end_training()  # the trackers finish
+    # The trainer (its DDP model) holds the process group: let it go, then destroy the group
+    # and leave without an abort at exit (scaffolding/process_exit.py).
+    del trainer, model
+    finish()
 
 
 if __name__ == "__main__":

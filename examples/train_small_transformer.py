@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from acco_hooks import ACCOOptimizer
+from scaffolding.process_exit import finish
 from scaffolding.stdlib_data import random_windows, stdlib_corpus
 
 
@@ -140,7 +141,7 @@ def main() -> None:
               f"time={elapsed:.1f}s tokens/s={all_tokens / elapsed:.0f}",
               flush=True)
     opt.close()
-    dist.destroy_process_group()
+    finish()  # dist.destroy_process_group(), and an exit that cannot abort (README: Ending)
 
 
 if __name__ == "__main__":

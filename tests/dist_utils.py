@@ -7,7 +7,6 @@ import datetime
 import faulthandler
 import importlib
 import os
-import pathlib
 import socket
 import tempfile
 import time
@@ -16,15 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scaffolding.process_exit import finish
+
 # A test whose processes have not finished by then fails instead of hanging the suite.
 DEFAULT_DEADLINE_S = 180.0
-
-
-def gloo_worker_threads() -> int:
-    """How many of this process's native threads are gloo process-group workers (Linux)."""
-    names = (pathlib.Path(task, "comm").read_text().strip()
-             for task in pathlib.Path("/proc/self/task").iterdir())  # fmt: skip
-    return sum(name.startswith("pt_gloo") for name in names)
 
 
 def _free_port() -> int:
@@ -60,9 +54,13 @@ def _entry(
             # Nobody destroys the group while a peer's last collectives may still be draining
             # (a gloo teardown under traffic can abort the process).
             dist.barrier()
-    finally:
+    except BaseException:
         with contextlib.suppress(Exception):  # after a peer died, teardown may fail too
             dist.destroy_process_group()
+        raise
+    # Every group destroyed and its threads joined before the interpreter finalizes, or no
+    # finalization at all (scaffolding/process_exit.py: why a finished rank could abort).
+    finish()
 
 
 def run_distributed(

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from acco_hooks import ACCOEngine, ACCOOptimizer
-from tests.dist_utils import gloo_worker_threads, run_distributed
+from scaffolding.process_exit import group_worker_threads
+from tests.dist_utils import run_distributed
 
 
 def _comm_threads() -> list[str]:
@@ -150,12 +151,12 @@ def test_a_local_engine_closes_without_torch_distributed() -> None:
 
 def bad_optimizer_argument(rank: int, world_size: int) -> dict:
     """The engine's groups exist when the shard optimizer refuses its arguments."""
-    threads_before = gloo_worker_threads()
+    threads_before = group_worker_threads()
     with pytest.raises(ValueError, match="Invalid beta parameter") as refused:
         ACCOOptimizer(_model().parameters(), torch.optim.AdamW, lr=1e-2, betas=(2.0, 0.9))
     # Measured while the traceback (which holds the half-built engine) is alive, as it is for
     # an error that ends the program: its groups must not wait for interpreter exit.
-    seen = {"gloo_threads_left": gloo_worker_threads() - threads_before,
+    seen = {"gloo_threads_left": group_worker_threads() - threads_before,
             "comm_threads": _comm_threads()}  # fmt: skip
     del refused
     return seen

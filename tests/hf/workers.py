@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.dist_utils import gloo_worker_threads
+from scaffolding.process_exit import group_worker_threads
 
 SEQ_LEN = 32
 
@@ -206,7 +206,7 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
     trainer = ACCOTrainer(model=tiny_llama(), args=training_args(output_dir, max_steps=2),
                           train_dataset=byte_dataset(16), acco_args=ACCOArguments(mode="acco"),
                           callbacks=[RecordEngineGroups()])  # fmt: skip
-    gloo_threads_before = gloo_worker_threads()
+    gloo_threads_before = group_worker_threads()
     after, group_names = [], set()
     for _ in range(3):
         trainer.train()
@@ -219,7 +219,7 @@ def train_three_times(rank: int, world_size: int, output_dir: str) -> dict[str, 
         })  # fmt: skip
         group_names.update(g.group_name for g in engine_groups)
         engine_groups.clear()  # the last reference outside the engine
-        after[-1]["gloo_threads_left"] = gloo_worker_threads() - gloo_threads_before
+        after[-1]["gloo_threads_left"] = group_worker_threads() - gloo_threads_before
     return {"after": after, "distinct_groups": len(group_names)}
 
 

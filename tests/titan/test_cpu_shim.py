@@ -59,7 +59,10 @@ LAUNCHER = textwrap.dedent(
 
     from torchtitan.train import Trainer, main
 
+    from scaffolding.process_exit import finish
+
     main(Trainer)
+    finish()  # no abort at exit (scaffolding/process_exit.py)
     """
 ).format(name=DATASET_NAME)
 

@@ -131,6 +131,7 @@ import sys
 import torch
 import scaffolding.cpu_shim  # this machine has no accelerator
 from scaffolding import stdlib_data
+from scaffolding.process_exit import finish
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.tools.logging import init_logger
 import acco_hooks.titan.config_registry as registry
@@ -147,7 +148,8 @@ if sys.argv[1] == "chunked":
 trainer = config.build()
 trainer.train()
 trainer.close()
-torch.distributed.destroy_process_group()
+del trainer
+finish()
 """
 
 
