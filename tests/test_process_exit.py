@@ -78,3 +78,19 @@ def test_finish_leaves_without_finalizing_when_a_group_is_still_held() -> None:
             in proc.stderr)  # fmt: skip
     assert "terminate called" not in proc.stderr
 
+
+def test_exit_stress_counts_clean_launches(tmp_path) -> None:
+    """benchmarks/exit_stress.py (the proof by repetition) launches a job, classifies every
+    launch and writes its figures: the race's job ends through finish(), so both launches are
+    clean."""
+    import json
+
+    out = tmp_path / "stress.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.exit_stress", "--jobs", "exit_race[finish]",
+         "--launches", "2", "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    job = json.loads(out.read_text())["jobs"]["exit_race[finish]"]
+    assert (job["ok"], job["abort"], job["failed"]) == (2, 0, 0), job
