@@ -166,29 +166,20 @@ def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
-def test_checkpoint_resume_continues_exactly(mode: str, tmp_path) -> None:
+def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(mode: str, tmp_path) -> None:
+    """Checkpoints at steps 3, 6 and 8; a crash while steps 6 and 8 were being saved leaves them
+    without .metadata (DCP writes it last): the resumed run takes step 3, where acco has an
+    estimate in flight and its gradient carried, and continues exactly as the straight run."""
     common = ("--acco.mode", mode, "--training.steps", "8", *FAST,
               "--training.global_batch_size", "8", "--checkpoint.enable",
               "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only",
               "--checkpoint.keep_latest_k", "0")  # fmt: skip
     straight = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
-    # Resume from step 3: an estimate is in flight there in acco mode, its gradient carried.
-    resumed = run_titan(2, "debug_cpu_acco.toml", *common, "--checkpoint.load_step", "3",
-                        dump=tmp_path)  # fmt: skip
+    for step in (6, 8):
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").unlink()
+    resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
     assert sorted(resumed) == [4, 5, 6, 7, 8]
     assert {s: straight[s] for s in resumed} == resumed
-
-
-def test_a_checkpoint_interrupted_while_saving_is_skipped_on_resume(tmp_path) -> None:
-    """A crash while step 6 was being saved leaves no .metadata: resume takes step 3."""
-    common = ("--training.steps", "6", *FAST, "--training.global_batch_size", "8",
-              "--checkpoint.enable", "--checkpoint.interval", "3",
-              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
-    straight = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
-    (tmp_path / "checkpoint" / "step-6" / ".metadata").unlink()  # DCP writes it last
-    resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
-    assert sorted(resumed) == [4, 5, 6]
-    assert resumed == {s: straight[s] for s in (4, 5, 6)}
 
 
 HSDP = ("--training.global_batch_size", "16", *FAST, "--checkpoint.enable")  # 2 micro-batches
@@ -266,23 +257,51 @@ def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, t
     assert_same_run(losses, norms, hsdp, norms_hsdp)
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
-        (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' must be one of"),
-        (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
-        (("--parallelism.data_parallel_shard_degree", "2",
-          "--parallelism.data_parallel_replicate_degree", "1"),
-         "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas; with "
-         "data_parallel_shard_degree = 2 set data_parallel_replicate_degree >= 2"),
-        (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
-         "[acco] accumulate_until_ready = True needs every rank of a model replica to run the "
-         "same micro-batches, which the ranks of a replica split by data_parallel_shard_degree "
-         "= 2 cannot agree on"),
-    ],
-)
-def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path) -> None:
+BAD_ACCO_CONFIGS = [
+    (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
+    (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' must be one of"),
+    (("--acco.accumulation_steps", "-2"), "[acco] accumulation_steps = -2"),
+    (("--parallelism.data_parallel_shard_degree", "2",
+      "--parallelism.data_parallel_replicate_degree", "1"),
+     "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas; with "
+     "data_parallel_shard_degree = 2 set data_parallel_replicate_degree >= 2"),
+    (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
+     "[acco] accumulate_until_ready = True needs every rank of a model replica to run the "
+     "same micro-batches, which the ranks of a replica split by data_parallel_shard_degree "
+     "= 2 cannot agree on"),
+]  # fmt: skip
+
+
+def read_and_validate(config: str, *overrides: str) -> None:
+    """What train_titan.py does with a TOML job config and its overrides before it builds
+    anything: read them (0.3.0: translate them) and validate the ``[acco]`` section."""
+    path = str(ROOT / "torchtitan_configs" / config)
+    if TITAN_030:
+        from acco_hooks.titan.toml_compat import load_toml_config
+        from acco_hooks.titan.v030 import validate_acco_config
+
+        validate_acco_config(load_toml_config(path, [*overrides, *backend_overrides()]))
+    else:
+        from torchtitan.config import ConfigManager
+
+        from acco_hooks.titan.v022 import JobConfig, validate_acco_config
+
+        validate_acco_config(ConfigManager(JobConfig).parse_args(["--job.config_file", path,
+                                                                   *overrides]))  # fmt: skip
+
+
+@pytest.mark.parametrize("override, message", BAD_ACCO_CONFIGS)
+def test_a_bad_acco_config_is_refused_by_name(override, message, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    read_and_validate("debug_cpu_acco.toml")  # the shipped config passes
+    with pytest.raises(ValueError) as refusal:
+        read_and_validate("debug_cpu_acco.toml", *override)
+    assert message in str(refusal.value)
+
+
+def test_bad_acco_config_fails_before_the_first_step(tmp_path) -> None:
+    """The refusal above, through train_titan.py: a non-zero exit, the message, no step."""
+    override, message = BAD_ACCO_CONFIGS[0]
     cmd = [sys.executable, str(ROOT / "train_titan.py"),
            "--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
            "--job.dump_folder", str(tmp_path), *override]  # fmt: skip
@@ -293,23 +312,30 @@ def test_bad_acco_config_fails_before_the_first_step(override, message, tmp_path
     assert "step:" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("config, nproc", [("debug_cpu_acco.toml", 2),
-                                           ("debug_cpu_hsdp_acco.toml", 4)])  # fmt: skip
-def test_validation_leaves_the_training_losses_unchanged(config, nproc, tmp_path) -> None:
+VALIDATING = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+              "--validation.dataset", "stdlib_validation", "--validation.local_batch_size", "2",
+              "--validation.seq_len", "64")  # fmt: skip
+
+
+def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     """The validator evaluates the real θ (engine.real_weights) without applying the update in
-    flight early: a run that validates every 2 steps trains exactly as one that never does.
-    With FSDP (HSDP; every 0.3.0 run) the eval forward must not leave θ gathered either."""
+    flight early: a run that validates every 2 steps trains exactly as one that never does."""
     common = (*FAST, "--training.steps", "6", "--acco.mode", "acco",
-              "--training.global_batch_size", str(4 * nproc))  # fmt: skip
-    plain = run_titan(nproc, config, *common, dump=tmp_path / "plain")
-    validating = run_titan(
-        nproc, config, *common, "--validation.enable", "--validation.freq", "2",
-        "--validation.steps", "2", "--validation.dataset", "stdlib_validation",
-        "--validation.local_batch_size", "2", "--validation.seq_len", "64",
-        dump=tmp_path / "validating",
-    )  # fmt: skip
+              "--training.global_batch_size", "8")  # fmt: skip
+    plain = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path / "plain")
+    validating = run_titan(2, "debug_cpu_acco.toml", *common, *VALIDATING,
+                           dump=tmp_path / "validating")  # fmt: skip
     assert sorted(plain) == list(range(1, 7))
     assert validating == plain
+
+
+def test_validation_under_hsdp_leaves_the_training_losses_unchanged(hsdp_acco, tmp_path) -> None:
+    """As above on 2 replicas x 2 FSDP shards (every 0.3.0 run is FSDP): the eval forward must
+    not leave θ gathered either. Compared with the HSDP run of the fixture."""
+    common, _, hsdp, _ = hsdp_acco
+    validating = run_titan(4, "debug_cpu_hsdp_acco.toml", *common, *VALIDATING,
+                           dump=tmp_path)  # fmt: skip
+    assert validating == hsdp
 
 
 @pytest.mark.skipif(TITAN_030, reason="torchtitan 0.3.0 has no DDP path; benchmarks/"
