@@ -1,9 +1,18 @@
-"""On torchtitan 0.3.0 every test in this directory runs once per ``parallelism.spmd_backend``
-ACCO supports: ``spmd_types`` (torchtitan's default) and ``partial_dtensor``.
+"""On torchtitan 0.3.0 the tests in this directory run per ``parallelism.spmd_backend`` ACCO
+supports: ``spmd_types`` (torchtitan's default) and ``partial_dtensor``.
 
 The backend reaches the runs through ``--parallelism.spmd_backend``, which the test helpers
 (``backend_overrides``) add to every command line they build; the config translation tests
 take it from the same fixture. torchtitan 0.2.2 has no backends: its tests run once.
+
+Where the backends differ is how FSDP is applied across replicas (``acco_hooks.titan.v030``):
+a test whose run has several replicas and is compared with an independent run (torchtitan's own
+DDP/HSDP, ACCO over pure data parallelism, the same run resumed) runs on both. A test whose
+subject does not depend on it (an entry point, a schedule, the validator, activation
+checkpointing and compile, a one-replica run, ...) says which backend it runs on with
+``@pytest.mark.spmd_backends(...)``; the others are deselected, not skipped, and
+``tests/test_titan_spmd_backends.py`` checks that the two backends are the same HSDP run.
+Each torchtitan launch costs CI tens of seconds on 2 cores (issue: CI at most 45 minutes).
 """
 
 from __future__ import annotations
@@ -15,6 +24,28 @@ from acco_hooks.titan import TITAN_030
 SPMD_BACKENDS: tuple[str | None, ...] = ("spmd_types", "partial_dtensor") if TITAN_030 else (None,)
 
 _current: list[str | None] = [None]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the backends a test's ``spmd_backends`` marker leaves out."""
+    if not TITAN_030:
+        return
+    kept, deselected = [], []
+    for item in items:
+        marker = item.get_closest_marker("spmd_backends")
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("spmd_backend") if callspec else None
+        if marker is None or backend is None:
+            kept.append(item)
+            continue
+        unknown = set(marker.args) - set(SPMD_BACKENDS)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: spmd_backends names {sorted(unknown)}; "
+                                    f"ACCO's backends are {SPMD_BACKENDS}")  # fmt: skip
+        (kept if backend in marker.args else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @pytest.fixture(autouse=True, scope="module", params=SPMD_BACKENDS,

@@ -61,6 +61,7 @@ def torchtitan_baseline_with_acco():
 '''
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the entry point, not the layout, is tested
 def test_native_entry_point_and_recipe_modules_train_as_the_toml_command(tmp_path) -> None:
     """``--module acco_hooks.titan --config debug_cpu_acco`` with 0.3.0's overrides, the TOML
     with 0.2.2's, and a user's recipe module that derives the same run in Python (from the
@@ -109,6 +110,7 @@ def test_with_acco_refuses_what_is_not_an_acco_setting_and_leaves_its_input_alon
         with_acco(baseline, mode="sync")
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the type checking exists only there
 def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None:
     """ACCO with torchtitan's full activation checkpointing, with torch.compile of the model
     and loss, and with spmd_types' type checking (``debug.spmd_typechecking``; only effective

@@ -76,6 +76,7 @@ def seed_checkpoint(tmp_path_factory) -> pathlib.Path:
     return dump / "checkpoint" / "step-0"
 
 
+@pytest.mark.spmd_backends("partial_dtensor")  # spmd_types: in test_hsdp_acco_composes_with_tp_and_pp
 def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
     """dp2, dp2 x tp2 and dp2 x pp2 from the same weights: the same losses and gradient norms.
 
@@ -131,6 +132,7 @@ def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     assert our_norms[1] == pytest.approx((1 if TITAN_030 else 2) * their_norms[1], rel=1e-3)
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the schedule, not the layout, is tested
 def test_auto_mode_takes_one_step_per_update_and_starts_synchronous(tmp_path) -> None:
     """``[acco] mode = "auto"``: a torchtitan step is one real update of torchtitan's gradient
     accumulation steps, as in ``ddp``; while it measures (its first 5 updates) it runs the
@@ -143,6 +145,7 @@ def test_auto_mode_takes_one_step_per_update_and_starts_synchronous(tmp_path) ->
     assert float(auto[8]) < float(auto[1])
 
 
+@pytest.mark.spmd_backends("spmd_types")  # one replica: the backends apply FSDP alike
 def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
     """``data_parallel_replicate_degree = 1`` (one GPU): the engine runs its rounds over the
     rank alone. Its synchronous mode trains as torchtitan's own single-process run, clipping
@@ -165,6 +168,7 @@ def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
     assert acco[1] == ours[1] and acco[4] != ours[4]  # same start, its own recursion
 
 
+@pytest.mark.spmd_backends("spmd_types")  # both resume in test_hsdp_acco_equals_..._and_resumes
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
 def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(mode: str, tmp_path) -> None:
     """Checkpoints at steps 3, 6 and 8; a crash while steps 6 and 8 were being saved leaves them
@@ -242,6 +246,7 @@ def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(hsdp_acco,
     assert resumed == {s: hsdp[s] for s in (4, 5, 6)}
 
 
+@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: in test_acco_composes_with_tp_and_pp
 @pytest.mark.parametrize("layout", [("--parallelism.tensor_parallel_degree", "2"),
                                     ("--parallelism.pipeline_parallel_degree", "2",
                                      "--parallelism.pipeline_parallel_microbatch_size", "1")],
@@ -299,6 +304,7 @@ def test_a_bad_acco_config_is_refused_by_name(override, message, monkeypatch) ->
     assert message in str(refusal.value)
 
 
+@pytest.mark.spmd_backends("spmd_types")  # a refusal before any layout is built
 def test_bad_acco_config_fails_before_the_first_step(tmp_path) -> None:
     """The refusal above, through train_titan.py: a non-zero exit, the message, no step."""
     override, message = BAD_ACCO_CONFIGS[0]
@@ -317,6 +323,7 @@ VALIDATING = ("--validation.enable", "--validation.freq", "2", "--validation.ste
               "--validation.seq_len", "64")  # fmt: skip
 
 
+@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: in the HSDP test below
 def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     """The validator evaluates the real θ (engine.real_weights) without applying the update in
     flight early: a run that validates every 2 steps trains exactly as one that never does."""
@@ -329,6 +336,7 @@ def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     assert validating == plain
 
 
+@pytest.mark.spmd_backends("partial_dtensor")  # spmd_types: in the 2-rank test above
 def test_validation_under_hsdp_leaves_the_training_losses_unchanged(hsdp_acco, tmp_path) -> None:
     """As above on 2 replicas x 2 FSDP shards (every 0.3.0 run is FSDP): the eval forward must
     not leave θ gathered either. Compared with the HSDP run of the fixture."""
