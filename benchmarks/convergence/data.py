@@ -33,6 +33,7 @@ token or two.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -85,16 +86,25 @@ def _tokenizer():
 def sequence_chunks(texts: Iterable[str], text_tokens: int) -> list[str]:
     """Each text cut at token boundaries into pieces of ``text_tokens`` tokens (a text's last,
     shorter piece is dropped): with torchtitan's BOS and EOS, one piece is one sequence."""
-    tokenizer = _tokenizer()
+    texts = list(texts)
     chunks = []
-    for text in texts:
-        offsets = tokenizer.encode(text, add_special_tokens=False).offsets
+    # One batch call: the tokenizer loops in Rust rather than once per text in Python.
+    for text, encoding in zip(texts, _tokenizer().encode_batch(texts, add_special_tokens=False)):
+        offsets = encoding.offsets
         starts = [offsets[i][0] for i in range(0, len(offsets), text_tokens)]
         full = len(offsets) // text_tokens
         for i in range(full):
             end = starts[i + 1] if i + 1 < len(starts) else len(text)
             chunks.append(text[starts[i]:end])
     return chunks
+
+
+@functools.lru_cache(maxsize=4)
+def _split_chunks(corpus: str, split: str, text_tokens: int) -> tuple[str, ...]:
+    """A split of ``corpus`` cut by :func:`sequence_chunks`, once per process: a sweep (or a
+    test) prepares several seeds of one length, which differ only in the order."""
+    train, validation = corpus_documents(corpus)
+    return tuple(sequence_chunks(train if split == "train" else validation, text_tokens))
 
 
 def prepare(corpus: str, order: str, seed: int, seq_len: int) -> pathlib.Path:
@@ -112,11 +122,12 @@ def prepare(corpus: str, order: str, seed: int, seq_len: int) -> pathlib.Path:
     built = out / _BUILD
     if built.is_file() and json.loads(built.read_text()) == params:
         return out
-    train, validation = corpus_documents(corpus)
     if order == "sequences":
-        train = sequence_chunks(train, seq_len - 1)
+        train = list(_split_chunks(corpus, "train", seq_len - 1))
+    else:
+        train = corpus_documents(corpus)[0]
     random.Random(seed).shuffle(train)
-    validation = sequence_chunks(validation, seq_len - 1)
+    validation = list(_split_chunks(corpus, "validation", seq_len - 1))
     random.Random(HELDOUT_SEED).shuffle(validation)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -49,26 +49,41 @@ FINGERPRINTED = {
     "dpu": "Config(mode='dpu', rounds=12)",
     "ddp": "Config(mode='ddp', rounds=12)",
 }
-# Runs FINGERPRINTED with whichever acco_hooks the path gives; prints {name: [sha256 per rank]}.
+# One rank's runs of FINGERPRINTED, hashed, with whichever acco_hooks the path gives. A module
+# of its own (written next to the checkouts) so that both engines run every config in one pair
+# of processes: a launch costs more than a run.
+FINGERPRINT_MODULE = """
+import hashlib
+import torch
+from tests.scenario import Config, engine_run
+
+
+def fingerprints(rank, world_size, configs):
+    hashes = {}
+    for name, text in configs.items():
+        params = engine_run(rank, world_size, eval(text))["params"]
+        digest = hashlib.sha256()
+        for key in sorted(params):
+            digest.update(params[key].numpy().tobytes())
+        hashes[name] = digest.hexdigest()
+    return hashes
+"""
 FINGERPRINT_SCRIPT = """
-import hashlib, json, sys, torch
+import json, sys
 from tests.dist_utils import run_distributed
-from tests.scenario import Config
-configs = {name: eval(text) for name, text in json.loads(sys.argv[1]).items()}
-def fingerprint(params):
-    digest = hashlib.sha256()
-    for name in sorted(params):
-        digest.update(params[name].numpy().tobytes())
-    return digest.hexdigest()
-print(json.dumps({name: [fingerprint(r["params"]) for r in run_distributed(
-    "tests.scenario:engine_run", cfg.world_size, cfg)] for name, cfg in configs.items()}))
+ranks = run_distributed("acco_fingerprints:fingerprints", 2, json.loads(sys.argv[1]))
+print(json.dumps({name: [hashes[name] for hashes in ranks] for name in ranks[0]}))
 """
 
 
-def _fingerprints(acco_hooks_root: Path, scenario_root: Path) -> dict[str, list[str]]:
-    """Final parameters of every FINGERPRINTED run, hashed, with the ``acco_hooks`` package
-    under ``acco_hooks_root`` and the training scenario (``tests/``) under ``scenario_root``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (scenario_root, acco_hooks_root)))}
+def _fingerprints(
+    acco_hooks_root: Path, scenario_root: Path, module_dir: Path
+) -> dict[str, list[str]]:
+    """Final parameters of every FINGERPRINTED run (2 ranks), hashed, with the ``acco_hooks``
+    package under ``acco_hooks_root`` and the training scenario (``tests/``) under
+    ``scenario_root``."""
+    paths = (scenario_root, acco_hooks_root, module_dir)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     done = subprocess.run(
         [sys.executable, "-c", FINGERPRINT_SCRIPT, json.dumps(FINGERPRINTED)], env=env,
         cwd=scenario_root, capture_output=True, text=True, timeout=600,
@@ -92,8 +107,9 @@ def test_the_existing_modes_are_bit_identical_to_before_the_schedules(tmp_path: 
     for target in (before, scenario):
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     shutil.rmtree(scenario / "acco_hooks")  # the engine of this checkout, as installed
-    expected = _fingerprints(before, before)
-    actual = _fingerprints(root, scenario)
+    (tmp_path / "acco_fingerprints.py").write_text(FINGERPRINT_MODULE)
+    expected = _fingerprints(before, before, tmp_path)
+    actual = _fingerprints(root, scenario, tmp_path)
     assert actual == expected
     assert len({hashes[0] for hashes in actual.values()}) == len(FINGERPRINTED)  # distinct runs
 
