@@ -5,7 +5,8 @@ file, and the previous checkpoint at that path is already gone. :func:`save` wri
 file beside ``path``, flushes it to disk and renames it over ``path``; a rename within a
 directory is atomic, so ``path`` always holds a complete checkpoint, the old or the new one.
 
-Each rank saves its own file (the engine's state is per rank)::
+Each rank saves its own file, which a run on the same ranks loads (to resume on another number
+of ranks, save with ``torch.distributed.checkpoint``: ``ACCOEngine.state_dict``)::
 
     acco_hooks.checkpoint.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "step": step}, f"ckpt/rank{rank}.pt")
@@ -24,11 +25,18 @@ from typing import Any
 
 import torch
 
+from acco_hooks.engine.placement import to_local_chunks
+
 __all__ = ["save", "load"]
 
 
 def save(state: Any, path: str | os.PathLike) -> None:
-    """Write ``state`` to ``path`` atomically (``torch.save`` format)."""
+    """Write ``state`` to ``path`` atomically (``torch.save`` format).
+
+    The optimizer state's ``ShardedTensor`` chunks are written as this rank's plain tensors
+    (``LocalChunks``), so that the file loads without a process group.
+    """
+    state = to_local_chunks(state)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

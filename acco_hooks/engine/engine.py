@@ -88,6 +88,7 @@ from acco_hooks.engine.communication import (
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
+from acco_hooks.engine.placement import ShardPlacement
 from acco_hooks.engine.settings import ESTIMATE_DTYPES, EngineSettings, SettingError
 from acco_hooks.engine.wire import WireFormat, backend_can_send
 
@@ -95,9 +96,10 @@ __all__ = ["ACCOEngine", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
-# 2: the half-batch acco carries is a reduce-scattered shard; the accumulator is saved only
-# mid-round. Version 1 carried it in the full accumulator.
-STATE_VERSION = 2
+# 3: every per-element shard is saved by parameter and position (``placement``), so that DCP
+# saves every rank's and reshards it; what only one rank holds is under a key of its own.
+# 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
+STATE_VERSION = 3
 
 
 class RoundInFlight:
@@ -149,6 +151,8 @@ class ACCOEngine:
         "_groups", "world_size", "rank", "fsdp_world_size",
         # Buffers (one per parameter group) and the shard optimizer
         "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler",
+        # Where each element of the shards lives in the model, for checkpoints
+        "_placement",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
         "_worker", "_hook_handles", "_release", "__weakref__",
         # The round in flight (launched, not yet applied), and the failure that stopped the engine
@@ -158,7 +162,7 @@ class ACCOEngine:
         # the controller, the schedule every rank agreed on, when the current update started
         "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
-        "round_index", "num_updates", "updates_launched", "skipped_rounds",
+        "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
         "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
         "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
@@ -220,6 +224,10 @@ class ACCOEngine:
                 (lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
+            self._placement = ShardPlacement(
+                self._buffers, self.rank, self.world_size, self._groups.data,
+                self._groups.data_parallel_ranks,
+            )  # fmt: skip
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
             self._groups = None
@@ -230,6 +238,7 @@ class ACCOEngine:
         self._in_flight: RoundInFlight | None = None
         self._failure: ACCOCommunicationError | None = None
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
+        self._estimate_count = 0.0  # the global weight of the estimate round acco carries
         self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
         fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
@@ -517,6 +526,8 @@ class ACCOEngine:
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
+        if flight.job is Job.ESTIMATE:
+            self._estimate_count = result.global_count
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
         if self._auto is not None:
@@ -613,104 +624,167 @@ class ACCOEngine:
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly, for this rank.
+        """Everything needed to resume: bit-exactly on the same ranks, resharded on others.
 
-        The state is this rank's alone: its master shard, optimizer state, pending result shard
-        and, in ``acco``, the carried half-batch shard, all 1/N of the model; the model-sized
-        accumulator only when saved in the middle of a round. In-flight communication is waited
-        for first; its result is kept, not applied, so saving never changes the training
-        trajectory. Save the model's ``state_dict()`` too: it holds the live parameters (in
-        ``acco``, possibly the estimate θ̃).
+        Every tensor that is 1/N of the model (the fp32 master shard, the optimizer's
+        per-element state, the pending result's shard and, in ``acco``, the carried half-batch
+        shard) is keyed by parameter name and position in the parameter (a ``ShardedTensor``
+        per parameter; ``placement``), so the standard distributed checkpoint saves every
+        rank's part and loads into a run of another shape::
+
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=d)
+            # ... any number of ranks later, after building model and optimizer:
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            dcp.load(state, checkpoint_id=d)
+            model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+
+        Saved in the middle of a round (or between an estimate sent in a narrower dtype and
+        its update), this rank's accumulated gradients are in it too, under a key of this
+        rank's own: such a state resumes from per-rank files (``acco_hooks.checkpoint``) on the
+        same ranks. In-flight communication is waited for first; its result is kept, not
+        applied, so saving never changes the training trajectory. Save the model's
+        ``state_dict()`` too: it holds the live parameters (in ``acco`` possibly θ̃).
 
         Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
         the next ``step()``.
         """
         self._finish_in_flight(apply=False)
         flight = self._in_flight
+        narrow = flight is not None and flight.wire is not None
+        partial = self._accumulator_holds_gradients
+        carrying = self._buffers[0].carried is not None
         return {
-            "version": STATE_VERSION, "mode": self.settings.mode, "world_size": self.world_size,
-            "fsdp_world_size": self.fsdp_world_size, "param_shapes": self._param_shapes(),
+            "version": STATE_VERSION, "mode": self.settings.mode,
+            "world_size": self.world_size, "fsdp_world_size": self.fsdp_world_size,
+            "params": self._placement.param_names, "param_shapes": self._placement.global_shapes,
+            "vectors": self._placement.keys,
             "accumulation_steps": self.settings.accumulation_steps,
             "round_index": self.round_index, "num_updates": self.num_updates,
-            "skipped_rounds": self.skipped_rounds,
-            "round_microbatches": self._round_microbatches, "local_count": self._local_count,
-            "grad_arrived": [list(a) for a in self._grad_arrived],
-            # Zero at a round boundary (but after an estimate sent in a narrower dtype): saved
-            # only when it holds gradients, the one model-sized tensor.
-            "accumulator": (
-                [g.accumulator for g in self._buffers] if self._accumulator_holds_gradients
-                else None
-            ),
-            "carried": (
-                [g.carried for g in self._buffers] if self._buffers[0].carried is not None
-                else None
-            ),
+            "skipped_rounds": self.skipped_rounds, "round_microbatches": self._round_microbatches,
             "schedule": tuple(self.schedule), "estimate_next": self._estimate_next,
             "updates_launched": self.updates_launched,
             "auto": None if self._auto is None else {
                 **self._auto.state_dict(),
                 "agreed": None if self._agreed is None else tuple(self._agreed),
             },
-            "master": [g.master for g in self._buffers],
-            "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "pending_job": None if flight is None else flight.job.value,
-            # a narrow estimate's result: its encoded θ̃ − θ shard, re-gathered at a load
-            "pending_wire": None if flight is None or flight.wire is None
-            else _name(flight.wire.dtype),
-            "pending_shard": [
-                g.gather_input if flight is None or flight.wire is None else g.encoded_shard
-                for g in self._buffers
-            ],
+            "pending_wire": _name(flight.wire.dtype) if narrow else None,
+            # per element, by parameter: every rank's part is saved, and any world loads it
+            "master": self._placement.chunks([g.master for g in self._buffers]),
+            "pending_shard": None if narrow else self._placement.chunks([g.gather_input for g in self._buffers]),
+            "carried": self._placement.chunks([g.carried for g in self._buffers]) if carrying else None,
+            # acco between its estimate round and its update: ΣG̃ is carried, and its weight
+            # with it (the whole group's: each rank's own share of it is not needed)
+            "estimate_count": self._estimate_count if carrying and self._local_count else 0.0,
+            "optimizer": self._optimizer_state(),
+            # Mid-round: model-sized, this rank's alone; a key no other rank writes
+            "partial_round": partial,
+            "rank_state": {f"rank{dist.get_rank() if dist.is_initialized() else 0}": {
+                "accumulator": [g.accumulator for g in self._buffers],
+                "local_count": self._local_count,
+                "grad_arrived": [list(a) for a in self._grad_arrived],
+                # a narrow estimate's result: its encoded θ̃ − θ shard, re-gathered at a load
+                "pending_encoded": [g.encoded_shard for g in self._buffers] if narrow else None,
+            }} if partial else {},
         }  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output saved by the same rank of a same-sized run.
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The shard optimizer's state: per-element tensors by parameter (as the master),
+        the rest as torch keeps it. Before its first step, the state a first step creates,
+        so that DCP has tensors to load into (``stepped`` says it is not real)."""
+        saved = self.optimizer.state_dict()
+        stepped = bool(saved["state"])
+        state = saved["state"] if stepped else _first_step_state(self.optimizer, self._buffers)
+        names = {name for entry in state.values() for name in entry}
+        per_element, shared, other = {}, {}, {}
+        for name in sorted(names):
+            values = [state.get(gi, {}).get(name) for gi in range(len(self._buffers))]
+            if all(isinstance(v, Tensor) and v.shape == (g.shard_numel,)
+                   for v, g in zip(values, self._buffers)):  # fmt: skip
+                per_element[name] = self._placement.chunks(values)
+            elif all(not isinstance(v, Tensor) or v.numel() <= 1 for v in values):
+                shared[name] = values  # a step count: the same on every rank
+            else:
+                other[name] = values  # neither: this rank's own
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return {"param_groups": saved["param_groups"], "stepped": stepped,
+                "per_element": per_element, "shared": shared,
+                "rank_state": {f"rank{rank}": other} if other else {}}  # fmt: skip
 
-        Loading gathers the saved pending shards again, rebuilding a pending result bit for bit.
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: of the same rank of a run of the same shape, or,
+        once DCP loaded it into this engine's :meth:`state_dict`, of a run of any shape.
+
+        Loading gathers the pending result's shards again, rebuilding it bit for bit.
         """
-        _check_compatible(state, self)
+        rank_key = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+        _check_compatible(state, self, rank_key)
         self._finish_in_flight(apply=False)
-        accumulators = state["accumulator"] or [None] * len(self._buffers)
-        carried = state["carried"] or [None] * len(self._buffers)
+        own = state["rank_state"].get(rank_key) if state["partial_round"] else None
+        place = self._placement
+        place.fill([g.master for g in self._buffers], state["master"])
+        if state["pending_shard"] is not None:
+            place.fill([g.gather_input for g in self._buffers], state["pending_shard"])
+        if state["carried"] is not None:
+            place.fill([g.carried for g in self._buffers], state["carried"])
         with torch.no_grad():
-            for g, acc, kept, master, shard in zip(
-                self._buffers, accumulators, carried, state["master"], state["pending_shard"]
-            ):
-                if acc is None:
-                    g.accumulator.zero_()
-                else:
-                    g.accumulator.copy_(acc)
-                if kept is not None:
-                    g.carried.copy_(kept)
-                g.master.copy_(master)
-                (g.gather_input if state.get("pending_wire") is None else g.encoded_shard).copy_(shard)
-        self.optimizer.load_state_dict(state["optimizer"])
+            for gi, g in enumerate(self._buffers):
+                g.accumulator.zero_()
+                if own is not None:
+                    g.accumulator.copy_(own["accumulator"][gi])
+                    if own["pending_encoded"] is not None:
+                        g.encoded_shard.copy_(own["pending_encoded"][gi])
+        self._load_optimizer_state(state["optimizer"], rank_key)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.round_index, self.num_updates = state["round_index"], state["num_updates"]
-        self.skipped_rounds = state.get("skipped_rounds", 0)
+        self.skipped_rounds = state["skipped_rounds"]
         self._round_microbatches = state["round_microbatches"]
-        self._local_count = state["local_count"]
-        # (absent before mode="auto": acco alternated rounds from an estimate round)
-        self.schedule = Schedule(*state.get("schedule", self.schedule))
-        self._estimate_next = state.get("estimate_next", self.round_index % 2 == 0)
-        self.updates_launched = state.get("updates_launched", self.num_updates)
-        if self._auto is not None and state.get("auto") is not None:
+        if own is not None:
+            self._local_count = own["local_count"]
+            self._grad_arrived = [list(a) for a in own["grad_arrived"]]
+        else:  # the carried round's weight counts once, on the first rank of the count group
+            first = self._groups.count is None or dist.get_rank(self._groups.count) == 0
+            self._local_count = state["estimate_count"] if first else 0.0
+            self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
+        self._estimate_count = state["estimate_count"]
+        self.schedule = Schedule(*state["schedule"])
+        self._estimate_next = state["estimate_next"]
+        self.updates_launched = state["updates_launched"]
+        if self._auto is not None and state["auto"] is not None:
             self._auto.load_state_dict(state["auto"])
             agreed = state["auto"]["agreed"]
             self._agreed = None if agreed is None else Schedule(*agreed)
-        self._grad_arrived = [list(a) for a in state["grad_arrived"]]
         self._in_flight = None
         if state["pending_job"] is not None:
             # The saved run had a finished, not yet applied result: every rank kept its shard of
             # it; gathering the shards again rebuilds the full result bit for bit.
-            wire = state.get("pending_wire")
+            wire = state["pending_wire"]
             wire = None if wire is None else WireFormat(ESTIMATE_DTYPES[wire])
             future = self._worker.submit(regather_shards, self._buffers, self._groups, wire)
             self._in_flight = RoundInFlight(
                 future, Job(state["pending_job"]), self.round_index - 1, wire
             )
+
+    def _load_optimizer_state(self, saved: dict[str, Any], rank_key: str) -> None:
+        if not saved["stepped"]:
+            self.optimizer.state.clear()  # as built: no step yet
+            self.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+            return
+        state: dict[int, dict[str, Any]] = {gi: {} for gi in range(len(self._buffers))}
+        for name, chunks in saved["per_element"].items():
+            flats = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=self.device)
+                     for g, key in zip(self._buffers, self._placement.keys)]  # fmt: skip
+            self._placement.fill(flats, chunks)
+            for gi, flat in enumerate(flats):
+                state[gi][name] = flat
+        for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
+            for name, per_group in values.items():
+                for gi, value in enumerate(per_group):
+                    if value is not None:
+                        state[gi][name] = value
+        self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
     @property
     def _accumulator_holds_gradients(self) -> bool:
@@ -720,9 +794,6 @@ class ACCOEngine:
         kept = (not schedule.synchronous and not self._estimate_next
                 and schedule.estimate_dtype != _reduce_name(self.settings))  # fmt: skip
         return bool(self._round_microbatches) or kept
-
-    def _param_shapes(self) -> list[list[tuple[int, ...]]]:
-        return [[tuple(p.shape) for p in g.params] for g in self._buffers]
 
     def reset_master_from_params(self) -> None:
         """Take the fp32 master shard from the model's current parameters.
@@ -942,30 +1013,16 @@ def _check_round_inputs(
         )
 
 
-def _check_compatible(state: dict[str, Any], engine: ACCOEngine) -> None:
-    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``."""
+def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> None:
+    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``
+    that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
     if state.get("version") != STATE_VERSION:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint has engine state version "
             f"{state.get('version')!r}, this acco_hooks reads version {STATE_VERSION} (version "
-            "1 kept acco's carried half-batch in the full accumulator, which this version no "
-            "longer holds). Resume it with the acco_hooks that wrote it"
-        )
-    if state["world_size"] != engine.world_size:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved with a data-parallel world "
-            f"size of {state['world_size']}, this run has {engine.world_size}. Resharding the "
-            f"optimizer state is not supported yet: resume with {state['world_size']} "
-            "data-parallel ranks"
-        )
-    saved_fsdp = state.get("fsdp_world_size", 1)
-    if saved_fsdp != engine.fsdp_world_size:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
-            f"{saved_fsdp} ways by FSDP inside each replica, this run shards it "
-            f"{engine.fsdp_world_size} ways. Resharding the optimizer state is not supported "
-            f"yet: resume with an FSDP (data_parallel_shard) degree of {saved_fsdp}"
+            "2 kept flat shards that only a run of the same shape could load). Resume it with "
+            "the acco_hooks that wrote it"
         )
     if state["mode"] != mode:
         raise ValueError(
@@ -978,21 +1035,25 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine) -> None:
             f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
             f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "
             "the resumed run would take another batch per update than the saved one. Build "
-            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
+            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume "
+            "(on another number of ranks, split each micro-batch over them)"
         )
-    saved = state.get("schedule")  # (absent before the schedules: the mode's own)
-    if saved is not None and Schedule(*saved) not in engine.candidate_schedules:
+    saved = Schedule(*state["schedule"])
+    if saved not in engine.candidate_schedules:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved running "
-            f"{Schedule(*saved).describe()}, which this engine's estimate_microbatches="
+            f"{saved.describe()}, which this engine's estimate_microbatches="
             f"{engine.settings.estimate_microbatches!r} and estimate_dtype="
             f"{engine.settings.estimate_dtype!r} do not run: build the optimizer with the "
             "saved run's estimate settings to resume"
         )
-    if [[tuple(s) for s in g] for g in state["param_shapes"]] != engine._param_shapes():
+    place = engine._placement
+    if state["params"] != place.param_names or state["vectors"] != place.keys or [
+        [tuple(s) for s in g] for g in state["param_shapes"]
+    ] != place.global_shapes:
         raise ValueError(
-            "acco_hooks: load_state_dict: the checkpoint's parameter groups and shapes differ "
-            "from this optimizer's; build it over the same parameters in the same order"
+            "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
+            "differ from this optimizer's; build it over the same parameters in the same order"
         )
     has_lr_scheduler = engine.lr_scheduler is not None
     if has_lr_scheduler != (state["lr_scheduler"] is not None):
@@ -1003,6 +1064,81 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine) -> None:
             + ("has one" if has_lr_scheduler else "has none")
             + "; pass the same lr_scheduler argument as the saved run"
         )
+    if (engine._buffers[0].carried is None) != (state["carried"] is None):
+        raise ValueError(
+            "acco_hooks: load_state_dict: the checkpoint "
+            + ("carries" if state["carried"] is not None else "does not carry")
+            + " an estimate round's gradients in the reduce dtype, this engine "
+            + ("does not" if engine._buffers[0].carried is None else "does")
+            + ": build the optimizer with the saved run's estimate_dtype to resume"
+        )
+    saved_shape = (state["world_size"], state["fsdp_world_size"])
+    shape = (engine.world_size, engine.fsdp_world_size)
+    what = (f"{saved_shape[0]} data-parallel ranks"
+            + (f" × FSDP {saved_shape[1]}" if saved_shape[1] > 1 else ""))  # fmt: skip
+    resume = (f"resume with {saved_shape[0]} data-parallel ranks"
+              + (f" and an FSDP degree of {saved_shape[1]}" if saved_shape[1] > 1 else ""))
+    if state["partial_round"] and rank_key not in state["rank_state"]:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved in the middle of a round "
+            f"(round {state['round_index']}, {state['round_microbatches']} micro-batches in), "
+            f"and this rank's accumulated gradients ({rank_key}) are not in what was loaded: "
+            + ("they exist only on the ranks of the saved run "
+               if saved_shape != shape else
+               "a distributed checkpoint loads only what the loading optimizer's state_dict() "
+               "holds, ")
+            + f"({what}). {resume[0].upper() + resume[1:]} from per-rank files "
+            "(acco_hooks.checkpoint), or save when step() ends a round"
+        )
+    if not place.matches(state["master"]):
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint holds another rank's part of the "
+            f"optimizer state (it was saved by {what}; this is rank {engine.rank} of "
+            f"{engine.world_size}): a per-rank file loads on the rank that wrote it, in a run "
+            f"of the same shape. To resume on other ranks, save with torch.distributed."
+            "checkpoint (dcp.save of opt.state_dict()) and dcp.load into this optimizer's "
+            "state_dict() before load_state_dict"
+        )
+    if saved_shape == shape:
+        return
+    others = [name for own in state["optimizer"]["rank_state"].values() for name in own]
+    if others:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved by {what}, this run has "
+            f"{engine.world_size}"
+            + (f" × FSDP {engine.fsdp_world_size}" if engine.fsdp_world_size > 1 else "")
+            + f"; the optimizer keeps state {sorted(set(others))} that is not one value per "
+            f"parameter element, which cannot be resharded: {resume}"
+        )
+    if state["estimate_count"]:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved by {what} between acco's "
+            "estimate round and its update: the carried half-batch was averaged over "
+            f"{saved_shape[0]} ranks' micro-batches, and resharding it is not supported yet. "
+            f"{resume[0].upper() + resume[1:]}, or save after an update round (when "
+            "step() returned True and the optimizer's num_updates grew)"
+        )
+
+
+def _first_step_state(
+    optimizer: torch.optim.Optimizer, buffers: list[GroupBuffers]
+) -> dict[int, dict[str, Any]]:
+    """The state ``optimizer`` has after one step, from a copy of it over zero shards: what a
+    checkpoint of a run that never stepped holds for DCP to load into."""
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [torch.zeros_like(g.master)]}
+              for group, g in zip(optimizer.param_groups, buffers)]  # fmt: skip
+    probe = type(optimizer)(groups)
+    for group in probe.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    probe.step()
+    return probe.state_dict()["state"]
+
+
+def _local_dtype(chunks: dict[str, Any], key: str) -> torch.dtype:
+    chunk = chunks[key]
+    return chunk.data.dtype if hasattr(chunk, "offset") else chunk.dtype
 
 
 def _some(names: list[str]) -> str:
