@@ -1,7 +1,8 @@
 """The ACCO engine: one class (``engine.ACCOEngine``), the settings every front-end takes from
 (``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
 thread with its process groups and its per-round job (``communication``), the collectives
-(``collectives``), the estimate step (``peek``) and parameter ownership (``ownership``).
+(``collectives``), the estimate step (``peek``), parameter ownership (``ownership``) and the
+shards as checkpoint DTensors (``placement``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
 """

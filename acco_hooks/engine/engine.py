@@ -6,7 +6,8 @@ settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The con
 ``shared/spec/acco-algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
 allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
 ``communication`` (the thread, its process groups and the job it runs each round),
-``collectives``, ``peek`` (the estimate step) and ``ownership`` (one engine per parameter).
+``collectives``, ``peek`` (the estimate step), ``ownership`` (one engine per parameter) and
+``placement`` (the shards in checkpoints).
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
@@ -39,8 +40,9 @@ round still communicates, up to ``max_microbatches_per_round``). At the round en
 payload at once (synchronous ZeRO-1).
 
 Around the schedule, in the order of the class: the real weights θ (``flush()``,
-``real_weights()``), checkpoints (``state_dict()``, a format only the same rank of a run of the
-same shape can load) and closing (``close()``, which joins the thread and destroys its groups).
+``real_weights()``), checkpoints (``state_dict()``: DTensor shards that DCP reshards onto another
+number of data-parallel ranks, ``placement``) and closing (``close()``, which joins the
+thread and destroys its groups).
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ __all__ = ["ACCOEngine", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
-# 3: every per-element shard is saved by parameter and position (``placement``), so that DCP
-# saves every rank's and reshards it; what only one rank holds is under a key of its own.
+# 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
+# DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
 # 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
 STATE_VERSION = 3
 
@@ -653,11 +655,11 @@ class ACCOEngine:
         narrow = flight is not None and flight.wire is not None
         partial = self._accumulator_holds_gradients
         carrying = self._buffers[0].carried is not None
+        chunks = self._placement.chunks
         return {
             "version": STATE_VERSION, "mode": self.settings.mode,
             "world_size": self.world_size, "fsdp_world_size": self.fsdp_world_size,
             "params": self._placement.param_names, "param_shapes": self._placement.global_shapes,
-            "vectors": self._placement.keys,
             "accumulation_steps": self.settings.accumulation_steps,
             "round_index": self.round_index, "num_updates": self.num_updates,
             "skipped_rounds": self.skipped_rounds, "round_microbatches": self._round_microbatches,
@@ -670,10 +672,10 @@ class ACCOEngine:
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "pending_job": None if flight is None else flight.job.value,
             "pending_wire": _name(flight.wire.dtype) if narrow else None,
-            # per element, by parameter: every rank's part is saved, and any world loads it
-            "master": self._placement.chunks([g.master for g in self._buffers]),
-            "pending_shard": None if narrow else self._placement.chunks([g.gather_input for g in self._buffers]),
-            "carried": self._placement.chunks([g.carried for g in self._buffers]) if carrying else None,
+            # per element, DTensors: every rank's part is saved, and any world loads it
+            "master": chunks([g.master for g in self._buffers]),
+            "pending_shard": None if narrow else chunks([g.gather_input for g in self._buffers]),
+            "carried": chunks([g.carried for g in self._buffers]) if carrying else None,
             # acco between its estimate round and its update: ΣG̃ is carried, and its weight
             # with it (the whole group's: each rank's own share of it is not needed)
             "estimate_count": self._estimate_count if carrying and self._local_count else 0.0,
@@ -749,10 +751,14 @@ class ACCOEngine:
             self._local_count = state["estimate_count"] if first else 0.0
             self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self._estimate_count = state["estimate_count"]
-        self.schedule = Schedule(*state["schedule"])
         self._estimate_next = state["estimate_next"]
         self.updates_launched = state["updates_launched"]
-        if self._auto is not None and state["auto"] is not None:
+        # Resharded onto ranks that take another number of micro-batches per update (the same
+        # global batch), the next update starts on this engine's own schedule.
+        same_rounds = state["accumulation_steps"] == self.settings.accumulation_steps
+        if same_rounds:
+            self.schedule = Schedule(*state["schedule"])
+        if same_rounds and self._auto is not None and state["auto"] is not None:
             self._auto.load_state_dict(state["auto"])
             agreed = state["auto"]["agreed"]
             self._agreed = None if agreed is None else Schedule(*agreed)
@@ -1030,16 +1036,15 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             f"this engine has mode={mode!r}; build the optimizer with "
             f"mode={state['mode']!r} to resume"
         )
-    if state["accumulation_steps"] != steps:
+    if state["accumulation_steps"] != steps and state["world_size"] == engine.world_size:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
             f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "
             "the resumed run would take another batch per update than the saved one. Build "
-            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume "
-            "(on another number of ranks, split each micro-batch over them)"
+            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
         )
     saved = Schedule(*state["schedule"])
-    if saved not in engine.candidate_schedules:
+    if state["accumulation_steps"] == steps and saved not in engine.candidate_schedules:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved running "
             f"{saved.describe()}, which this engine's estimate_microbatches="
@@ -1048,7 +1053,7 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             "saved run's estimate settings to resume"
         )
     place = engine._placement
-    if state["params"] != place.param_names or state["vectors"] != place.keys or [
+    if state["params"] != place.param_names or set(state["master"]) != set(place.keys) or [
         [tuple(s) for s in g] for g in state["param_shapes"]
     ] != place.global_shapes:
         raise ValueError(
@@ -1071,6 +1076,14 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             + " an estimate round's gradients in the reduce dtype, this engine "
             + ("does not" if engine._buffers[0].carried is None else "does")
             + ": build the optimizer with the saved run's estimate_dtype to resume"
+        )
+    if state["fsdp_world_size"] != engine.fsdp_world_size:  # the vectors themselves differ
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
+            f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
+            f"{engine.fsdp_world_size} ways. Resharding to another FSDP degree is not "
+            f"supported yet (another number of replicas is): resume with an FSDP "
+            f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
         )
     saved_shape = (state["world_size"], state["fsdp_world_size"])
     shape = (engine.world_size, engine.fsdp_world_size)

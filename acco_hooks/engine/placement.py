@@ -63,17 +63,20 @@ class ShardPlacement:
     Args:
         buffers: the engine's parameter groups.
         rank, world_size: this rank's place in the data-parallel group.
-        data_group: the data-parallel group (``None``: one local worker).
+        data_group: the data-parallel group (``None``: one local worker); only whether there
+            is one counts: the DTensors' mesh holds no group.
         data_parallel_ranks: its global ranks (a mesh dimension over them is not a model part).
     """
 
-    __slots__ = ("keys", "param_names", "global_shapes", "numels", "ranges", "data_group")
+    __slots__ = ("keys", "param_names", "global_shapes", "numels", "ranges", "mesh_ranks")
 
     def __init__(
         self, buffers: list[GroupBuffers], rank: int, world_size: int,
         data_group: dist.ProcessGroup | None, data_parallel_ranks: tuple[int, ...],
     ) -> None:  # fmt: skip
-        self.data_group = data_group
+        # The DTensors' mesh: the data-parallel ranks, as a mesh that holds no process group
+        # (the engine's own are destroyed at close(), and a state dict may outlive it)
+        self.mesh_ranks = None if data_group is None else data_parallel_ranks
         self.keys = [g.names[0] + _part(g.params[0], data_parallel_ranks) for g in buffers]
         self.param_names = [list(g.names) for g in buffers]
         self.global_shapes = [[tuple(p.shape) for p in g.params] for g in buffers]
@@ -88,10 +91,11 @@ class ShardPlacement:
         data-parallel group whose local data is (a view of) this rank's part of ``flats``;
         for one local worker, the vector itself."""
         mesh = None
-        if self.data_group is not None:
+        if self.mesh_ranks is not None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh.from_group(self.data_group, flats[0].device.type)
+            mesh = DeviceMesh(flats[0].device.type, torch.tensor(self.mesh_ranks),
+                              _init_backend=False)  # fmt: skip
         out = {}
         for key, flat, numel, (start, end) in zip(self.keys, flats, self.numels, self.ranges):
             local = flat[: end - start]

@@ -56,6 +56,9 @@ __all__ = ["ACCOTrainerBase", "Batch", "EngineOptimizersContainer", "OPTIMIZER_C
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
+# The engine's state in torchtitan's checkpoint, under its "optimizer" entry
+STATE_KEY = "acco_engine"
+
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
@@ -111,7 +114,6 @@ class EngineOptimizersContainer(OptimizersContainer):
         self.model_parts = model_parts
         self.optimizers = []  # the engine's shard optimizer, once bound
         self._engine_plan = (optimizer_class, optimizer_kwargs, settings)
-        self._state_key = f"acco_engine_rank{dist.get_rank() if dist.is_initialized() else 0}"
         params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         # What torchtitan's own containers do last: the torch.optim.Optimizer machinery (hooks)
         torch.optim.Optimizer.__init__(self, params, dict(optimizer_kwargs))
@@ -147,18 +149,17 @@ class EngineOptimizersContainer(OptimizersContainer):
         """No-op: gradients live in the engine."""
 
     def state_dict(self) -> dict[str, Any]:
-        # DCP loads in place into the structure this returns: the Adam state must exist before
-        # the first step, or a resumed run would silently start from empty moments.
-        _materialize_adam_state(self.engine.optimizer)
-        return {self._state_key: self.engine.state_dict()}
+        # One key for every rank: the engine's shards are DTensors over the replicas, which
+        # DCP saves rank by rank and reshards at a load (ACCOEngine.state_dict).
+        return {STATE_KEY: self.engine.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self._state_key not in state_dict:
+        if STATE_KEY not in state_dict:
             raise ValueError(
-                f"the checkpoint has no ACCO engine state for this rank ({self._state_key}); "
-                "it was saved by a run with another world size or without [acco] enable"
+                f"the checkpoint has no ACCO engine state ({STATE_KEY}); it was saved by a run "
+                "without [acco] enable, or by an acco_hooks before state version 3"
             )
-        self.engine.load_state_dict(state_dict[self._state_key])
+        self.engine.load_state_dict(state_dict[STATE_KEY])
 
     def close(self, *, flush: bool = True, barrier: bool = True) -> None:
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
@@ -169,26 +170,6 @@ class EngineOptimizersContainer(OptimizersContainer):
         """Let the engine step ``schedulers`` after each real update; return them."""
         self.engine.lr_scheduler = schedulers
         return schedulers
-
-
-def _materialize_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter Adam's state as it is before a first step: step 0, zero moments.
-
-    Adam's first step from this state equals its first step from no state at all, so this
-    changes nothing in training; it only gives DCP tensors to load into.
-    """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if optimizer.state[p]:
-                continue
-            state = {
-                "step": torch.tensor(0.0, dtype=torch.float32),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            optimizer.state[p] = state
 
 
 def _replica_group(parallel_dims: Any) -> Any:

@@ -42,6 +42,24 @@ def train(model, opt, rank: int, world_size: int, first: int, last: int) -> None
         opt.step()
 
 
+def save(model, opt, path: str) -> None:
+    """The checkpoint pattern PyTorch documents: every rank saves its state dicts with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+
+
+def load(model, opt, path: str) -> dict:
+    """``dcp.load`` into the freshly built model's and optimizer's state dicts; the model's is
+    loaded, the optimizer's returned."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return state["optim"]
+
+
 def final(model, opt) -> dict[str, torch.Tensor]:
     opt.flush()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -52,14 +70,11 @@ def final(model, opt) -> dict[str, torch.Tensor]:
 
 def save_and_go_on(rank: int, world_size: int, ckpt: str, save_at: int) -> dict:
     """Per mode: train, ``dcp.save`` model and optimizer state, train on to the end."""
-    import torch.distributed.checkpoint as dcp
-
     straight = {}
     for mode in MODES:
         model, opt = build(mode)
         train(model, opt, rank, world_size, 0, save_at)
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                 checkpoint_id=f"{ckpt}/{mode}")  # fmt: skip
+        save(model, opt, f"{ckpt}/{mode}")
         train(model, opt, rank, world_size, save_at, ROUNDS * MICRO)
         straight[mode] = final(model, opt)
     return straight
@@ -67,15 +82,10 @@ def save_and_go_on(rank: int, world_size: int, ckpt: str, save_at: int) -> dict:
 
 def load_and_finish(rank: int, world_size: int, ckpt: str, save_at: int) -> dict:
     """Per mode: build anew on this world, ``dcp.load`` the checkpoint, train to the end."""
-    import torch.distributed.checkpoint as dcp
-
     resumed = {}
     for mode in MODES:
         model, opt = build(mode)
-        state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=f"{ckpt}/{mode}")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
+        opt.load_state_dict(load(model, opt, f"{ckpt}/{mode}"))
         train(model, opt, rank, world_size, save_at, ROUNDS * MICRO)
         resumed[mode] = final(model, opt)
     return resumed
@@ -106,4 +116,116 @@ def test_resharded_resume_equals_the_uninterrupted_run(checkpoints, saved_by, re
             assert error == 0.0, f"{mode}: {error:.2e}"
         else:
             assert error <= 1e-5, f"{mode} {saved_by}->{resumed_on}: {error:.2e}"
+        assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
+
+
+BETWEEN = 7 * MICRO  # acco: after an estimate round, its half-batch carried
+MID_ROUND = 7 * MICRO + 1  # one micro-batch into the update round
+
+
+def save_between_and_mid_round(rank: int, world_size: int, ckpt: str) -> dict:
+    model, opt = build("acco")
+    train(model, opt, rank, world_size, 0, BETWEEN)
+    save(model, opt, f"{ckpt}/between")
+    train(model, opt, rank, world_size, BETWEEN, MID_ROUND)
+    save(model, opt, f"{ckpt}/mid")
+    train(model, opt, rank, world_size, MID_ROUND, ROUNDS * MICRO)
+    return final(model, opt)
+
+
+def resume_or_refusal(rank: int, world_size: int, ckpt: str, point: str, save_at: int):
+    """The final parameters of a run resumed with DCP, or the message that refused the load."""
+    model, opt = build("acco")
+    state = load(model, opt, f"{ckpt}/{point}")
+    try:
+        opt.load_state_dict(state)
+    except ValueError as refusal:
+        opt.close()
+        return str(refusal)
+    train(model, opt, rank, world_size, save_at, ROUNDS * MICRO)
+    return final(model, opt)
+
+
+@pytest.fixture(scope="module")
+def acco_inside_an_update(tmp_path_factory) -> tuple[str, dict]:
+    ckpt = str(tmp_path_factory.mktemp("inside"))
+    straight = run_distributed("tests.engine.test_resharding:save_between_and_mid_round", 2, ckpt)
+    return ckpt, straight[0]
+
+
+def test_carried_half_batch_resumes_on_the_same_ranks_and_refuses_others(acco_inside_an_update):
+    ckpt, straight = acco_inside_an_update
+    same = run_distributed("tests.engine.test_resharding:resume_or_refusal", 2, ckpt, "between",
+                           BETWEEN)  # fmt: skip
+    assert all(torch.equal(same[0][k], v) for k, v in straight.items())
+    refused = run_distributed("tests.engine.test_resharding:resume_or_refusal", 3, ckpt,
+                              "between", BETWEEN)  # fmt: skip
+    for message in refused:
+        assert "saved by 2 data-parallel ranks between acco's estimate round" in message
+        assert "Resume with 2 data-parallel ranks" in message
+
+
+def test_mid_round_state_is_not_lost_silently(acco_inside_an_update):
+    """DCP loads only the keys of the state it loads into; a fresh optimizer's has no
+    accumulated gradients, so a mid-round checkpoint is refused, not half-resumed."""
+    ckpt, _ = acco_inside_an_update
+    for world_size in (2, 3):
+        refused = run_distributed("tests.engine.test_resharding:resume_or_refusal", world_size,
+                                  ckpt, "mid", MID_ROUND)  # fmt: skip
+        for message in refused:
+            assert "saved in the middle of a round (round 7, 1 micro-batches in)" in message
+            assert "from per-rank files (acco_hooks.checkpoint)" in message
+            assert "or save when step() ends a round" in message
+
+
+LOCAL_BATCH = 6  # samples per rank micro-batch, fixed: fewer ranks run more micro-batches
+
+
+def train_fixed_local_batch(model, opt, rank: int, world_size: int, first: int, last: int) -> None:
+    """Rounds ``first`` .. ``last - 1`` of a global batch of 4 blocks of LOCAL_BATCH samples per
+    round: on N ranks each runs 4/N micro-batches (torchtitan's split of a global batch)."""
+    steps = 4 // world_size
+    for round_index in range(first, last):
+        for micro in range(steps):
+            block = micro * world_size + rank
+            g = torch.Generator().manual_seed(7919 * round_index + block)
+            x = torch.randn(LOCAL_BATCH, 5, generator=g)
+            y = torch.randn(LOCAL_BATCH, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+
+def build_fixed_local(mode: str, world_size: int):
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model()
+    opt = ACCOOptimizer(param_groups(model, True), torch.optim.AdamW, mode=mode,
+                        accumulation_steps=4 // world_size, lr_scheduler=make_scheduler, lr=3e-2,
+                        weight_decay=0.1)  # fmt: skip
+    return model, opt
+
+
+def fixed_local_batch_run(rank: int, world_size: int, ckpt: str, phase: str) -> dict:
+    out = {}
+    for mode in MODES:
+        model, opt = build_fixed_local(mode, world_size)
+        if phase == "save":
+            train_fixed_local_batch(model, opt, rank, world_size, 0, 8)
+            save(model, opt, f"{ckpt}/{mode}")
+        else:
+            opt.load_state_dict(load(model, opt, f"{ckpt}/{mode}"))
+        train_fixed_local_batch(model, opt, rank, world_size, 8, ROUNDS)
+        out[mode] = final(model, opt)
+    return out
+
+
+def test_the_same_global_batch_on_fewer_ranks_is_more_microbatches_per_rank(tmp_path) -> None:
+    """Saved by 2 ranks running 2 micro-batches per round, resumed on 1 running 4: the global
+    batch is what must match, and the update goes on as in the uninterrupted run."""
+    straight = run_distributed("tests.engine.test_resharding:fixed_local_batch_run", 2,
+                               str(tmp_path), "save")[0]  # fmt: skip
+    resumed = run_distributed("tests.engine.test_resharding:fixed_local_batch_run", 1,
+                              str(tmp_path), "load")[0]  # fmt: skip
+    for mode in MODES:
+        assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
