@@ -229,3 +229,41 @@ def test_the_same_global_batch_on_fewer_ranks_is_more_microbatches_per_rank(tmp_
     for mode in MODES:
         assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
+
+
+def hsdp_split_run(rank: int, world_size: int, ckpt: str, replicas: int, phase: str) -> dict:
+    """ACCOHSDPOptimizer over ``replicas`` × (world_size / replicas) FSDP shards: train and save
+    at an update boundary, or load it; then train to the end."""
+    from acco_hooks import ACCOHSDPOptimizer
+    from tests.engine.hsdp_workers import sharded_tiny_net
+
+    out = {}
+    for mode in MODES:
+        model, _ = sharded_tiny_net(replicas, world_size // replicas)
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=param_groups(model, True),
+                                mode=mode, accumulation_steps=MICRO, lr_scheduler=make_scheduler,
+                                lr=3e-2, weight_decay=0.1)  # fmt: skip
+        if phase == "save":
+            train(model, opt, rank, world_size, 0, AT_UPDATE)
+            save(model, opt, f"{ckpt}/hsdp-{mode}")
+        else:
+            opt.load_state_dict(load(model, opt, f"{ckpt}/hsdp-{mode}"))
+        train(model, opt, rank, world_size, AT_UPDATE, ROUNDS * MICRO)
+        opt.flush()
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        params["lr"] = torch.tensor(opt.engine.lr_scheduler.get_last_lr())
+        opt.close()
+        out[mode] = params
+    return out
+
+
+def test_hsdp_resumes_on_fewer_replicas(tmp_path) -> None:
+    """2 replicas × 2 FSDP shards saved, 1 replica × 2 shards resumed: the engine's vectors are
+    the same per FSDP shard, DCP reshards them over the replicas (and FSDP2's model state)."""
+    straight = run_distributed("tests.engine.test_resharding:hsdp_split_run", 4, str(tmp_path),
+                               2, "save")[0]  # fmt: skip
+    resumed = run_distributed("tests.engine.test_resharding:hsdp_split_run", 2, str(tmp_path),
+                              1, "load")[0]  # fmt: skip
+    for mode in MODES:
+        assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
+        assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
