@@ -72,11 +72,13 @@ class EngineFrontEnd:
         self.close(flush=exc_type is None, barrier=exc_type is None)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's engine state; save it with ``model.state_dict()`` to resume exactly."""
+        """The engine state (``ACCOEngine.state_dict``): save it with ``model.state_dict()``,
+        with ``torch.distributed.checkpoint`` (reshards onto other ranks) or per rank."""
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` saved by the same rank of a same-sized run."""
+        """Restore a :meth:`state_dict`: one ``dcp.load`` filled (any number of ranks), or
+        one this rank saved (``ACCOEngine.load_state_dict``)."""
         self.engine.load_state_dict(state_dict)
 
     @property
