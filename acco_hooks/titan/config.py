@@ -69,14 +69,52 @@ class ACCO(ACCOSettings):
 
 
 def _data_parallel_degrees(parallelism: Any, world_size: int) -> tuple[int, int]:
-    """``(replicate, shard)`` degrees, the shard degree -1 resolved as torchtitan does."""
+    """``(replicate, shard)`` degrees, a -1 resolved to what the world size leaves.
+
+    torchtitan resolves a shard degree of -1 itself; a replicate degree of -1 (as many
+    replicas as the world size leaves, what a job that may restart on fewer nodes needs) is
+    ACCO's, resolved here.
+    """
     others = (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
               * parallelism.pipeline_parallel_degree)  # fmt: skip
     replicate = parallelism.data_parallel_replicate_degree
     shard = parallelism.data_parallel_shard_degree
+    if replicate == -1 and shard == -1:
+        raise ValueError(
+            "[parallelism] data_parallel_replicate_degree = -1 and data_parallel_shard_degree = "
+            "-1: at most one of them can be what the world size leaves. Set "
+            "data_parallel_shard_degree to the FSDP degree inside a replica (e.g. the GPUs of a "
+            "node), or to 1 for ACCO across plain replicas"
+        )
+    if replicate == -1:
+        if world_size % (shard * others):
+            raise ValueError(
+                f"[parallelism] data_parallel_replicate_degree = -1: the world size {world_size} "
+                f"is not a multiple of data_parallel_shard_degree × tensor × pipeline × context "
+                f"parallel degrees = {shard * others}; run on a multiple of {shard * others} ranks"
+            )
+        replicate = world_size // (shard * others)
     if shard == -1 and replicate > 0:
         shard = world_size // max(1, replicate * others)
     return replicate, shard
+
+
+def _check_global_batch(training: Any, data_parallel: int, shard: int) -> None:
+    """torchtitan splits ``global_batch_size`` into local batches on every data-parallel
+    rank: refuse a world it does not divide, naming the replica counts that would."""
+    global_batch, local_batch = training.global_batch_size, training.local_batch_size
+    if global_batch <= 0 or global_batch % (local_batch * data_parallel) == 0:
+        return
+    per_replica = local_batch * shard
+    fits = [r for r in range(1, global_batch // per_replica + 1)
+            if global_batch % (per_replica * r) == 0]  # fmt: skip
+    raise ValueError(
+        f"[training] global_batch_size = {global_batch} is not a multiple of local_batch_size "
+        f"× data-parallel ranks = {local_batch} × {data_parallel}: set global_batch_size to a "
+        f"multiple of {local_batch * data_parallel}, or run "
+        + (f"{' or '.join(map(str, fits))} replica{'s' if fits != [1] else ''}" if fits
+           else "with a smaller local_batch_size")
+    )
 
 
 def validate_acco(
@@ -88,7 +126,9 @@ def validate_acco(
     early_step_in_backward: bool = False,
     world_size: int | None = None,
 ) -> None:
-    """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built.
+    """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built;
+    resolve ``data_parallel_replicate_degree = -1`` in ``parallelism`` (torchtitan takes -1
+    for the shard degree only).
 
     Args:
         acco: the section.
@@ -109,6 +149,7 @@ def validate_acco(
     replicate, shard = _data_parallel_degrees(
         par, world_size or int(os.environ.get("WORLD_SIZE", "1"))
     )
+    par.data_parallel_replicate_degree = replicate
     # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
     # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
     if replicate < 1 or (replicate == 1 and shard > 1):
@@ -128,6 +169,7 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     acco.check_until_ready(" and ".join(split_by) or None, spelling)
+    _check_global_batch(training, replicate * shard, shard)
     acco.check_round_size(round_size(acco, par, training, world_size), spelling)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names

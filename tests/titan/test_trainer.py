@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -274,25 +275,33 @@ BAD_ACCO_CONFIGS = [
      "[acco] accumulate_until_ready = True needs every rank of a model replica to run the "
      "same micro-batches, which the ranks of a replica split by data_parallel_shard_degree "
      "= 2 cannot agree on"),
+    (("--training.global_batch_size", "12"),
+     "[training] global_batch_size = 12 is not a multiple of local_batch_size × data-parallel "
+     "ranks = 4 × 2: set global_batch_size to a multiple of 8, or run 1 or 3 replicas"),
+    (("--parallelism.data_parallel_replicate_degree", "-1",
+      "--parallelism.data_parallel_shard_degree", "-1"),
+     "data_parallel_replicate_degree = -1 and data_parallel_shard_degree = -1: at most one"),
 ]  # fmt: skip
 
 
-def read_and_validate(config: str, *overrides: str) -> None:
+def read_and_validate(config: str, *overrides: str) -> Any:
     """What train_titan.py does with a TOML job config and its overrides before it builds
-    anything: read them (0.3.0: translate them) and validate the ``[acco]`` section."""
+    anything: read them (0.3.0: translate them) and validate the ``[acco]`` section. Returns
+    the validated config."""
     path = str(ROOT / "torchtitan_configs" / config)
     if TITAN_030:
         from acco_hooks.titan.toml_compat import load_toml_config
         from acco_hooks.titan.v030 import validate_acco_config
 
-        validate_acco_config(load_toml_config(path, [*overrides, *backend_overrides()]))
+        job = load_toml_config(path, [*overrides, *backend_overrides()])
     else:
         from torchtitan.config import ConfigManager
 
         from acco_hooks.titan.v022 import JobConfig, validate_acco_config
 
-        validate_acco_config(ConfigManager(JobConfig).parse_args(["--job.config_file", path,
-                                                                   *overrides]))  # fmt: skip
+        job = ConfigManager(JobConfig).parse_args(["--job.config_file", path, *overrides])
+    validate_acco_config(job)
+    return job
 
 
 @pytest.mark.parametrize("override, message", BAD_ACCO_CONFIGS)
@@ -302,6 +311,24 @@ def test_a_bad_acco_config_is_refused_by_name(override, message, monkeypatch) ->
     with pytest.raises(ValueError) as refusal:
         read_and_validate("debug_cpu_acco.toml", *override)
     assert message in str(refusal.value)
+
+
+@pytest.mark.parametrize("world_size, shard, replicas", [(4, 1, 4), (4, 2, 2), (6, 2, 3)])
+def test_replicate_degree_minus_one_is_what_the_world_size_leaves(
+    world_size, shard, replicas, monkeypatch
+) -> None:
+    """A job that may restart on another number of nodes says -1 replicas; the global batch
+    stays, and each round takes what the new world leaves of it."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    job = read_and_validate("debug_cpu_acco.toml", "--parallelism.data_parallel_replicate_degree",
+                            "-1", "--parallelism.data_parallel_shard_degree", str(shard),
+                            "--training.global_batch_size", "48")  # fmt: skip
+    assert job.parallelism.data_parallel_replicate_degree == replicas
+    with pytest.raises(ValueError, match=r"world size 5 is not a multiple of .* = 2; run on a "
+                                         r"multiple of 2 ranks"):
+        monkeypatch.setenv("WORLD_SIZE", "5")
+        read_and_validate("debug_cpu_acco.toml", "--parallelism.data_parallel_replicate_degree",
+                          "-1", "--parallelism.data_parallel_shard_degree", "2")  # fmt: skip
 
 
 @pytest.mark.spmd_backends("spmd_types")  # a refusal before any layout is built
