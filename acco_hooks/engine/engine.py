@@ -227,9 +227,8 @@ class ACCOEngine:
                 optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
             self._placement = ShardPlacement(
-                self._buffers, self.rank, self.world_size, self._groups.data,
-                self._groups.data_parallel_ranks,
-            )  # fmt: skip
+                self._buffers, self.rank, self._groups.data, self._groups.data_parallel_ranks
+            )
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
             self._groups = None
@@ -630,9 +629,9 @@ class ACCOEngine:
 
         Every tensor that is 1/N of the model (the fp32 master shard, the optimizer's
         per-element state, the pending result's shard and, in ``acco``, the carried half-batch
-        shard) is keyed by parameter name and position in the parameter (a ``ShardedTensor``
-        per parameter; ``placement``), so the standard distributed checkpoint saves every
-        rank's part and loads into a run of another shape::
+        shard) is a ``DTensor`` of its parameter group's whole vector, sharded over the
+        data-parallel ranks (``placement``), so the standard distributed checkpoint saves every
+        rank's part and loads into a run with another number of ranks::
 
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=d)
             # ... any number of ranks later, after building model and optimizer:

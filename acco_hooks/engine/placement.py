@@ -62,7 +62,7 @@ class ShardPlacement:
 
     Args:
         buffers: the engine's parameter groups.
-        rank, world_size: this rank's place in the data-parallel group.
+        rank: this rank's index in the data-parallel group.
         data_group: the data-parallel group (``None``: one local worker); only whether there
             is one counts: the DTensors' mesh holds no group.
         data_parallel_ranks: its global ranks (a mesh dimension over them is not a model part).
@@ -71,8 +71,8 @@ class ShardPlacement:
     __slots__ = ("keys", "param_names", "global_shapes", "numels", "ranges", "mesh_ranks")
 
     def __init__(
-        self, buffers: list[GroupBuffers], rank: int, world_size: int,
-        data_group: dist.ProcessGroup | None, data_parallel_ranks: tuple[int, ...],
+        self, buffers: list[GroupBuffers], rank: int, data_group: dist.ProcessGroup | None,
+        data_parallel_ranks: tuple[int, ...],
     ) -> None:  # fmt: skip
         # The DTensors' mesh: the data-parallel ranks, as a mesh that holds no process group
         # (the engine's own are destroyed at close(), and a state dict may outlive it)
