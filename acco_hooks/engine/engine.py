@@ -165,6 +165,7 @@ class ACCOEngine:
         "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
+        "_unit_weights",
         "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
         "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
@@ -240,6 +241,9 @@ class ACCOEngine:
         self._failure: ACCOCommunicationError | None = None
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
         self._estimate_count = 0.0  # the global weight of the estimate round acco carries
+        # Whether every micro-batch so far weighed 1 (a mean loss): the count is then a number
+        # of micro-batches, whose size changes with the world (see _reshard_carried_weight)
+        self._unit_weights = True
         self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
         fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
@@ -402,6 +406,7 @@ class ACCOEngine:
         counted = (self._round_microbatches, self._local_count)
         self._round_microbatches += 1
         self._local_count += weight
+        self._unit_weights &= weight in (0.0, 1.0)
         if self._round_microbatches < self.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
@@ -678,6 +683,7 @@ class ACCOEngine:
             # acco between its estimate round and its update: ΣG̃ is carried, and its weight
             # with it (the whole group's: each rank's own share of it is not needed)
             "estimate_count": self._estimate_count if carrying and self._local_count else 0.0,
+            "unit_weights": self._unit_weights,
             "optimizer": self._optimizer_state(),
             # Mid-round: model-sized, this rank's alone; a key no other rank writes
             "partial_round": partial,
@@ -729,6 +735,12 @@ class ACCOEngine:
             place.fill([g.gather_input for g in self._buffers], state["pending_shard"])
         if state["carried"] is not None:
             place.fill([g.carried for g in self._buffers], state["carried"])
+        estimate_count = state["estimate_count"]
+        if estimate_count:
+            scale = _reshard_carried_weight(state, self)
+            if scale != 1.0:
+                torch._foreach_mul_([g.carried for g in self._buffers], scale)
+                estimate_count *= scale
         with torch.no_grad():
             for gi, g in enumerate(self._buffers):
                 g.accumulator.zero_()
@@ -747,9 +759,10 @@ class ACCOEngine:
             self._grad_arrived = [list(a) for a in own["grad_arrived"]]
         else:  # the carried round's weight counts once, on the first rank of the count group
             first = self._groups.count is None or dist.get_rank(self._groups.count) == 0
-            self._local_count = state["estimate_count"] if first else 0.0
+            self._local_count = estimate_count if first else 0.0
             self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
-        self._estimate_count = state["estimate_count"]
+        self._estimate_count = estimate_count
+        self._unit_weights = state.get("unit_weights", True)  # the first version-3 files had none
         self._estimate_next = state["estimate_next"]
         self.updates_launched = state["updates_launched"]
         # Resharded onto ranks that take another number of micro-batches per update (the same
@@ -1122,14 +1135,21 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             + f"; the optimizer keeps state {sorted(set(others))} that is not one value per "
             f"parameter element, which cannot be resharded: {resume}"
         )
-    if state["estimate_count"]:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved by {what} between acco's "
-            "estimate round and its update: the carried half-batch was averaged over "
-            f"{saved_shape[0]} ranks' micro-batches, and resharding it is not supported yet. "
-            f"{resume[0].upper() + resume[1:]}, or save after an update round (when "
-            "step() returned True and the optimizer's num_updates grew)"
-        )
+
+
+def _reshard_carried_weight(state: dict[str, Any], engine: ACCOEngine) -> float:
+    """What acco's carried half-batch (ΣG̃ and its count c̃) is multiplied by on this world.
+
+    The update averages ΣG̃ and the update round's ΣG over c̃ + c. Counted in data units (a
+    token-summed loss, weight = tokens) ΣG̃ and c̃ do not depend on how the data was split. With
+    every weight 1 (a mean loss per micro-batch) each term is one micro-batch's mean, and the
+    same global batch over N ranks × s micro-batches per round is N·s means of B/(N·s) samples:
+    on N′ × s′ the half-batch is worth N′·s′ / (N·s) as many of the new, smaller means.
+    """
+    if state.get("unit_weights", True) is False:
+        return 1.0
+    saved = state["world_size"] * state["accumulation_steps"]
+    return engine.world_size * engine.settings.accumulation_steps / saved
 
 
 def _first_step_state(

@@ -123,17 +123,34 @@ BETWEEN = 7 * MICRO  # acco: after an estimate round, its half-batch carried
 MID_ROUND = 7 * MICRO + 1  # one micro-batch into the update round
 
 
-def save_between_and_mid_round(rank: int, world_size: int, ckpt: str) -> dict:
+def train_summed(model, opt, rank: int, world_size: int, first: int, last: int) -> None:
+    """As :func:`train`, with the loss summed over this rank's samples and the micro-batch
+    weighed by their number: the count is in samples, not in micro-batches."""
+    share = GLOBAL_BATCH // world_size
+    for i in range(first, last):
+        g = torch.Generator().manual_seed(7919 * i)
+        x, y = torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+        mine = slice(rank * share, (rank + 1) * share)
+        loss = torch.nn.functional.mse_loss(model(x[mine]), y[mine], reduction="sum") / 3
+        loss.backward()
+        opt.step(share)
+
+
+LOSSES = {"mean": train, "summed": train_summed}
+
+
+def save_between_and_mid_round(rank: int, world_size: int, ckpt: str, loss: str) -> dict:
     model, opt = build("acco")
-    train(model, opt, rank, world_size, 0, BETWEEN)
+    LOSSES[loss](model, opt, rank, world_size, 0, BETWEEN)
     save(model, opt, f"{ckpt}/between")
-    train(model, opt, rank, world_size, BETWEEN, MID_ROUND)
+    LOSSES[loss](model, opt, rank, world_size, BETWEEN, MID_ROUND)
     save(model, opt, f"{ckpt}/mid")
-    train(model, opt, rank, world_size, MID_ROUND, ROUNDS * MICRO)
+    LOSSES[loss](model, opt, rank, world_size, MID_ROUND, ROUNDS * MICRO)
     return final(model, opt)
 
 
-def resume_or_refusal(rank: int, world_size: int, ckpt: str, point: str, save_at: int):
+def resume_or_refusal(rank: int, world_size: int, ckpt: str, point: str, save_at: int,
+                      loss: str = "mean"):  # fmt: skip
     """The final parameters of a run resumed with DCP, or the message that refused the load."""
     model, opt = build("acco")
     state = load(model, opt, f"{ckpt}/{point}")
@@ -142,36 +159,38 @@ def resume_or_refusal(rank: int, world_size: int, ckpt: str, point: str, save_at
     except ValueError as refusal:
         opt.close()
         return str(refusal)
-    train(model, opt, rank, world_size, save_at, ROUNDS * MICRO)
+    LOSSES[loss](model, opt, rank, world_size, save_at, ROUNDS * MICRO)
     return final(model, opt)
 
 
-@pytest.fixture(scope="module")
-def acco_inside_an_update(tmp_path_factory) -> tuple[str, dict]:
-    ckpt = str(tmp_path_factory.mktemp("inside"))
-    straight = run_distributed("tests.engine.test_resharding:save_between_and_mid_round", 2, ckpt)
-    return ckpt, straight[0]
+@pytest.fixture(scope="module", params=list(LOSSES))
+def acco_inside_an_update(request, tmp_path_factory) -> tuple[str, dict, str]:
+    """2 ranks of acco saved between an estimate round and its update, and one micro-batch
+    into the update round; with a mean loss (weight 1) and a summed one (weight = samples)."""
+    ckpt = str(tmp_path_factory.mktemp(f"inside-{request.param}"))
+    straight = run_distributed("tests.engine.test_resharding:save_between_and_mid_round", 2,
+                               ckpt, request.param)  # fmt: skip
+    return ckpt, straight[0], request.param
 
 
-def test_carried_half_batch_resumes_on_the_same_ranks_and_refuses_others(acco_inside_an_update):
-    ckpt, straight = acco_inside_an_update
-    same = run_distributed("tests.engine.test_resharding:resume_or_refusal", 2, ckpt, "between",
-                           BETWEEN)  # fmt: skip
-    assert all(torch.equal(same[0][k], v) for k, v in straight.items())
-    refused = run_distributed("tests.engine.test_resharding:resume_or_refusal", 3, ckpt,
-                              "between", BETWEEN)  # fmt: skip
-    for message in refused:
-        assert "saved by 2 data-parallel ranks between acco's estimate round" in message
-        assert "Resume with 2 data-parallel ranks" in message
+def test_carried_half_batch_resumes_on_any_number_of_ranks(acco_inside_an_update) -> None:
+    """Between acco's estimate round and its update the half-batch ΣG̃ is carried: on another
+    world it is weighed as the same data split anew (mean losses) or kept (summed ones)."""
+    ckpt, straight, loss = acco_inside_an_update
+    for world_size in (2, 1, 3, 4):
+        resumed = run_distributed("tests.engine.test_resharding:resume_or_refusal", world_size,
+                                  ckpt, "between", BETWEEN, loss)[0]  # fmt: skip
+        error = relative_error(resumed, straight)
+        assert error == 0.0 if world_size == 2 else error <= 1e-5, f"2->{world_size}: {error:.2e}"
 
 
 def test_mid_round_state_is_not_lost_silently(acco_inside_an_update):
     """DCP loads only the keys of the state it loads into; a fresh optimizer's has no
     accumulated gradients, so a mid-round checkpoint is refused, not half-resumed."""
-    ckpt, _ = acco_inside_an_update
+    ckpt, _, loss = acco_inside_an_update
     for world_size in (2, 3):
         refused = run_distributed("tests.engine.test_resharding:resume_or_refusal", world_size,
-                                  ckpt, "mid", MID_ROUND)  # fmt: skip
+                                  ckpt, "mid", MID_ROUND, loss)  # fmt: skip
         for message in refused:
             assert "saved in the middle of a round (round 7, 1 micro-batches in)" in message
             assert "from per-rank files (acco_hooks.checkpoint)" in message
@@ -205,28 +224,33 @@ def build_fixed_local(mode: str, world_size: int):
     return model, opt
 
 
-def fixed_local_batch_run(rank: int, world_size: int, ckpt: str, phase: str) -> dict:
+def fixed_local_batch_run(rank: int, world_size: int, ckpt: str, phase: str, at: int,
+                          modes: tuple[str, ...]) -> dict:  # fmt: skip
     out = {}
-    for mode in MODES:
+    for mode in modes:
         model, opt = build_fixed_local(mode, world_size)
         if phase == "save":
-            train_fixed_local_batch(model, opt, rank, world_size, 0, 8)
+            train_fixed_local_batch(model, opt, rank, world_size, 0, at)
             save(model, opt, f"{ckpt}/{mode}")
         else:
             opt.load_state_dict(load(model, opt, f"{ckpt}/{mode}"))
-        train_fixed_local_batch(model, opt, rank, world_size, 8, ROUNDS)
+        train_fixed_local_batch(model, opt, rank, world_size, at, ROUNDS)
         out[mode] = final(model, opt)
     return out
 
 
-def test_the_same_global_batch_on_fewer_ranks_is_more_microbatches_per_rank(tmp_path) -> None:
+@pytest.mark.parametrize("at, modes", [(8, MODES), (7, ("acco",))], ids=["update", "between"])
+def test_the_same_global_batch_on_fewer_ranks_is_more_microbatches_per_rank(
+    tmp_path, at, modes
+) -> None:
     """Saved by 2 ranks running 2 micro-batches per round, resumed on 1 running 4: the global
-    batch is what must match, and the update goes on as in the uninterrupted run."""
+    batch is what must match, and the update goes on as in the uninterrupted run (also from
+    between acco's estimate round and its update: the micro-batches keep their size)."""
     straight = run_distributed("tests.engine.test_resharding:fixed_local_batch_run", 2,
-                               str(tmp_path), "save")[0]  # fmt: skip
+                               str(tmp_path), "save", at, modes)[0]  # fmt: skip
     resumed = run_distributed("tests.engine.test_resharding:fixed_local_batch_run", 1,
-                              str(tmp_path), "load")[0]  # fmt: skip
-    for mode in MODES:
+                              str(tmp_path), "load", at, modes)[0]  # fmt: skip
+    for mode in modes:
         assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
 
