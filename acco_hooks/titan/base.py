@@ -41,6 +41,7 @@ from acco_hooks._frontend import label_tokens
 from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
 from acco_hooks.titan import TITAN_030
+from acco_hooks.titan.dataloader import ReshardableLoaderState
 
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: I001
 from torchtitan.components.optimizer import OptimizersContainer
@@ -234,6 +235,11 @@ class ACCOTrainerBase(Trainer):
             return loaded
 
         self.checkpointer.load = load_then_sync_master
+        # The data loader's state must load on another number of replicas too (elastic
+        # restarts): torchtitan's refuses to.
+        states = getattr(self.checkpointer, "states", None)  # absent when checkpoints are off
+        if states is not None and hasattr(states.get("dataloader"), "dp_world_size"):
+            states["dataloader"] = ReshardableLoaderState(states["dataloader"])
         if getattr(self, "validator", None) is not None:  # built when validation is enabled
             validate = self.validator.validate
 

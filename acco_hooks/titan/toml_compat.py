@@ -86,7 +86,7 @@ KEYS: dict[str, Key] = {
     **_same("checkpoint", "enable last_save_model_only load_only create_seed_checkpoint "
             "enable_first_step_checkpoint initial_load_model_only", bool),
     **_same("checkpoint", "interval keep_latest_k load_step", int),
-    **_same("checkpoint", "folder export_dtype", str),
+    **_same("checkpoint", "folder export_dtype async_mode", str),
     "checkpoint.initial_load_path": Key(str, None),  # made absolute (0.3.0 requires it)
     **_same("metrics", "log_freq", int),
     **_same("metrics", "enable_tensorboard disable_color_printing", bool),

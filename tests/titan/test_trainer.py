@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -170,12 +172,18 @@ def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
 
 
 @pytest.mark.spmd_backends("spmd_types")  # both resume in test_hsdp_acco_equals_..._and_resumes
-@pytest.mark.parametrize("mode", ["acco", "dpu"])
-def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(mode: str, tmp_path) -> None:
+@pytest.mark.parametrize("mode, async_mode", [("acco", "disabled"), ("dpu", "disabled"),
+                                              ("acco", "async")])  # fmt: skip
+def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(
+    mode: str, async_mode: str, tmp_path
+) -> None:
     """Checkpoints at steps 3, 6 and 8; a crash while steps 6 and 8 were being saved leaves them
     without .metadata (DCP writes it last): the resumed run takes step 3, where acco has an
-    estimate in flight and its gradient carried, and continues exactly as the straight run."""
-    common = ("--acco.mode", mode, "--training.steps", "8", *FAST,
+    estimate in flight and its gradient carried, and continues exactly as the straight run.
+    With torchtitan's ``async_mode = "async"`` the save runs beside the next steps, which
+    rewrite the engine's buffers: the checkpoint must still be the state of its step."""
+    common = ("--acco.mode", mode, "--checkpoint.async_mode", async_mode,
+              "--training.steps", "8", *FAST,
               "--training.global_batch_size", "8", "--checkpoint.enable",
               "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only",
               "--checkpoint.keep_latest_k", "0")  # fmt: skip
@@ -185,6 +193,119 @@ def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(mode: str,
     resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
     assert sorted(resumed) == [4, 5, 6, 7, 8]
     assert {s: straight[s] for s in resumed} == resumed
+
+
+def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path) -> None:
+    """torchtitan's checkpointer, ``data_parallel_replicate_degree = -1`` and a fixed global
+    batch: saved at step 4 by 4 replicas (1 micro-batch each per round), resumed on 2 (2 each).
+    The engine's state reshards and the data loader goes on from what was read (a position
+    re-derived, not the same samples: the losses follow the straight run, not equal it)."""
+    common = ("--parallelism.data_parallel_replicate_degree", "-1", "--acco.mode", "acco",
+              "--training.steps", "8", *FAST, "--training.global_batch_size", "8",
+              "--checkpoint.enable", "--checkpoint.interval", "4",
+              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(4, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    (tmp_path / "checkpoint" / "step-8" / ".metadata").unlink()
+    resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    after = [float(resumed[s]) for s in resumed]
+    # a run that lost the state would start near a fresh model's loss again (8.17; step 4: 7.97)
+    assert max(after) < float(straight[1]) - 0.4, (straight, resumed)
+    # and it goes on as the straight run does, on other samples: the same mean over steps 5-8
+    straight_mean = sum(float(straight[s]) for s in resumed) / len(resumed)
+    assert abs(sum(after) / len(after) - straight_mean) < 0.15, (straight, resumed)
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the agent's restart, not the layout, is the subject
+def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_path) -> None:
+    """train_titan.py on two torchrun agents × 2 ranks (replicas = -1, a fixed global batch),
+    one SIGKILLed after the checkpoint of step 4: the survivor's agent restarts its workers on 2
+    replicas, they resume from the newest checkpoint and train to the last step (rc 0)."""
+    from benchmarks.elastic_recovery import (
+        agent_command, free_port, kill_node, start_agent, wait_for_port,
+    )  # fmt: skip
+
+    dump, port = tmp_path / "dump", free_port()
+    command = agent_command(port, [
+        str(ROOT / "train_titan.py"), "--job.config_file",
+        str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder", str(dump),
+        "--metrics.disable_color_printing", *backend_overrides(),
+        "--parallelism.data_parallel_replicate_degree", "-1", "--training.steps", "16", *FAST,
+        "--training.global_batch_size", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
+    ])  # fmt: skip
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    survivor, doomed = start_agent(command, logs[0]), None
+    try:
+        wait_for_port(port, survivor)  # the first agent hosts the rendezvous store: it survives
+        doomed = start_agent(command, logs[1])
+        deadline = time.time() + 300
+        while not (dump / "checkpoint" / "step-4" / ".metadata").exists():
+            assert survivor.poll() is None and doomed.poll() is None, logs[0].read_text()[-3000:]
+            assert time.time() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.3)
+        kill_node(doomed)
+        rc = survivor.wait(timeout=400)
+    finally:
+        for agent in (survivor, doomed):
+            if agent is not None and agent.poll() is None:
+                kill_node(agent)
+    output = logs[0].read_text()
+    assert rc == 0, output[-5000:]
+    # the engine was built twice: on 4 replicas, then on the 2 that were left
+    assert re.findall(r"world_size=(\d+) fsdp_world_size", output) == ["4", "2"], output[-3000:]
+    resumed = [int(step) for step, _, _ in STEP_LOSS.findall(output.rsplit("EngineSettings", 1)[1])]
+    assert resumed[0] in (5, 9, 13) and resumed[-1] == 16, resumed  # from a checkpoint, to the end
+
+
+class LoaderOfSamples:
+    """A torchtitan-shaped data loader (``dp_rank_N`` keyed state) over a dataset whose state
+    is ``dataset_state`` as in ``StatefulDataLoader``."""
+
+    def __init__(self, dp_rank: int, dp_world_size: int, dataset_state: dict) -> None:
+        self.dp_rank, self.dp_world_size, self.dataset_state = dp_rank, dp_world_size, dataset_state
+        self.loaded: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {f"dp_rank_{self.dp_rank}": pickle.dumps({"_num_yielded": 0,
+                                                         "dataset_state": self.dataset_state}),
+                "world_size": self.dp_world_size}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        assert state["world_size"] == self.dp_world_size  # torchtitan's own check
+        self.loaded = pickle.loads(state[f"dp_rank_{self.dp_rank}"])["dataset_state"]
+
+
+def saved_by_four(dataset_states: list[dict]) -> dict:
+    return {"world_size": 4, "states": pickle.dumps([pickle.dumps({"dataset_state": d})
+                                                     for d in dataset_states])}  # fmt: skip
+
+
+@pytest.mark.spmd_backends("spmd_types")  # no launch: backend-free
+def test_the_loader_position_is_what_the_saved_ranks_read_split_over_the_new_ones() -> None:
+    from acco_hooks.titan.dataloader import ReshardableLoaderState
+
+    saved = saved_by_four([{"sample_idx": n, "token_buffer": [7] * n} for n in (3, 5, 4, 4)])
+    for rank in (0, 1):  # 16 samples read: each of 2 ranks starts 8 into its block
+        loader = LoaderOfSamples(rank, 2, {"sample_idx": 0, "token_buffer": []})
+        ReshardableLoaderState(loader).load_state_dict(saved)
+        assert loader.loaded == {"sample_idx": 8, "token_buffer": []}
+    same = LoaderOfSamples(2, 4, {"sample_idx": 0, "token_buffer": []})
+    ReshardableLoaderState(same).load_state_dict(saved)  # the same world: its own state, as is
+    assert same.loaded == {"sample_idx": 4, "token_buffer": [7] * 4}
+
+
+@pytest.mark.spmd_backends("spmd_types")  # no launch: backend-free
+def test_a_streamed_dataset_on_another_replica_count_is_refused_by_name() -> None:
+    from acco_hooks.titan.dataloader import ReshardableLoaderState
+
+    loader = LoaderOfSamples(0, 2, {"data": {"shard": 0}, "token_buffer": []})
+    with pytest.raises(ValueError, match=r"saved by 4 data-parallel ranks, this run has 2, and "
+                                         r"the loader's state holds no sample position .* "
+                                         r"Resume with 4 data-parallel ranks"):  # fmt: skip
+        ReshardableLoaderState(loader).load_state_dict(
+            saved_by_four([{"data": {"shard": r}, "token_buffer": []} for r in range(4)])
+        )
+    assert loader.loaded is None  # nothing loaded
 
 
 HSDP = ("--training.global_batch_size", "16", *FAST, "--checkpoint.enable")  # 2 micro-batches
