@@ -180,8 +180,8 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (another number of replicas through DCP; the same
-        FSDP degree)."""
+        """Restore a :meth:`state_dict` (through DCP also of another number of replicas or
+        another FSDP degree)."""
         super().load_state_dict(state_dict)
         self._set_gradient_sync()
 

@@ -219,6 +219,7 @@ class EngineGroups:
     world_size: int
     rank: int
     fsdp_world_size: int
+    fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
 
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
@@ -232,7 +233,7 @@ def build_engine_groups(
     """Dedicated copies of the data-parallel, count and norm groups (see the module docstring)."""
     data_parallel_ranks = _ranks_of(process_group)
     data = _dedicated_group(data_parallel_ranks, timeout)
-    count, fsdp_world_size = data, 1
+    count, fsdp_world_size, fsdp_ranks = data, 1, ()
     if fsdp_process_group is not None:
         fsdp_ranks = _ranks_of(fsdp_process_group)
         if fsdp_ranks is None:
@@ -244,6 +245,7 @@ def build_engine_groups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
         rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
+        fsdp_ranks=fsdp_ranks,
     )  # fmt: skip
 
 
@@ -347,12 +349,14 @@ class RoundResult(NamedTuple):
     comm_s: float  # how long the job took on the communication thread
     difference: bool = False  # ``gathered`` holds θ̃ − θ (a narrow estimate), to add to θ
     schedule_choice: int | None = None  # mode="auto": the schedule every rank runs next
+    round_count: float = 0.0  # the round's own Σ weights: global_count without a carried ΣG̃
 
 
 def communicate(
     job: Job, local_count: float, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
     wire: WireFormat | None = None, carry: bool = False, proposal: int | None = None,
+    carried_count: float = 0.0, reweigh_carried: float | None = None,
 ) -> RoundResult:  # fmt: skip
     """reduce-scatter -> average -> clip -> step or estimate -> all-gather.
 
@@ -364,6 +368,10 @@ def communicate(
             reduce-scattered ΣG̃, the update job adds it. Without it the update round's payload
             holds both rounds' sum already (the accumulator was not zeroed after a narrow
             estimate).
+        carried_count: the update job's carried ΣG̃ weighs this much (c̃, over every rank).
+        reweigh_carried: resumed on another world, the weight an update round had on the
+            saved one: ΣG̃ and c̃ are multiplied by this round's own weight over it, so that
+            the half-batch weighs what the update round weighs here.
         proposal: ``mode="auto"``: the schedule this rank wants next; the first rank of the
             norm group's proposal is returned to every rank as ``schedule_choice``.
     """
@@ -392,7 +400,13 @@ def communicate(
                           device=device)  # fmt: skip
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
-    global_count, nonfinite = counts[0].item(), counts[1].item() > 0
+    round_count, nonfinite = counts[0].item(), counts[1].item() > 0
+    global_count = round_count
+    if add_carried:
+        scale = 1.0 if reweigh_carried is None else round_count / reweigh_carried
+        if scale != 1.0:
+            torch._foreach_mul_(carried, scale)
+        global_count += carried_count * scale
     choice = None if proposal is None else _agree(proposal, groups.norm, device)
     if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
         if wire is not None:  # they hold θ already: add a zero difference, send nothing
@@ -403,7 +417,7 @@ def communicate(
                 g.gather_input.copy_(g.master)
             all_gather_shards(buffers, groups)
         return RoundResult(global_count, None, True, False, time.perf_counter() - start,
-                           wire is not None, choice)  # fmt: skip
+                           wire is not None, choice, round_count)  # fmt: skip
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -438,12 +452,12 @@ def communicate(
             all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
                                   g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
         return RoundResult(global_count, grad_norm, False, False, time.perf_counter() - start,
-                           True, choice)  # fmt: skip
+                           True, choice, round_count)  # fmt: skip
     else:
         peek(optimizer, [g.gather_input for g in buffers])
     all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
-                       time.perf_counter() - start, False, choice)  # fmt: skip
+                       time.perf_counter() - start, False, choice, round_count)  # fmt: skip
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

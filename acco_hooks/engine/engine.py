@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import time
 import warnings
 import weakref
@@ -98,24 +99,28 @@ __all__ = ["ACCOEngine", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
+# 4: acco's carried weight c̃ is in ``estimate_count`` alone (3 kept each rank's share of it in
+# that rank's count) and ``update_weight`` replaces 3's ``unit_weights``.
 # 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
 # DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
 # 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
-STATE_VERSION = 3
+STATE_VERSION = 4
 
 
 class RoundInFlight:
     """A round whose communication was launched and whose result is not applied yet."""
 
-    __slots__ = ("future", "job", "round_index", "wire", "seen")
+    __slots__ = ("future", "job", "round_index", "wire", "adds_carried", "seen")
 
     def __init__(
-        self, future: Future, job: Job, round_index: int, wire: WireFormat | None = None
-    ) -> None:
+        self, future: Future, job: Job, round_index: int, wire: WireFormat | None = None,
+        adds_carried: bool = False,
+    ) -> None:  # fmt: skip
         self.future = future  # of the job's RoundResult (None for a re-gather after a load)
         self.job = job  # what the result is: a real update θ, or an estimate θ̃
         self.round_index = round_index  # the round whose gradients it communicates
         self.wire = wire  # a narrow estimate's format: the result is θ̃ − θ, added to θ
+        self.adds_carried = adds_carried  # an update that averages the carried ΣG̃ in
         self.seen = False  # its RoundResult was read (counted) already, e.g. by state_dict()
 
 
@@ -165,7 +170,7 @@ class ACCOEngine:
         "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
-        "_unit_weights",
+        "_update_weight", "_reweigh_carried",
         "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
         "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
@@ -227,9 +232,11 @@ class ACCOEngine:
                 (lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
+            groups = self._groups
             self._placement = ShardPlacement(
-                self._buffers, self.rank, self._groups.data, self._groups.data_parallel_ranks
-            )
+                self._buffers, self.rank, groups.data, groups.data_parallel_ranks,
+                groups.fsdp_ranks, groups.count,
+            )  # fmt: skip
         except BaseException:
             self._release()  # e.g. a bad optimizer argument: the groups go now, not at exit
             self._groups = None
@@ -240,10 +247,12 @@ class ACCOEngine:
         self._in_flight: RoundInFlight | None = None
         self._failure: ACCOCommunicationError | None = None
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
-        self._estimate_count = 0.0  # the global weight of the estimate round acco carries
-        # Whether every micro-batch so far weighed 1 (a mean loss): the count is then a number
-        # of micro-batches, whose size changes with the world (see _reshard_carried_weight)
-        self._unit_weights = True
+        self._estimate_count = 0.0  # c̃: the global weight of the estimate round acco carries
+        # The global weight of acco's update rounds while every one weighed the same (None once
+        # two differed, 0.0 before the first), and after a load onto another world the one the
+        # saved run's weighed: what the carried half-batch is reweighed against (_carried_reweigh)
+        self._update_weight: float | None = 0.0
+        self._reweigh_carried: float | None = None
         self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
         fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
@@ -406,7 +415,6 @@ class ACCOEngine:
         counted = (self._round_microbatches, self._local_count)
         self._round_microbatches += 1
         self._local_count += weight
-        self._unit_weights &= weight in (0.0, 1.0)
         if self._round_microbatches < self.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
@@ -432,9 +440,9 @@ class ACCOEngine:
 
         # 2. the payload; the accumulator restarts. acco's update round averages both halves:
         #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side
-        #    ("carry"), and its count c̃ stays in the local count. An estimate sent narrower
-        #    (``wire``) is not carried: the accumulator keeps it, and the update round sends
-        #    both rounds' sum in the reduce dtype.
+        #    ("carry"), and its count c̃. An estimate sent narrower (``wire``) is not carried:
+        #    the accumulator and the local count keep it, and the update round sends both
+        #    rounds' sum in the reduce dtype.
         schedule = self.schedule
         estimate = not schedule.synchronous and self._estimate_next
         narrow = not schedule.synchronous and schedule.estimate_dtype != _reduce_name(self.settings)
@@ -445,8 +453,10 @@ class ACCOEngine:
             if carry or not estimate:
                 g.accumulator.zero_()
         count = self._local_count
-        if not estimate:
+        if carry or not estimate:
             self._local_count = 0.0
+        adds_carried = carry and not estimate
+        reweigh, self._reweigh_carried = self._reweigh_carried, None
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
         job = Job.ESTIMATE if estimate else Job.UPDATE
         proposal = None
@@ -455,8 +465,9 @@ class ACCOEngine:
         future = self._worker.submit(
             communicate, job, count, self._buffers, self._groups, self.optimizer,
             self.lr_scheduler, self.settings.max_grad_norm, wire, carry, proposal,
+            self._estimate_count if adds_carried else 0.0, reweigh if adds_carried else None,
         )  # fmt: skip
-        self._in_flight = RoundInFlight(future, job, self.round_index, wire)
+        self._in_flight = RoundInFlight(future, job, self.round_index, wire, adds_carried)
 
         self.last_round_microbatches = self._round_microbatches
         self._round_microbatches = 0
@@ -534,6 +545,12 @@ class ACCOEngine:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
         if flight.job is Job.ESTIMATE:
             self._estimate_count = result.global_count
+        elif flight.adds_carried and self._update_weight is not None:
+            first = self._update_weight == 0.0
+            if first or math.isclose(result.round_count, self._update_weight, rel_tol=1e-9):
+                self._update_weight = result.round_count
+            else:
+                self._update_weight = None
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
         if self._auto is not None:
@@ -659,6 +676,7 @@ class ACCOEngine:
         narrow = flight is not None and flight.wire is not None
         partial = self._accumulator_holds_gradients
         carrying = self._buffers[0].carried is not None
+        carried_half = carrying and self._between_estimate_and_update
         chunks = self._placement.chunks
         return {
             "version": STATE_VERSION, "mode": self.settings.mode,
@@ -681,9 +699,8 @@ class ACCOEngine:
             "pending_shard": None if narrow else chunks([g.gather_input for g in self._buffers]),
             "carried": chunks([g.carried for g in self._buffers]) if carrying else None,
             # acco between its estimate round and its update: ΣG̃ is carried, and its weight
-            # with it (the whole group's: each rank's own share of it is not needed)
-            "estimate_count": self._estimate_count if carrying and self._local_count else 0.0,
-            "unit_weights": self._unit_weights,
+            "estimate_count": self._estimate_count if carried_half else 0.0,
+            "update_weight": self._update_weight,
             "optimizer": self._optimizer_state(),
             # Mid-round: model-sized, this rank's alone; a key no other rank writes
             "partial_round": partial,
@@ -735,12 +752,6 @@ class ACCOEngine:
             place.fill([g.gather_input for g in self._buffers], state["pending_shard"])
         if state["carried"] is not None:
             place.fill([g.carried for g in self._buffers], state["carried"])
-        estimate_count = state["estimate_count"]
-        if estimate_count:
-            scale = _reshard_carried_weight(state, self)
-            if scale != 1.0:
-                torch._foreach_mul_([g.carried for g in self._buffers], scale)
-                estimate_count *= scale
         with torch.no_grad():
             for gi, g in enumerate(self._buffers):
                 g.accumulator.zero_()
@@ -757,12 +768,12 @@ class ACCOEngine:
         if own is not None:
             self._local_count = own["local_count"]
             self._grad_arrived = [list(a) for a in own["grad_arrived"]]
-        else:  # the carried round's weight counts once, on the first rank of the count group
-            first = self._groups.count is None or dist.get_rank(self._groups.count) == 0
-            self._local_count = estimate_count if first else 0.0
+        else:
+            self._local_count = 0.0
             self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
-        self._estimate_count = estimate_count
-        self._unit_weights = state.get("unit_weights", True)  # the first version-3 files had none
+        self._estimate_count = state["estimate_count"]
+        self._update_weight = _saved_update_weight(state)
+        self._reweigh_carried = _carried_reweigh(state, self)
         self._estimate_next = state["estimate_next"]
         self.updates_launched = state["updates_launched"]
         # Resharded onto ranks that take another number of micro-batches per update (the same
@@ -803,6 +814,13 @@ class ACCOEngine:
                     if value is not None:
                         state[gi][name] = value
         self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+    @property
+    def _between_estimate_and_update(self) -> bool:
+        """acco's estimate round was launched and its update round was not: ΣG̃ is carried."""
+        schedule = self.schedule
+        return (not schedule.synchronous and not self._estimate_next
+                and schedule.estimate_dtype == _reduce_name(self.settings))  # fmt: skip
 
     @property
     def _accumulator_holds_gradients(self) -> bool:
@@ -1035,12 +1053,17 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
     """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``
     that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
-    if state.get("version") != STATE_VERSION:
+    version = state.get("version")
+    if version not in (3, STATE_VERSION) or (
+        version == 3 and state["partial_round"] and state["estimate_count"]
+    ):  # 3 kept each rank's share of c̃ in its local count, mid-round: no longer counted so
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint has engine state version "
-            f"{state.get('version')!r}, this acco_hooks reads version {STATE_VERSION} (version "
-            "2 kept flat shards that only a run of the same shape could load). Resume it with "
-            "the acco_hooks that wrote it"
+            f"{version!r}"
+            + (" saved inside acco's update round" if version == 3 else "")
+            + f", this acco_hooks reads version {STATE_VERSION} and 3 saved at a step boundary "
+            "(version 2 kept flat shards that only a run of the same shape could load). Resume "
+            "it with the acco_hooks that wrote it"
         )
     if state["mode"] != mode:
         raise ValueError(
@@ -1065,12 +1088,22 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             "saved run's estimate settings to resume"
         )
     place = engine._placement
+    if state["fsdp_world_size"] != engine.fsdp_world_size and not place.reshards_fsdp:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
+            f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
+            f"{engine.fsdp_world_size} ways, and in a way that keeps one vector per FSDP rank "
+            "(a parameter FSDP did not split along dim 0): resume with an FSDP "
+            f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
+        )
     if state["params"] != place.param_names or set(state["master"]) != set(place.keys) or [
         [tuple(s) for s in g] for g in state["param_shapes"]
     ] != place.global_shapes:
         raise ValueError(
             "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
             "differ from this optimizer's; build it over the same parameters in the same order"
+            + (" (or it was saved with another FSDP degree by a run that kept one vector per "
+               "FSDP rank)" if state["fsdp_world_size"] != engine.fsdp_world_size else "")
         )
     has_lr_scheduler = engine.lr_scheduler is not None
     if has_lr_scheduler != (state["lr_scheduler"] is not None):
@@ -1088,14 +1121,6 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             + " an estimate round's gradients in the reduce dtype, this engine "
             + ("does not" if engine._buffers[0].carried is None else "does")
             + ": build the optimizer with the saved run's estimate_dtype to resume"
-        )
-    if state["fsdp_world_size"] != engine.fsdp_world_size:  # the vectors themselves differ
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
-            f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
-            f"{engine.fsdp_world_size} ways. Resharding to another FSDP degree is not "
-            f"supported yet (another number of replicas is): resume with an FSDP "
-            f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
         )
     saved_shape = (state["world_size"], state["fsdp_world_size"])
     shape = (engine.world_size, engine.fsdp_world_size)
@@ -1137,19 +1162,33 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
         )
 
 
-def _reshard_carried_weight(state: dict[str, Any], engine: ACCOEngine) -> float:
-    """What acco's carried half-batch (ΣG̃ and its count c̃) is multiplied by on this world.
+def _saved_update_weight(state: dict[str, Any]) -> float | None:
+    """The saved run's ``update_weight``; version 3 knew only whether every weight was 1, and
+    then an update round weighed its micro-batches: ranks × accumulation_steps."""
+    if state["version"] >= 4:
+        return state["update_weight"]
+    return state["world_size"] * state["accumulation_steps"] if state["unit_weights"] else None
 
-    The update averages ΣG̃ and the update round's ΣG over c̃ + c. Counted in data units (a
-    token-summed loss, weight = tokens) ΣG̃ and c̃ do not depend on how the data was split. With
-    every weight 1 (a mean loss per micro-batch) each term is one micro-batch's mean, and the
-    same global batch over N ranks × s micro-batches per round is N·s means of B/(N·s) samples:
-    on N′ × s′ the half-batch is worth N′·s′ / (N·s) as many of the new, smaller means.
+
+def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
+    """Resumed between acco's estimate round and its update on another world: the update
+    weight ΣG̃ and c̃ are reweighed against (``communicate``), or ``None`` to keep them.
+
+    The update averages (ΣG̃ + ΣG) / (c̃ + c). When every update round weighed the same, the
+    weight is a property of the split, not of the data: a mean loss per micro-batch counts
+    micro-batches (N·s of them on N ranks × s, N′·s′ on N′ × s′), the Hugging Face Trainer's
+    shares count one per rank. On the new world the half-batch must weigh what an update round
+    weighs there, which the first update round measures: ΣG̃ and c̃ are multiplied by its
+    weight over the saved run's. When the update rounds weighed differently, the weights are
+    data units (a token-summed loss, ``step(weight=tokens)``): ΣG̃ and c̃ do not depend on the
+    split and are kept. Saved before any update finished, the estimate round stands in.
     """
-    if state.get("unit_weights", True) is False:
-        return 1.0
-    saved = state["world_size"] * state["accumulation_steps"]
-    return engine.world_size * engine.settings.accumulation_steps / saved
+    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
+    here = (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
+    weight = _saved_update_weight(state)
+    if not state["estimate_count"] or saved == here or weight is None:
+        return None
+    return weight or state["estimate_count"]
 
 
 def _first_step_state(

@@ -1,5 +1,13 @@
-"""What ``ACCOTrainer`` adds to a checkpoint folder: each rank's engine shard, and the live
-parameters when they are not the real θ the folder's model files hold."""
+"""What ``ACCOTrainer`` adds to a checkpoint folder: the engine state, and the live parameters
+when they are not the real θ the folder's model files hold.
+
+The engine state is a distributed checkpoint (``acco_engine/``, ``torch.distributed.checkpoint``):
+every rank writes its shard, and a run on another number of processes loads it resharded, as
+``ACCOEngine.state_dict`` describes. A state that holds this rank's own gradients (between an
+estimate sent in a narrower dtype and its update, which ``mode="auto"`` may choose) resumes on
+the same processes only; it goes to per-rank files (``acco_engine_rank{r}.pt``, the format of
+earlier versions, which still load).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,15 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from acco_hooks import checkpoint as acco_checkpoint
 from acco_hooks.engine import ACCOEngine
 
-__all__ = ["ENGINE_FILE", "LIVE_PARAMS_FILE", "load_engine", "save_engine"]
+__all__ = ["ENGINE_DIR", "ENGINE_FILE", "LIVE_PARAMS_FILE", "load_engine", "save_engine"]
 
+ENGINE_DIR = "acco_engine"
 ENGINE_FILE = "acco_engine_rank{rank}.pt"
 LIVE_PARAMS_FILE = "acco_live_params.pt"
 _FORMAT = 1
@@ -23,31 +33,70 @@ def save_engine(
     output_dir: str, engine: ACCOEngine, engine_state: dict[str, Any],
     live_params: dict[str, torch.Tensor] | None, should_save: bool,
 ) -> None:  # fmt: skip
-    """This rank's engine shard; with ``should_save`` (one rank) the live parameters too."""
-    acco_checkpoint.save(
-        {"format": _FORMAT, "engine": engine_state},
-        os.path.join(output_dir, ENGINE_FILE.format(rank=engine.rank)),
-    )
+    """The engine state (collective: every rank calls it); with ``should_save`` (one rank)
+    the live parameters too."""
+    if engine_state["partial_round"]:
+        acco_checkpoint.save(
+            {"format": _FORMAT, "engine": engine_state},
+            os.path.join(output_dir, ENGINE_FILE.format(rank=engine.rank)),
+        )
+    else:
+        dcp.save({"engine": engine_state}, checkpoint_id=os.path.join(output_dir, ENGINE_DIR))
     if live_params is not None and should_save:
         acco_checkpoint.save(live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
+
+
+def saved_layout(checkpoint: str) -> tuple[int, int] | None:
+    """(data-parallel ranks, micro-batches per round) of the run that saved ``checkpoint``'s
+    engine state, read without loading it; ``None`` if it has none."""
+    metadata = os.path.join(checkpoint, ENGINE_DIR, ".metadata")
+    if os.path.isfile(metadata):
+        state = {"engine": {"world_size": 0, "accumulation_steps": 0}}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, ENGINE_DIR), no_dist=True)
+        return state["engine"]["world_size"], state["engine"]["accumulation_steps"]
+    files = _rank_files(checkpoint)
+    if not files:
+        return None
+    state = acco_checkpoint.load(os.path.join(checkpoint, files[0]))
+    engine = state.get("engine", {}) if isinstance(state, dict) else {}
+    return engine.get("world_size", len(files)), engine.get("accumulation_steps", 0)
 
 
 def load_engine(
     checkpoint: str, engine: ACCOEngine, named_parameters: list[tuple[str, nn.Parameter]]
 ) -> None:
-    """Restore this rank's engine shard and, if saved, the live parameters."""
+    """Restore the engine state (resharded if it was saved by another number of processes)
+    and, if saved, the live parameters."""
+    directory = os.path.join(checkpoint, ENGINE_DIR)
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        state = {"engine": engine.state_dict()}  # what this engine holds: DCP fills it
+        dcp.load(state, checkpoint_id=directory)
+        engine.load_state_dict(state["engine"])
+    else:
+        engine.load_state_dict(_load_rank_file(checkpoint, engine))
+    live_path = os.path.join(checkpoint, LIVE_PARAMS_FILE)
+    if os.path.isfile(live_path):
+        live = acco_checkpoint.load(live_path, map_location=engine.device)
+        with torch.no_grad():
+            for n, p in named_parameters:
+                p.copy_(live[n])
+
+
+def _load_rank_file(checkpoint: str, engine: ACCOEngine) -> dict[str, Any]:
     path = os.path.join(checkpoint, ENGINE_FILE.format(rank=engine.rank))
     if not os.path.isfile(path):
-        saved = sorted(f for f in os.listdir(checkpoint) if f.startswith("acco_engine_rank"))
+        saved = _rank_files(checkpoint)
         raise ValueError(
-            f"ACCOTrainer: {checkpoint} has no {os.path.basename(path)} "
+            f"ACCOTrainer: {checkpoint} has neither {ENGINE_DIR}/ nor "
+            f"{os.path.basename(path)} "
             + (
-                f"(it has {len(saved)} engine shards: resume with that many processes)"
+                f"(it has {len(saved)} per-rank engine files, saved in the middle of an update "
+                "or by an earlier version: resume with that many processes)"
                 if saved
                 else "(it was not written by ACCOTrainer, or with save_only_model=True)"
             )
-            + ". Resume from a checkpoint of an ACCOTrainer run with the same number of "
-            "processes, or start a new run from its model weights"
+            + ". Resume from a checkpoint of an ACCOTrainer run, or start a new run from its "
+            "model weights"
         )  # fmt: skip
     state = acco_checkpoint.load(path, map_location=engine.device)
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
@@ -55,10 +104,8 @@ def load_engine(
             f"ACCOTrainer: {path} is not an ACCOTrainer engine checkpoint of format "
             f"{_FORMAT} (this acco_hooks reads that format only)"
         )
-    engine.load_state_dict(state["engine"])
-    live_path = os.path.join(checkpoint, LIVE_PARAMS_FILE)
-    if os.path.isfile(live_path):
-        live = acco_checkpoint.load(live_path, map_location=engine.device)
-        with torch.no_grad():
-            for n, p in named_parameters:
-                p.copy_(live[n])
+    return state["engine"]
+
+
+def _rank_files(checkpoint: str) -> list[str]:
+    return sorted(f for f in os.listdir(checkpoint) if f.startswith("acco_engine_rank"))

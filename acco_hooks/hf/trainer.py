@@ -22,8 +22,8 @@ callbacks, checkpoint folders, ``resume_from_checkpoint``):
 
 Loss scaling: each micro-batch weighs the share of a unit that the Trainer's loss already
 divides by (``_loss_weights``), so ``ddp`` mode takes exactly the update of a plain ``Trainer``
-with DDP. Checkpoints: each rank writes its engine shard next to the model files, which hold the
-real θ; the live parameters go along when they differ (``_checkpoints``). ``docs/hf.md`` has
+with DDP. Checkpoints: the engine state is a distributed checkpoint next to the model files,
+which hold the real θ, and loads on another number of processes; the live parameters go along when they differ (``_checkpoints``). ``docs/hf.md`` has
 the details and the measurements.
 """
 
@@ -32,16 +32,25 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 
 from acco_hooks.engine import ACCOEngine, real_updates
-from acco_hooks.hf._checkpoints import ENGINE_FILE, LIVE_PARAMS_FILE, load_engine, save_engine
+from acco_hooks.hf._checkpoints import (
+    ENGINE_DIR,
+    ENGINE_FILE,
+    LIVE_PARAMS_FILE,
+    load_engine,
+    save_engine,
+    saved_layout,
+)
 from acco_hooks.hf._engine_optimizer import (
     EngineOptimizer,
     EngineSchedule,
@@ -57,7 +66,7 @@ from acco_hooks.hf._refusals import (
 )
 from acco_hooks.hf.arguments import ACCOArguments
 
-__all__ = ["ACCOTrainer", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
+__all__ = ["ACCOTrainer", "ENGINE_DIR", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real_updates"]
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +317,8 @@ class ACCOTrainer(Trainer):
                 self._acco_snapshot = None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each rank saves its engine shard; rank 0 the live parameters if they are not θ."""
+        """Every rank saves its part of the engine state; rank 0 the live parameters if they
+        are not θ."""
         engine = self.engine
         if engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
@@ -317,11 +327,41 @@ class ACCOTrainer(Trainer):
                     self.args.should_save)  # fmt: skip
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Restore this rank's engine shard and, if saved, the live parameters."""
+        """Restore the engine state (resharded onto another number of processes if need be)
+        and, if saved, the live parameters."""
         if self.engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
+            self._check_global_batch(checkpoint)
             load_engine(checkpoint, self.engine, self._trainable_named_parameters())
+
+    def _check_global_batch(self, checkpoint: str) -> None:
+        """A resumed run on another number of processes must take the saved run's global batch
+        (processes × gradient_accumulation_steps × per-device batch), or the data it skips and
+        the updates it takes are another run's."""
+        layout = saved_layout(checkpoint)
+        state_file = os.path.join(checkpoint, TRAINER_STATE_NAME)
+        if layout is None or not os.path.isfile(state_file):
+            return  # load_engine names what is missing
+        per_device = TrainerState.load_from_json(state_file).train_batch_size
+        world, steps = layout
+        if not per_device or not steps:
+            return
+        saved, this_world = world * steps * per_device, self.args.world_size
+        local = self._train_batch_size * self.args.gradient_accumulation_steps
+        if saved == this_world * local:
+            return
+        fits = saved // (this_world * self._train_batch_size)
+        fix = (f"gradient_accumulation_steps={fits}"
+               if fits * this_world * self._train_batch_size == saved
+               else f"a number of processes that divides {saved}")  # fmt: skip
+        raise ValueError(
+            f"ACCOTrainer: {checkpoint} was saved by {world} processes × "
+            f"gradient_accumulation_steps={steps} × per-device batch {per_device} = {saved} "
+            f"samples per step; this run takes {this_world} × "
+            f"{self.args.gradient_accumulation_steps} × {self._train_batch_size} = "
+            f"{this_world * local}. Resume with the same global batch: {fix}"
+        )
 
     # ---------------------------------------------------------------------- end of training
 

@@ -81,8 +81,6 @@ def test_hsdp_resume_is_exact(resume_results, index: int) -> None:
         out = results[index]
         for name, value in out["straight"].items():
             assert torch.equal(out["resumed"][name], value), f"rank {rank}: {name} differs"
-        assert "sharded 4 ways by FSDP" in out["refusal"]
-        assert "resume with an FSDP (data_parallel_shard) degree of 4" in out["refusal"]
         if save_at % 2 and not sync_every:
             assert "in the middle of a round" in out["mid_round"]
             assert "sync_every_microbatch=True" in out["mid_round"]

@@ -281,13 +281,23 @@ def hsdp_split_run(rank: int, world_size: int, ckpt: str, replicas: int, phase: 
     return out
 
 
-def test_hsdp_resumes_on_fewer_replicas(tmp_path) -> None:
-    """2 replicas × 2 FSDP shards saved, 1 replica × 2 shards resumed: the engine's vectors are
-    the same per FSDP shard, DCP reshards them over the replicas (and FSDP2's model state)."""
-    straight = run_distributed("tests.engine.test_resharding:hsdp_split_run", 4, str(tmp_path),
-                               2, "save")[0]  # fmt: skip
-    resumed = run_distributed("tests.engine.test_resharding:hsdp_split_run", 2, str(tmp_path),
-                              1, "load")[0]  # fmt: skip
+@pytest.fixture(scope="module")
+def hsdp_checkpoint(tmp_path_factory) -> tuple[str, dict]:
+    """2 replicas × 2 FSDP shards: the uninterrupted run and its checkpoint at an update."""
+    ckpt = str(tmp_path_factory.mktemp("hsdp"))
+    straight = run_distributed("tests.engine.test_resharding:hsdp_split_run", 4, ckpt, 2,
+                               "save")[0]  # fmt: skip
+    return ckpt, straight
+
+
+@pytest.mark.parametrize("replicas, shards", [(1, 2), (2, 1), (1, 1)])
+def test_hsdp_resumes_on_other_replicas_and_fsdp_degrees(hsdp_checkpoint, replicas, shards):
+    """Saved by 2 replicas × 2 FSDP shards, resumed by ``replicas`` × ``shards``: DCP reads
+    each rank's new ranges of the parameters from the saved ones (the engine's state) and
+    reshards FSDP2's model state."""
+    ckpt, straight = hsdp_checkpoint
+    resumed = run_distributed("tests.engine.test_resharding:hsdp_split_run", replicas * shards,
+                              ckpt, replicas, "load")[0]  # fmt: skip
     for mode in MODES:
         assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])

@@ -117,11 +117,15 @@ DDP_VARIANTS = [
 
 
 @pytest.fixture(scope="module")
-def distributed_results(tmp_path_factory) -> list[dict]:
+def output_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("acco"))
+
+
+@pytest.fixture(scope="module")
+def distributed_results(output_dir) -> list[dict]:
     """Every 2-rank Trainer run of this file, in one pair of gloo processes (importing
     transformers dominates the cost): ``tests.hf.workers.ddp_vs_hf_ddp`` over ``DDP_VARIANTS``
     and ``tests.hf.workers.acco_runs``."""
-    output_dir = str(tmp_path_factory.mktemp("acco"))
     return run_distributed("tests.hf.workers:all_runs", 2, DDP_VARIANTS, output_dir)
 
 
@@ -209,11 +213,32 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(
         assert _max_param_diff(result[resumed]["params"], result[uninterrupted]["params"]) == 0
 
 
-def test_checkpoint_folder_holds_engine_shards_and_live_parameters(acco_results) -> None:
+@pytest.fixture(scope="module")
+def resumed_on_one(acco_results, output_dir) -> dict:
+    """``acco_results``' checkpoints resumed by one process (``resume_on_one_process``)."""
+    (resumed,) = run_distributed("tests.hf.workers:resume_on_one_process", 1, output_dir)
+    return resumed
+
+
+@pytest.mark.parametrize("step", [6, 3])
+def test_a_checkpoint_of_two_processes_resumes_on_one(acco_results, resumed_on_one, step) -> None:
+    """The same global batch on one process (twice the micro-batches per step): the Trainer's
+    data skipping and the resharded engine state continue the 2-process run."""
+    resumed = resumed_on_one
+    uninterrupted = acco_results[0]["acco"]
+    after = {s: v for s, v in resumed[step]["loss"].items() if s > step}
+    assert sorted(after) == list(range(step + 1, 9))
+    for s, loss in after.items():
+        assert abs(loss - uninterrupted["loss"][s]) <= 1e-5 * abs(loss), s
+    assert _max_param_diff(resumed[step]["params"], uninterrupted["params"]) <= PARAM_TOLERANCE
+    assert "gradient_accumulation_steps=4" in resumed["refusal"]
+    assert "2 processes × gradient_accumulation_steps=2 × per-device batch 2" in resumed["refusal"]
+
+
+def test_checkpoint_folder_holds_engine_state_and_live_parameters(acco_results) -> None:
     files = acco_results[0]["acco_files"]
     for step in (3, 6):
-        assert {"acco_engine_rank0.pt", "acco_engine_rank1.pt", "model.safetensors",
-                "trainer_state.json"} <= set(files[step])  # fmt: skip
+        assert {"acco_engine", "model.safetensors", "trainer_state.json"} <= set(files[step])
     assert "acco_live_params.pt" not in files[3]  # θ in the model: nothing else to keep
     assert "acco_live_params.pt" in files[6]  # θ̃ in the model, θ in model.safetensors
 

@@ -167,6 +167,33 @@ def acco_runs(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
     return results
 
 
+def resume_on_one_process(rank: int, world_size: int, output_dir: str) -> dict[str, Any]:
+    """``acco_runs``' 2-process acco checkpoints resumed by one process with twice the
+    micro-batches per step (the same global batch), and once with the wrong number."""
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+    train, evaluation = byte_dataset(64), byte_dataset(8, offset=64 * SEQ_LEN)
+
+    def run(step: int, accumulation: int) -> dict:
+        args = training_args(os.path.join(output_dir, f"acco_on_1_from_{step}"), max_steps=8,
+                             learning_rate=1e-2, warmup_steps=0, weight_decay=0.1,
+                             gradient_accumulation_steps=accumulation, save_strategy="steps",
+                             save_steps=3, eval_strategy="steps", eval_steps=2)  # fmt: skip
+        trainer = ACCOTrainer(model=tiny_llama(seed=1), args=args, train_dataset=train,
+                              eval_dataset=evaluation, acco_args=ACCOArguments(mode="acco"))
+        checkpoint = os.path.join(output_dir, "acco", f"checkpoint-{step}")
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return {"loss": step_logs(trainer), "params": params(trainer.model)}
+
+    results: dict[str, Any] = {step: run(step, accumulation=4) for step in (3, 6)}
+    try:
+        run(6, accumulation=2)
+    except ValueError as refusal:
+        results["refusal"] = str(refusal)
+    return results
+
+
 def all_runs(rank: int, world_size: int, variants: list[dict[str, Any]], output_dir: str) -> dict:
     """``ddp_vs_hf_ddp`` and ``acco_runs`` in one pair of processes (one import of transformers)."""
     return {
