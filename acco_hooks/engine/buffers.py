@@ -25,7 +25,7 @@ engine may run one:
 ``wire_tail``         Φ·w          after the communication buffer: the encoded payload is
                                    sent from there, the encoded θ̃ − θ received there
 ``difference``        Φ/N, fp32    θ̃ − θ of this rank's shard
-``encoded_shard``     Φ/N·w        that difference, encoded: kept for a checkpoint
+``encoded_shard``     Φ/N·w        that difference, encoded: what this rank sends
 ====================  ===========  ========================================================
 
 (w: bytes per element of the widest narrow format; 2 for bfloat16, ≈1.03 for float8.)

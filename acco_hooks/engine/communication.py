@@ -64,13 +64,12 @@ from acco_hooks.engine.peek import peek
 from acco_hooks.engine.wire import (
     WireFormat,
     all_gather_difference,
-    gather_encoded,
     reduce_scatter_encoded,
 )
 
 __all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundResult",
            "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
-           "build_engine_groups", "communicate", "regather_shards", "release_communication"]  # fmt: skip
+           "build_engine_groups", "communicate", "reduce_scatter_accumulators", "release_communication"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -489,16 +488,17 @@ def _clip_(
     return norm.item()
 
 
-def regather_shards(
-    buffers: list[GroupBuffers], groups: EngineGroups, wire: WireFormat | None
+def reduce_scatter_accumulators(
+    outputs: list[Tensor], buffers: list[GroupBuffers], groups: EngineGroups
 ) -> None:
-    """Rebuild a finished job's result from the shards every rank kept (after a load): θ from
-    ``gather_input``, or a narrow estimate's θ̃ − θ from ``encoded_shard``."""
-    if wire is None:
-        all_gather_shards(buffers, groups)
-        return
-    for g in buffers:
-        gather_encoded(g.gathered, g.shard_numel, wire, g.encoded_shard, g.wire_tail, groups.data)
+    """``outputs`` (fp32 shards) = this rank's shard of every rank's accumulator, summed: the
+    ΣG̃ an estimate round sent narrower left in the accumulators, as the carried half-batch
+    an estimate in the reduce dtype would have been (a checkpoint's, ``ACCOEngine.state_dict``)."""
+    for out, g in zip(outputs, buffers):
+        if groups.data is None:
+            out.copy_(g.accumulator[: g.shard_numel])
+        else:
+            reduce_scatter_sum(out, g.accumulator, groups.data)
 
 
 def all_gather_shards(buffers: list[GroupBuffers], groups: EngineGroups) -> None:

@@ -83,11 +83,12 @@ from acco_hooks.engine.communication import (
     CommWorker,
     Job,
     RoundResult,
+    all_gather_shards,
     barrier_each,
     broadcast_from_first_rank,
     build_engine_groups,
     communicate,
-    regather_shards,
+    reduce_scatter_accumulators,
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
@@ -170,7 +171,7 @@ class ACCOEngine:
         "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
-        "_update_weight", "_reweigh_carried",
+        "_update_weight", "_reweigh_carried", "_carry_next_update",
         "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
         "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
@@ -253,6 +254,9 @@ class ACCOEngine:
         # saved run's weighed: what the carried half-batch is reweighed against (_carried_reweigh)
         self._update_weight: float | None = 0.0
         self._reweigh_carried: float | None = None
+        # Resumed between an estimate sent narrower and its update: the checkpoint held ΣG̃ as
+        # a carried half-batch, which the update adds although its schedule carries none
+        self._carry_next_update = False
         self.step_boundary = False
         self._round_microbatches, self._local_count = 0, 0.0
         fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
@@ -455,8 +459,10 @@ class ACCOEngine:
         count = self._local_count
         if carry or not estimate:
             self._local_count = 0.0
-        adds_carried = carry and not estimate
-        reweigh, self._reweigh_carried = self._reweigh_carried, None
+        adds_carried = (carry or self._carry_next_update) and not estimate
+        reweigh = self._reweigh_carried if adds_carried else None
+        if not estimate:
+            self._reweigh_carried, self._carry_next_update = None, False
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
         job = Job.ESTIMATE if estimate else Job.UPDATE
         proposal = None
@@ -464,8 +470,8 @@ class ACCOEngine:
             proposal = self._auto.candidates.index(self._auto.target)
         future = self._worker.submit(
             communicate, job, count, self._buffers, self._groups, self.optimizer,
-            self.lr_scheduler, self.settings.max_grad_norm, wire, carry, proposal,
-            self._estimate_count if adds_carried else 0.0, reweigh if adds_carried else None,
+            self.lr_scheduler, self.settings.max_grad_norm, wire, carry or adds_carried, proposal,
+            self._estimate_count if adds_carried else 0.0, reweigh,
         )  # fmt: skip
         self._in_flight = RoundInFlight(future, job, self.round_index, wire, adds_carried)
 
@@ -661,11 +667,14 @@ class ACCOEngine:
             dcp.load(state, checkpoint_id=d)
             model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
 
-        Saved in the middle of a round (or between an estimate sent in a narrower dtype and
-        its update), this rank's accumulated gradients are in it too, under a key of this
-        rank's own: such a state resumes from per-rank files (``acco_hooks.checkpoint``) on the
-        same ranks. In-flight communication is waited for first; its result is kept, not
-        applied, so saving never changes the training trajectory. Save the model's
+        Saved in the middle of a round, this rank's accumulated gradients are in it too, under
+        a key of this rank's own: such a state resumes from per-rank files
+        (``acco_hooks.checkpoint``) on the same ranks. Between an estimate sent in a narrower
+        dtype and its update, the estimate's gradients that each accumulator keeps are
+        reduce-scattered into the carried half-batch they would have been in the reduce dtype
+        (a collective: every rank calls ``state_dict()``, as DCP does); such a state resumes
+        anywhere, to the order of float sums. In-flight communication is waited for first; its
+        result is kept, not applied, so saving never changes the training trajectory. Save the model's
         ``state_dict()`` too: it holds the live parameters (in ``acco`` possibly θ̃).
 
         Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
@@ -674,9 +683,18 @@ class ACCOEngine:
         self._finish_in_flight(apply=False)
         flight = self._in_flight
         narrow = flight is not None and flight.wire is not None
-        partial = self._accumulator_holds_gradients
-        carrying = self._buffers[0].carried is not None
-        carried_half = carrying and self._between_estimate_and_update
+        partial = bool(self._round_microbatches)
+        half = self._between_estimate_and_update
+        if narrow:  # the pending result is θ̃ − θ, decoded: each rank's range of it, as any shard
+            for g in self._buffers:
+                g.gather_input.copy_(g.gathered[self.rank * g.shard_numel :][: g.shard_numel])
+        carried = None
+        if self.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
+            if half and not partial and self._estimate_kept:
+                carried = self._kept_estimate_sum()
+            else:
+                carried = [torch.zeros(g.shard_numel, device=self.device) if g.carried is None
+                           else g.carried for g in self._buffers]  # fmt: skip
         chunks = self._placement.chunks
         return {
             "version": STATE_VERSION, "mode": self.settings.mode,
@@ -696,10 +714,10 @@ class ACCOEngine:
             "pending_wire": _name(flight.wire.dtype) if narrow else None,
             # per element, DTensors: every rank's part is saved, and any world loads it
             "master": chunks([g.master for g in self._buffers]),
-            "pending_shard": None if narrow else chunks([g.gather_input for g in self._buffers]),
-            "carried": chunks([g.carried for g in self._buffers]) if carrying else None,
+            "pending_shard": chunks([g.gather_input for g in self._buffers]),
+            "carried": None if carried is None else chunks(carried),
             # acco between its estimate round and its update: ΣG̃ is carried, and its weight
-            "estimate_count": self._estimate_count if carried_half else 0.0,
+            "estimate_count": self._estimate_count if half else 0.0,
             "update_weight": self._update_weight,
             "optimizer": self._optimizer_state(),
             # Mid-round: model-sized, this rank's alone; a key no other rank writes
@@ -708,8 +726,6 @@ class ACCOEngine:
                 "accumulator": [g.accumulator for g in self._buffers],
                 "local_count": self._local_count,
                 "grad_arrived": [list(a) for a in self._grad_arrived],
-                # a narrow estimate's result: its encoded θ̃ − θ shard, re-gathered at a load
-                "pending_encoded": [g.encoded_shard for g in self._buffers] if narrow else None,
             }} if partial else {},
         }  # fmt: skip
 
@@ -750,15 +766,21 @@ class ACCOEngine:
         place.fill([g.master for g in self._buffers], state["master"])
         if state["pending_shard"] is not None:
             place.fill([g.gather_input for g in self._buffers], state["pending_shard"])
-        if state["carried"] is not None:
+        # Between an estimate and its update, ΣG̃ is the carried half-batch, also where the
+        # estimate was sent narrower (the saving run kept it in its accumulators): the update
+        # adds it, and an engine that never carries gets the buffer for it now.
+        self._carry_next_update = bool(state["estimate_count"]) and own is None
+        if self._carry_next_update:
+            for g in self._buffers:
+                if g.carried is None:
+                    g.carried = torch.zeros(g.shard_numel, device=self.device)
+        if state["carried"] is not None and self._buffers[0].carried is not None:
             place.fill([g.carried for g in self._buffers], state["carried"])
         with torch.no_grad():
             for gi, g in enumerate(self._buffers):
                 g.accumulator.zero_()
                 if own is not None:
                     g.accumulator.copy_(own["accumulator"][gi])
-                    if own["pending_encoded"] is not None:
-                        g.encoded_shard.copy_(own["pending_encoded"][gi])
         self._load_optimizer_state(state["optimizer"], rank_key)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -788,10 +810,11 @@ class ACCOEngine:
         self._in_flight = None
         if state["pending_job"] is not None:
             # The saved run had a finished, not yet applied result: every rank kept its shard of
-            # it; gathering the shards again rebuilds the full result bit for bit.
+            # it (θ, or a narrow estimate's decoded θ̃ − θ); gathering the shards again rebuilds
+            # the full result bit for bit.
             wire = state["pending_wire"]
             wire = None if wire is None else WireFormat(ESTIMATE_DTYPES[wire])
-            future = self._worker.submit(regather_shards, self._buffers, self._groups, wire)
+            future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight = RoundInFlight(
                 future, Job(state["pending_job"]), self.round_index - 1, wire
             )
@@ -817,19 +840,23 @@ class ACCOEngine:
 
     @property
     def _between_estimate_and_update(self) -> bool:
-        """acco's estimate round was launched and its update round was not: ΣG̃ is carried."""
-        schedule = self.schedule
-        return (not schedule.synchronous and not self._estimate_next
-                and schedule.estimate_dtype == _reduce_name(self.settings))  # fmt: skip
+        """acco's estimate round was launched and its update round was not: ΣG̃ waits for it."""
+        return not self.schedule.synchronous and not self._estimate_next
 
     @property
-    def _accumulator_holds_gradients(self) -> bool:
-        """Mid-round, or between an estimate round sent in a narrower dtype and its update
-        round (the update round sends both rounds' sum)."""
-        schedule = self.schedule
-        kept = (not schedule.synchronous and not self._estimate_next
-                and schedule.estimate_dtype != _reduce_name(self.settings))  # fmt: skip
-        return bool(self._round_microbatches) or kept
+    def _estimate_kept(self) -> bool:
+        """The estimate round was sent narrower than the reduce dtype: the accumulators keep
+        its gradients (and the local counts its weight) for the update round to send."""
+        return self.schedule.estimate_dtype != _reduce_name(self.settings)
+
+    def _kept_estimate_sum(self) -> list[Tensor]:
+        """ΣG̃ of a narrow estimate round as the reduce dtype's carried half-batch: the
+        accumulators reduce-scattered in fp32 (on the engine's thread, which owns its groups)."""
+        sums = [torch.empty(g.shard_numel, device=self.device) for g in self._buffers]
+        job = self._worker.submit(reduce_scatter_accumulators, sums, self._buffers, self._groups)
+        timeout = self.settings.timeout
+        self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+        return sums
 
     def reset_master_from_params(self) -> None:
         """Take the fp32 master shard from the model's current parameters.
@@ -1054,13 +1081,14 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
     that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
     version = state.get("version")
-    if version not in (3, STATE_VERSION) or (
-        version == 3 and state["partial_round"] and state["estimate_count"]
-    ):  # 3 kept each rank's share of c̃ in its local count, mid-round: no longer counted so
+    if version not in (3, STATE_VERSION) or (version == 3 and (
+        (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
+    )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint has engine state version "
             f"{version!r}"
-            + (" saved inside acco's update round" if version == 3 else "")
+            + (" saved inside acco's update round or with a narrow estimate pending"
+               if version == 3 else "")
             + f", this acco_hooks reads version {STATE_VERSION} and 3 saved at a step boundary "
             "(version 2 kept flat shards that only a run of the same shape could load). Resume "
             "it with the acco_hooks that wrote it"
@@ -1113,14 +1141,6 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             + " LR scheduler state but this optimizer "
             + ("has one" if has_lr_scheduler else "has none")
             + "; pass the same lr_scheduler argument as the saved run"
-        )
-    if (engine._buffers[0].carried is None) != (state["carried"] is None):
-        raise ValueError(
-            "acco_hooks: load_state_dict: the checkpoint "
-            + ("carries" if state["carried"] is not None else "does not carry")
-            + " an estimate round's gradients in the reduce dtype, this engine "
-            + ("does not" if engine._buffers[0].carried is None else "does")
-            + ": build the optimizer with the saved run's estimate_dtype to resume"
         )
     saved_shape = (state["world_size"], state["fsdp_world_size"])
     shape = (engine.world_size, engine.fsdp_world_size)

@@ -149,8 +149,8 @@ def all_gather_difference(
 ) -> None:  # fmt: skip
     """``gathered`` (N·S values) = every rank's ``difference`` (S), sent in ``wire``.
 
-    ``send`` (``wire.nbytes(S)`` bytes) keeps this rank's encoded shard: gathering it again
-    rebuilds ``gathered`` bit for bit (a checkpoint taken while the estimate is pending).
+    ``send`` (``wire.nbytes(S)`` bytes) receives this rank's encoded shard. (A checkpoint
+    taken while the estimate is pending keeps each rank's range of the decoded ``gathered``.)
     """
     shard = difference.numel()
     run = wire.nbytes(shard)

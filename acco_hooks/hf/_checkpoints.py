@@ -3,10 +3,9 @@ when they are not the real θ the folder's model files hold.
 
 The engine state is a distributed checkpoint (``acco_engine/``, ``torch.distributed.checkpoint``):
 every rank writes its shard, and a run on another number of processes loads it resharded, as
-``ACCOEngine.state_dict`` describes. A state that holds this rank's own gradients (between an
-estimate sent in a narrower dtype and its update, which ``mode="auto"`` may choose) resumes on
-the same processes only; it goes to per-rank files (``acco_engine_rank{r}.pt``, the format of
-earlier versions, which still load).
+``ACCOEngine.state_dict`` describes. (A Trainer step ends a round, so no rank's own gradients
+are in it.) Earlier versions wrote per-rank files (``acco_engine_rank{r}.pt``); they still load
+on the same number of processes.
 """
 
 from __future__ import annotations
@@ -30,18 +29,12 @@ _FORMAT = 1
 
 
 def save_engine(
-    output_dir: str, engine: ACCOEngine, engine_state: dict[str, Any],
-    live_params: dict[str, torch.Tensor] | None, should_save: bool,
+    output_dir: str, engine: ACCOEngine, live_params: dict[str, torch.Tensor] | None,
+    should_save: bool,
 ) -> None:  # fmt: skip
     """The engine state (collective: every rank calls it); with ``should_save`` (one rank)
     the live parameters too."""
-    if engine_state["partial_round"]:
-        acco_checkpoint.save(
-            {"format": _FORMAT, "engine": engine_state},
-            os.path.join(output_dir, ENGINE_FILE.format(rank=engine.rank)),
-        )
-    else:
-        dcp.save({"engine": engine_state}, checkpoint_id=os.path.join(output_dir, ENGINE_DIR))
+    dcp.save({"engine": engine.state_dict()}, checkpoint_id=os.path.join(output_dir, ENGINE_DIR))
     if live_params is not None and should_save:
         acco_checkpoint.save(live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
 
@@ -90,8 +83,8 @@ def _load_rank_file(checkpoint: str, engine: ACCOEngine) -> dict[str, Any]:
             f"ACCOTrainer: {checkpoint} has neither {ENGINE_DIR}/ nor "
             f"{os.path.basename(path)} "
             + (
-                f"(it has {len(saved)} per-rank engine files, saved in the middle of an update "
-                "or by an earlier version: resume with that many processes)"
+                f"(it has {len(saved)} per-rank engine files of an earlier version: resume with "
+                "that many processes)"
                 if saved
                 else "(it was not written by ACCOTrainer, or with save_only_model=True)"
             )

@@ -34,7 +34,6 @@ import inspect
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,14 +70,6 @@ __all__ = ["ACCOTrainer", "ENGINE_DIR", "ENGINE_FILE", "LIVE_PARAMS_FILE", "real
 logger = logging.getLogger(__name__)
 
 check_trainer_internals()  # fail at import, not silently at train()
-
-
-@dataclass
-class _Snapshot:
-    """The engine state at a save or evaluation point, and the live parameters if not θ."""
-
-    engine_state: dict[str, Any]
-    live_params: dict[str, torch.Tensor] | None
 
 
 class ACCOTrainer(Trainer):
@@ -136,7 +127,8 @@ class ACCOTrainer(Trainer):
         self.acco_args = acco_args
         self._acco_max_steps: int | None = None
         self._acco_lr: float | None = None  # LR the latest round's gradients are applied with
-        self._acco_snapshot: _Snapshot | None = None  # set while a checkpoint is written
+        # The live parameters while a checkpoint is written, when they are not θ
+        self._acco_live_params: dict[str, torch.Tensor] | None = None
         self._acco_rounds_since_log = 0
         self._acco_wait_since_log = 0.0
         self._acco_evaluation_barrier = EvaluationBarrier()
@@ -275,18 +267,18 @@ class ACCOTrainer(Trainer):
         super().log(logs, start_time)
 
     @contextlib.contextmanager
-    def _real_parameters(self) -> Iterator[_Snapshot | None]:
+    def _real_parameters(self) -> Iterator[dict[str, torch.Tensor] | None]:
         """Within the block the model holds the real θ; after it, training goes on unchanged.
 
-        Yields the engine state and the live parameters the block replaced (``None`` when the
-        model held θ already), for a checkpoint to save.
+        Yields the live parameters the block replaced (``None`` when the model held θ
+        already), for a checkpoint to save.
         """
         engine = self.engine
         if engine is None:
             yield None
             return
         with engine.real_weights() as live:
-            yield _Snapshot(engine.state_dict(), live)
+            yield live
 
     def _trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -309,12 +301,12 @@ class ACCOTrainer(Trainer):
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         if self.engine is None:
             return super()._save_checkpoint(model, trial)
-        with self._real_parameters() as snapshot:  # the folder's model files hold θ
-            self._acco_snapshot = snapshot
+        with self._real_parameters() as live:  # the folder's model files hold θ
+            self._acco_live_params = live
             try:
                 super()._save_checkpoint(model, trial)
             finally:
-                self._acco_snapshot = None
+                self._acco_live_params = None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank saves its part of the engine state; rank 0 the live parameters if they
@@ -322,9 +314,7 @@ class ACCOTrainer(Trainer):
         engine = self.engine
         if engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        snapshot = self._acco_snapshot or _Snapshot(engine.state_dict(), None)
-        save_engine(output_dir, engine, snapshot.engine_state, snapshot.live_params,
-                    self.args.should_save)  # fmt: skip
+        save_engine(output_dir, engine, self._acco_live_params, self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Restore the engine state (resharded onto another number of processes if need be)
