@@ -84,12 +84,14 @@ def wait_for_port(port: int, agent: subprocess.Popen, timeout_s: float = 120) ->
         time.sleep(0.1)
 
 
-def wait_for_checkpoint(checkpoint_dir: Path, update: int, agents: list[subprocess.Popen],
-                        timeout_s: float = 240) -> None:  # fmt: skip
+def wait_for_checkpoint(checkpoint: Path, agents: list[subprocess.Popen], log: Path,
+                        timeout_s: float = 300) -> None:  # fmt: skip
+    """Until DCP finished ``checkpoint`` (its ``.metadata`` is written last); raises with the
+    end of ``log`` if an agent exits first or the time is up."""
     deadline = time.time() + timeout_s
-    while not (checkpoint_dir / f"update_{update}" / ".metadata").exists():
+    while not (checkpoint / ".metadata").exists():
         if any(a.poll() is not None for a in agents) or time.time() > deadline:
-            raise RuntimeError(f"no checkpoint of update {update}")
+            raise RuntimeError(f"no checkpoint {checkpoint}:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
 
@@ -129,16 +131,18 @@ def last_update(log: Path) -> int:
     return int(found[-1]) if found else 0
 
 
-def one_recovery(workdir: Path, updates: int, kill_after_s: float) -> dict:
-    """Two nodes start, one is killed ``kill_after_s`` after the first checkpoint."""
+def one_recovery(workdir: Path, updates: int, kill_after_s: float, checkpoint: int = 4) -> dict:
+    """Two nodes start, one is killed ``kill_after_s`` after the checkpoint of update
+    ``checkpoint`` (the first, every 4 updates); the survivor trains to the end."""
     checkpoint_dir, port = workdir / "ckpt", free_port()
     command = agent_command(port, training_command(checkpoint_dir, updates, 0.05))
     survivor = start_agent(command, workdir / "node0.log")
     doomed = None
     try:
-        wait_for_port(port, survivor)
+        wait_for_port(port, survivor)  # the first agent hosts the rendezvous store: it survives
         doomed = start_agent(command, workdir / "node1.log")
-        wait_for_checkpoint(checkpoint_dir, 4, [survivor, doomed])
+        wait_for_checkpoint(checkpoint_dir / f"update_{checkpoint}", [survivor, doomed],
+                            workdir / "node0.log")  # fmt: skip
         time.sleep(kill_after_s)
         reached = last_update(workdir / "node0.log")
         kill_node(doomed)

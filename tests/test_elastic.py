@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,10 +23,10 @@ from benchmarks.elastic_recovery import (
     attempts,
     free_port,
     kill_node,
+    one_recovery,
     start_agent,
     training_command,
     wait_for_checkpoint,
-    wait_for_port,
 )  # fmt: skip
 from tests.scenario import relative_error
 
@@ -52,39 +51,27 @@ def tail(*logs: Path) -> str:
 
 def test_a_killed_node_resumes_on_the_survivor_and_ends_as_the_uninterrupted_run(tmp_path):
     expected = uninterrupted(tmp_path)
-    ckpt, port, logs = tmp_path / "ckpt", free_port(), [tmp_path / "node0.log", tmp_path / "node1.log"]
-    command = agent_command(port, training_command(ckpt, UPDATES, 0.05))
-    survivor, doomed = start_agent(command, logs[0]), None
-    try:
-        wait_for_port(port, survivor)  # the first agent hosts the rendezvous store: it survives
-        doomed = start_agent(command, logs[1])
-        wait_for_checkpoint(ckpt, 8, [survivor, doomed])
-        kill_node(doomed)
-        killed_at = time.time()
-        rc = survivor.wait(timeout=300)
-    finally:
-        for agent in (survivor, doomed):
-            if agent is not None and agent.poll() is None:
-                kill_node(agent)
-    assert rc == 0, tail(logs[0])
-    first, *later = attempts(ckpt)
+    recovery = one_recovery(tmp_path, UPDATES, 0.0, checkpoint=8)
+    assert recovery["survivor_rc"] == 0, tail(tmp_path / "node0.log")
+    first, *later = attempts(tmp_path / "ckpt")
     assert first["world_size"] == 4 and first["resumed_from_update"] is None
     assert later and later[-1]["world_size"] == 2, later
-    assert later[-1]["resumed_from_update"] >= 8
-    print(f"kill -> first resumed step: {later[-1]['first_step_done'] - killed_at:.1f} s, "
-          f"resumed from update {later[-1]['resumed_from_update']}, {len(later)} restart(s)")
-    assert relative_error(torch.load(ckpt / "final.pt"), expected) <= 1e-5
+    assert recovery["resumed_from_update"] >= 8
+    print(f"kill -> first resumed step: {recovery['kill_to_first_resumed_step_s']} s, resumed "
+          f"from update {recovery['resumed_from_update']}, {len(later)} restart(s)")
+    assert relative_error(torch.load(tmp_path / "ckpt" / "final.pt"), expected) <= 1e-5
 
 
 def test_a_node_that_joins_later_is_taken_in_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
     """One node trains on 2 ranks; a second one joins: the first agent restarts its workers,
     both nodes resume from the last checkpoint resharded 2 -> 4, and both agents exit 0."""
     expected = uninterrupted(tmp_path)
-    ckpt, port, logs = tmp_path / "ckpt", free_port(), [tmp_path / "node0.log", tmp_path / "node1.log"]
+    ckpt, port = tmp_path / "ckpt", free_port()
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     command = agent_command(port, training_command(ckpt, UPDATES, 0.05))
     first_node, joining = start_agent(command, logs[0]), None
     try:
-        wait_for_checkpoint(ckpt, 8, [first_node])
+        wait_for_checkpoint(ckpt / "update_8", [first_node], logs[0])
         joining = start_agent(command, logs[1])
         rcs = [first_node.wait(timeout=300), joining.wait(timeout=300)]
     finally:

@@ -674,8 +674,8 @@ class ACCOEngine:
         reduce-scattered into the carried half-batch they would have been in the reduce dtype
         (a collective: every rank calls ``state_dict()``, as DCP does); such a state resumes
         anywhere, to the order of float sums. In-flight communication is waited for first; its
-        result is kept, not applied, so saving never changes the training trajectory. Save the model's
-        ``state_dict()`` too: it holds the live parameters (in ``acco`` possibly θ̃).
+        result is kept, not applied, so saving never changes the training trajectory. Save the
+        model's ``state_dict()`` too: it holds the live parameters (in ``acco`` possibly θ̃).
 
         Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
         the next ``step()``.
@@ -698,7 +698,7 @@ class ACCOEngine:
         chunks = self._placement.chunks
         return {
             "version": STATE_VERSION, "mode": self.settings.mode,
-            "world_size": self.world_size, "fsdp_world_size": self.fsdp_world_size,
+            "optimizer_class": _class_name(self.optimizer), "world_size": self.world_size, "fsdp_world_size": self.fsdp_world_size,
             "params": self._placement.param_names, "param_shapes": self._placement.global_shapes,
             "accumulation_steps": self.settings.accumulation_steps,
             "round_index": self.round_index, "num_updates": self.num_updates,
@@ -1093,6 +1093,13 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             "(version 2 kept flat shards that only a run of the same shape could load). Resume "
             "it with the acco_hooks that wrote it"
         )
+    saved_class, own_class = state.get("optimizer_class"), _class_name(engine.optimizer)
+    if saved_class is not None and saved_class != own_class:  # version 3 did not say
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint's shard optimizer is {saved_class}, "
+            f"this engine steps {own_class}: their states do not mean the same. Build the "
+            f"optimizer with optimizer_class={saved_class} to resume"
+        )
     if state["mode"] != mode:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
@@ -1230,6 +1237,10 @@ def _first_step_state(
 def _local_dtype(chunks: dict[str, Any], key: str) -> torch.dtype:
     chunk = chunks[key]
     return chunk.data.dtype if hasattr(chunk, "offset") else chunk.dtype
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _some(names: list[str]) -> str:

@@ -23,8 +23,8 @@ callbacks, checkpoint folders, ``resume_from_checkpoint``):
 Loss scaling: each micro-batch weighs the share of a unit that the Trainer's loss already
 divides by (``_loss_weights``), so ``ddp`` mode takes exactly the update of a plain ``Trainer``
 with DDP. Checkpoints: the engine state is a distributed checkpoint next to the model files,
-which hold the real θ, and loads on another number of processes; the live parameters go along when they differ (``_checkpoints``). ``docs/hf.md`` has
-the details and the measurements.
+which hold the real θ, and loads on another number of processes; the live parameters go along
+when they differ (``_checkpoints``). ``docs/hf.md`` has the details and the measurements.
 """
 
 from __future__ import annotations

@@ -104,6 +104,24 @@ def test_resuming_with_another_world_size_is_refused(two_rank_checkpoint: str) -
     opt.close()
 
 
+def test_resuming_with_another_optimizer_class_is_refused(two_rank_checkpoint: str) -> None:
+    """Adam's state has AdamW's keys and shapes: only the class name tells them apart."""
+    from acco_hooks import ACCOOptimizer
+
+    state = torch.load(two_rank_checkpoint, weights_only=False)["optimizer"]
+    model = make_model()
+    opt = ACCOOptimizer(param_groups(model, True), torch.optim.Adam, accumulation_steps=MICRO,
+                        lr_scheduler=make_scheduler, lr=3e-2)  # fmt: skip
+    before = {n: t.clone() for n, t in opt.state_dict()["master"].items()}
+    with pytest.raises(ValueError, match=r"shard optimizer is torch.optim.adamw.AdamW, this "
+                                         r"engine steps torch.optim.adam.Adam.*"
+                                         r"optimizer_class=torch.optim.adamw.AdamW"):
+        opt.load_state_dict(state)
+    after = opt.state_dict()["master"]
+    assert all(torch.equal(after[n], t) for n, t in before.items())  # nothing was loaded
+    opt.close()
+
+
 def test_resuming_in_another_mode_is_refused(two_rank_checkpoint: str) -> None:
     state = torch.load(two_rank_checkpoint, weights_only=False)["optimizer"]
     state["world_size"] = 1

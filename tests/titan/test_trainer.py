@@ -12,7 +12,6 @@ import pickle
 import re
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -222,7 +221,7 @@ def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_pa
     one SIGKILLed after the checkpoint of step 4: the survivor's agent restarts its workers on 2
     replicas, they resume from the newest checkpoint and train to the last step (rc 0)."""
     from benchmarks.elastic_recovery import (
-        agent_command, free_port, kill_node, start_agent, wait_for_port,
+        agent_command, free_port, kill_node, start_agent, wait_for_checkpoint, wait_for_port,
     )  # fmt: skip
 
     dump, port = tmp_path / "dump", free_port()
@@ -238,11 +237,7 @@ def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_pa
     try:
         wait_for_port(port, survivor)  # the first agent hosts the rendezvous store: it survives
         doomed = start_agent(command, logs[1])
-        deadline = time.time() + 300
-        while not (dump / "checkpoint" / "step-4" / ".metadata").exists():
-            assert survivor.poll() is None and doomed.poll() is None, logs[0].read_text()[-3000:]
-            assert time.time() < deadline, logs[0].read_text()[-3000:]
-            time.sleep(0.3)
+        wait_for_checkpoint(dump / "checkpoint" / "step-4", [survivor, doomed], logs[0])
         kill_node(doomed)
         rc = survivor.wait(timeout=400)
     finally:
