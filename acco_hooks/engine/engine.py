@@ -1106,7 +1106,10 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             f"this engine has mode={mode!r}; build the optimizer with "
             f"mode={state['mode']!r} to resume"
         )
-    if state["accumulation_steps"] != steps and state["world_size"] == engine.world_size:
+    same_ranks = (state["world_size"], state["fsdp_world_size"]) == (
+        engine.world_size, engine.fsdp_world_size
+    )  # fmt: skip
+    if state["accumulation_steps"] != steps and same_ranks:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
             f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "

@@ -278,13 +278,15 @@ def _part(
 ) -> str:
     """``@name=coordinate...`` of the mesh dimensions of ``param`` other than the
     data-parallel one (and FSDP's, when the vectors are the part vectors); empty for a plain
-    tensor."""
+    tensor. A dimension of size 1 splits nothing: a layout with it and one without it (FSDP
+    degree 1, or none) hold the same parts."""
     if not isinstance(param, DTensor):
         return ""
     mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate() or ()
     names = mesh.mesh_dim_names or tuple(str(dim) for dim in range(mesh.ndim))
     others = [f"{names[dim]}={coordinate[dim]}" for dim in range(mesh.ndim)
-              if _ranks(mesh, dim) not in (data_parallel_ranks, fsdp_ranks)]  # fmt: skip
+              if mesh.size(dim) > 1
+              and _ranks(mesh, dim) not in (data_parallel_ranks, fsdp_ranks)]  # fmt: skip
     return "@" + ",".join(others) if others else ""
 
 

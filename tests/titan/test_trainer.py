@@ -194,6 +194,7 @@ def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(
     assert {s: straight[s] for s in resumed} == resumed
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the replicas and the loader; layouts: the next test
 def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path) -> None:
     """torchtitan's checkpointer, ``data_parallel_replicate_degree = -1`` and a fixed global
     batch: saved at step 4 by 4 replicas (1 micro-batch each per round), resumed on 2 (2 each).
@@ -213,6 +214,30 @@ def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path)
     # and it goes on as the straight run does, on other samples: the same mean over steps 5-8
     straight_mean = sum(float(straight[s]) for s in resumed) / len(resumed)
     assert abs(sum(after) / len(after) - straight_mean) < 0.15, (straight, resumed)
+
+
+def test_an_hsdp_checkpoint_resumes_on_more_replicas_without_fsdp(tmp_path) -> None:
+    """torchtitan's checkpointer, ``data_parallel_replicate_degree = -1`` and a fixed global
+    batch: saved at step 4 by 2 replicas that FSDP shards 2 ways, resumed by 4 replicas without
+    FSDP. Both have 4 data-parallel ranks, so each reads on from its own loader state, and the
+    average over them is the same gradient: the engine's state, resharded from ranges of FSDP
+    pieces onto replica shards, continues the saved run (to float order; another number of
+    data-parallel ranks re-derives the loader positions: the elastic agent's test below)."""
+    common = ("--acco.mode", "acco", "--training.steps", "8", *FAST,
+              "--training.global_batch_size", "8", "--checkpoint.enable",
+              "--checkpoint.interval", "4", "--checkpoint.no-last-save-model-only",
+              "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(4, "debug_cpu_acco.toml", *common,
+                         "--parallelism.data_parallel_replicate_degree", "2",
+                         "--parallelism.data_parallel_shard_degree", "2", dump=tmp_path)
+    (tmp_path / "checkpoint" / "step-8" / ".metadata").unlink()
+    resumed = run_titan(4, "debug_cpu_acco.toml", *common,
+                        "--parallelism.data_parallel_replicate_degree", "-1", dump=tmp_path)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert abs(float(loss) - float(straight[step])) < 1e-3, (step, straight, resumed)
+    # a run that lost the optimizer state would take other updates: its losses move by > 1e-2
+    assert float(straight[8]) < float(straight[1]) - 0.5
 
 
 @pytest.mark.spmd_backends("spmd_types")  # the agent's restart, not the layout, is the subject
