@@ -449,7 +449,7 @@ class ACCOEngine:
         #    rounds' sum in the reduce dtype.
         schedule = self.schedule
         estimate = not schedule.synchronous and self._estimate_next
-        narrow = not schedule.synchronous and schedule.estimate_dtype != _reduce_name(self.settings)
+        narrow = not schedule.synchronous and self._estimate_kept
         carry = not schedule.synchronous and not narrow
         wire = WireFormat(ESTIMATE_DTYPES[schedule.estimate_dtype]) if estimate and narrow else None
         for g in self._buffers:
