@@ -131,9 +131,9 @@ def main() -> None:
 
     tail = max(1, len(round_losses) // 10)
     figures = torch.tensor([sum(round_losses[:tail]) / tail, sum(round_losses[-tail:]) / tail,
-                            float(tokens)], dtype=torch.float64)  # fmt: skip
-    dist.all_reduce(figures)
-    first, final, all_tokens = figures[0] / world, figures[1] / world, int(figures[2])
+                            float(tokens)], dtype=torch.float64, device=device)  # fmt: skip
+    dist.all_reduce(figures)  # on the device: NCCL has no CPU tensors
+    first, final, all_tokens = (figures / world).tolist()[:2] + [int(figures[2])]
     if rank == 0:
         print(f"summary: mode={args.mode} world_size={world} rounds={opt.round_index} "
               f"updates={opt.num_updates} tokens={all_tokens} "
