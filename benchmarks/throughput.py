@@ -76,14 +76,15 @@ def parse_steps(output: str, tokens_per_rank: int) -> dict[str, float]:
 
 
 def titan_args(config: str, extra: tuple[str, ...], rounds: int, microbatches: int, dp: int,
-               dump: str, root: pathlib.Path = ROOT) -> list[str]:  # fmt: skip
+               dump: str, root: pathlib.Path = ROOT, local_batch: int = LOCAL_BATCH,
+               seq_len: int = SEQ_LEN) -> list[str]:  # fmt: skip
     """The command of one rank: ``root``'s (a checkout's) train_titan.py and job config."""
     return [sys.executable, str(root / "train_titan.py"),
             "--job.config_file", str(root / "torchtitan_configs" / config),
             "--job.dump_folder", dump, "--metrics.disable_color_printing",
-            "--training.steps", str(rounds), "--training.local_batch_size", str(LOCAL_BATCH),
-            "--training.seq_len", str(SEQ_LEN),
-            "--training.global_batch_size", str(LOCAL_BATCH * dp * microbatches), *extra]  # fmt: skip
+            "--training.steps", str(rounds), "--training.local_batch_size", str(local_batch),
+            "--training.seq_len", str(seq_len),
+            "--training.global_batch_size", str(local_batch * dp * microbatches), *extra]  # fmt: skip
 
 
 def compute_only_round_s(rounds: int, microbatches: int) -> float:
