@@ -238,41 +238,57 @@ class Advisor:
         }  # fmt: skip
         if self.report:
             logger.info("%s", self.advice())
+            suggestion = self.suggestion()
+            if suggestion is not None:
+                logger.debug("%s", suggestion)
+            finding = self.finding()
+            if finding is not None:
+                # A WARNING record: Python prints it with no logging configured, where an INFO
+                # line reaches only the users who set logging up.
+                logger.warning("%s", finding)
 
     def advice(self) -> str:
-        """The ``acco advisor:`` line: the figures, and the fix when ACCO does not pay."""
+        """The ``acco advisor:`` line: the figures per round and per token (speedups: per
+        token against synchronous ZeRO-1 over the same tokens; the law's ceiling is 1.5 at
+        comm = compute). The same figures go to the metrics (``figures``)."""
+        figures = self.figures
+        return (f"acco advisor: compute_per_round={figures['compute_per_round_s']:.4f}s "
+                f"comm_per_round={figures['comm_per_round_s']:.4f}s "
+                f"predicted_speedup={figures['predicted_speedup']:.2f} "
+                f"round={figures['round_s']:.4f}s ideal_speedup={figures['ideal_speedup']:.2f}")
+
+    def finding(self) -> Optional[str]:
+        """One line when ACCO is slower than synchronous ZeRO-1 here, with the fix; else None."""
         figures = self.figures
         compute, comm = figures["compute_per_round_s"], figures["comm_per_round_s"]
         speedup, ideal = figures["predicted_speedup"], figures["ideal_speedup"]
-        line = (f"acco advisor: compute_per_round={compute:.4f}s comm_per_round={comm:.4f}s "
-                f"predicted_speedup={speedup:.2f} round={figures['round_s']:.4f}s "
-                f"ideal_speedup={ideal:.2f} (per token, vs synchronous ZeRO-1 over the same "
-                "tokens; ceiling 1.50 at comm = compute)")  # fmt: skip
         per_microbatch = compute / max(self.accumulation_steps, 1)
         steps = max(1, round(comm / per_microbatch)) if per_microbatch > 0 else 1
-        if self.microbatches_per_update >= 2:  # what mode='auto' would try first
-            fractions = self.estimate_fractions
-            candidates = candidate_schedules(self.microbatches_per_update, list(fractions))
-            best, best_speedup = best_schedule(per_microbatch, comm, candidates,
-                                               {d: a * comm for d, a in fractions.items()})  # fmt: skip
-            line += (f"; mode='auto' would try {best.describe()}, priced at "
-                     f"{best_speedup:.2f}x synchronous")  # fmt: skip
         if ideal < 1.0:
-            line += (f". WARNING: ACCO is slower here: one round's communication takes "
-                     f"{comm / max(compute, 1e-12):.1f}x its compute. Raise accumulation_steps "
-                     f"to about {steps} (C/c), or use mode='ddp'")  # fmt: skip
-        elif speedup < 1.0:
-            line += (f". WARNING: ACCO is slower here although the law allows {ideal:.2f}: a "
-                     f"round takes {figures['round_s']:.3f}s where perfect overlap would take "
-                     f"{max(compute, comm):.3f}s, so communication slows the compute down (e.g. "
-                     "the communication thread shares the CPU cores that compute). Give each "
-                     "rank more cores or use mode='ddp'")  # fmt: skip
-        elif ideal < 1.25 and comm < compute:
-            line += (f". Communication is small next to compute here (C/K = {comm / compute:.2f}"
-                     "), so there is little to hide: ACCO peaks at C = K, i.e. accumulation_steps "
-                     f"about {steps} if a smaller batch per update suits the training, or on "
-                     "slower links")  # fmt: skip
-        return line
+            return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token): "
+                    f"a round communicates {comm / max(compute, 1e-12):.1f}x as long as it "
+                    f"computes. Raise accumulation_steps to about {steps}, or use mode='ddp'")
+        if speedup < 1.0:
+            return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token) "
+                    f"although the law allows {ideal:.2f}: communication slows the compute "
+                    "(e.g. the communication thread shares its CPU cores). Give each rank more "
+                    "cores, or use mode='ddp'")  # fmt: skip
+        return None
+
+    def suggestion(self) -> Optional[str]:
+        """Where ACCO pays little or ``mode='auto'`` would pick another schedule: one line of
+        what to try, for a reader who asks (``logger.debug``); else None."""
+        figures = self.figures
+        compute, comm = figures["compute_per_round_s"], figures["comm_per_round_s"]
+        per_microbatch = compute / max(self.accumulation_steps, 1)
+        if self.microbatches_per_update < 2 or per_microbatch <= 0:
+            return None
+        fractions = self.estimate_fractions
+        candidates = candidate_schedules(self.microbatches_per_update, list(fractions))
+        best, best_speedup = best_schedule(per_microbatch, comm, candidates,
+                                           {d: a * comm for d, a in fractions.items()})  # fmt: skip
+        return (f"acco advisor: mode='auto' would try {best.describe()}, priced at "
+                f"{best_speedup:.2f}x synchronous")
 
 
 # mode="auto": the estimate formats narrower than the update that it may try (those the backend
@@ -414,7 +430,9 @@ class AutoSchedule:
         self._held = 0
         self._confirming = None if best.synchronous else []
         if self.report and changed:
-            logger.info("%s", self.describe(timed))
+            logger.info("%s", self.describe())
+            logger.debug("acco auto: timed %s", ", ".join(
+                f"{schedule.describe()} {seconds:.4f}s" for schedule, seconds in timed.items()))
 
     def _confirm(self, seconds: float) -> None:
         """Time the chosen overlapped schedule over more updates than its trial had: a trial of
@@ -435,18 +453,14 @@ class AutoSchedule:
                         "%.4fs synchronous: back to synchronous", self._last_run.describe(),
                         confirmed, AUTO_CONFIRM_UPDATES, synchronous_s)
 
-    def describe(self, timed: Optional[dict[Schedule, float]] = None) -> str:
-        """The ``acco auto:`` line: what was measured, what runs, and how much faster."""
+    def describe(self) -> str:
+        """The ``acco auto:`` line: what runs, and how much faster than synchronous it was timed
+        (the figures, per micro-batch and per update, go to the metrics)."""
         f = self.figures
-        line = (f"acco auto: c={f['per_microbatch_s']:.4f}s per micro-batch, "
-                f"C={f['comm_s']:.4f}s per update's communication; runs "
-                f"{self.chosen.describe()}: {f['chosen_update_s']:.4f}s per update against "
-                f"{f['synchronous_update_s']:.4f}s synchronous, speedup "
-                f"{f['measured_speedup']:.2f} per token (the law: {f['predicted_speedup']:.2f})")  # fmt: skip
-        if timed:
-            tried = ", ".join(f"{s.describe()} {t:.4f}s" for s, t in timed.items())
-            line += f" (timed: {tried})"
-        return line
+        return (f"acco auto: runs {self.chosen.describe()}: {f['measured_speedup']:.2f}x "
+                f"synchronous per token ({f['chosen_update_s']:.4f}s vs "
+                f"{f['synchronous_update_s']:.4f}s per update; the law: "
+                f"{f['predicted_speedup']:.2f})")
 
     def state_dict(self) -> dict:
         """The decision and what it rests on (a resumed run keeps its schedule)."""

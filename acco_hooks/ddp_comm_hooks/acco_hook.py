@@ -156,6 +156,8 @@ def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future
     r"""Take a DDP bucket's gradients into the ACCO engine; never wait for the network.
 
     1. Add each gradient of the bucket to the engine's fp32 accumulator, keyed by parameter.
+       A parameter whose gradient already came since the last ``state.step()`` is refused: the
+       loop forgot ``state.step()``, and its micro-batches would never be applied.
     2. Zero the bucket, so that ``.grad`` is zero after backward: the gradient now lives in
        the engine, and the next micro-batch starts from zero without ``zero_grad()``.
     3. Return an already completed future. DDP's all-reduce is replaced, not doubled. The
@@ -176,6 +178,16 @@ def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future
     """
     engine: ACCOEngine = state.engine
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        if param in state._delivered:
+            # A second synchronized backward before step(): the loop forgot state.step() (and
+            # may still call its old optimizer.step()). Nothing would ever be applied.
+            raise RuntimeError(
+                "acco_hook: a backward() reached the hook again before ACCOState.step() counted "
+                "the previous one: call state.step() after every backward() (it replaces "
+                "optimizer.step() and zero_grad(), so nothing else steps the model). To add "
+                "several backward() passes into one micro-batch, run all but the last under "
+                "ddp_model.no_sync()"
+            )
         try:
             engine.accumulate_grad(param, grad)
         except KeyError:

@@ -172,8 +172,9 @@ class ACCOEngine:
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
         "_update_weight", "_reweigh_carried", "_carry_next_update",
-        "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "last_wait_s",
-        "last_round_microbatches", "last_global_count", "last_grad_norm", "step_boundary",
+        "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "_grads_counted",
+        "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
+        "last_round_lr", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
         # communication was in flight when the micro-batch started
         "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
@@ -264,6 +265,7 @@ class ACCOEngine:
         self._estimate_next, self._agreed, self._update_started = True, None, None
         self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
+        self._grads_counted = 0  # grads_received when the last micro-batch was counted
         # measures K, C and the round time; predicts ACCO's per-token speedup
         self.advisor = Advisor(
             settings.accumulation_steps, overlapping=settings.overlaps_every_update,
@@ -275,11 +277,19 @@ class ACCOEngine:
         self._microbatch_overlapped = False
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
-        logger.info(
-            "acco_hooks: %s world_size=%d fsdp_world_size=%d %s (%s estimate), %d params",
-            settings, self.world_size, self.fsdp_world_size, optimizer_class.__name__,
-            "functional" if has_functional_peek(self.optimizer) else "snapshot", len(self._slot_of),
-        )  # fmt: skip
+        # The learning rate (first parameter group) of the update the last round's gradients
+        # join. Read at the round end, after the previous job finished and before the next one
+        # starts: the scheduler steps on the communication thread, and any other moment races it.
+        self.last_round_lr: float | None = None
+        if self.advisor.report:  # one line per job; every setting at DEBUG
+            logger.info(
+                "acco_hooks: mode=%s accumulation_steps=%d world_size=%d fsdp_world_size=%d "
+                "%s (%s estimate), %d params", settings.mode, settings.accumulation_steps,
+                self.world_size, self.fsdp_world_size, optimizer_class.__name__,
+                "functional" if has_functional_peek(self.optimizer) else "snapshot",
+                len(self._slot_of),
+            )  # fmt: skip
+        logger.debug("acco_hooks: %s", settings)
 
     # ------------------------------------------------------------ gradients in (main thread)
 
@@ -397,6 +407,7 @@ class ACCOEngine:
 
     def _count_microbatch(self, weight: float) -> bool:
         self._raise_if_failed()
+        self._grads_counted = self.grads_received
         if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
             elapsed = time.perf_counter() - self._microbatch_started
             self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
@@ -441,6 +452,7 @@ class ACCOEngine:
         start = time.perf_counter()
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
+        self.last_round_lr = float(self.optimizer.param_groups[0]["lr"])
 
         # 2. the payload; the accumulator restarts. acco's update round averages both halves:
         #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side
@@ -908,6 +920,14 @@ class ACCOEngine:
         """
         if self.closed:
             return
+        uncounted = self.grads_received - self._grads_counted
+        if flush and uncounted and self._failure is None:
+            # The trap of a loop that never calls step(): rounds never end, nothing is applied.
+            logger.warning(
+                "acco_hooks: close(): %d parameter gradients from backward() passes that no "
+                "step() counted were never applied (%d updates in all): call step() after every "
+                "backward()", uncounted, self.num_updates,
+            )  # fmt: skip
         try:
             if self._in_flight is not None and self._failure is None:
                 self._finish_in_flight(apply=flush and self._in_flight.job is Job.UPDATE)

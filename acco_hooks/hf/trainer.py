@@ -238,8 +238,6 @@ class ACCOTrainer(Trainer):
             raise RuntimeError("ACCOTrainer.training_step runs inside train() only")
         items = label_tokens(self, inputs)  # before compute_loss consumes the inputs
         last = self.accelerator.sync_gradients
-        if last:  # the LR this round's gradients will be applied with, for the log
-            self._acco_lr = float(engine.optimizer.param_groups[0]["lr"])
         loss = super().training_step(model, inputs, num_items_in_batch)
         weight = microbatch_weight(self, items, num_items_in_batch)
         ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()
@@ -248,6 +246,7 @@ class ACCOTrainer(Trainer):
         if ended:
             self._acco_rounds_since_log += 1
             self._acco_wait_since_log += engine.last_wait_s
+            self._acco_lr = engine.last_round_lr  # the rate this round's gradients get
         return loss
 
     # --------------------------------------------------------------- logs and evaluation at θ

@@ -238,6 +238,47 @@ def bad_use_run(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
+def forgotten_step_run(rank: int, world_size: int) -> dict:
+    """A loop that registers acco_hook but keeps its old optimizer.step(); zero_grad()."""
+    import logging
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import ACCOState, acco_hook
+    from tests.scenario import make_model, microbatch_loss
+
+    ddp = DDP(make_model())
+    state = ACCOState(ddp, torch.optim.AdamW, accumulation_steps=2, lr=1e-3)
+    ddp.register_comm_hook(state, acco_hook)
+    old_optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    with ddp.no_sync():  # accumulating under no_sync() is legitimate: no refusal
+        microbatch_loss(ddp, rank, 0, 0).backward()
+    microbatch_loss(ddp, rank, 0, 1).backward()
+    old_optimizer.step()
+    old_optimizer.zero_grad()
+    try:
+        microbatch_loss(ddp, rank, 0, 2).backward()
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("acco_hooks").addHandler(handler)
+    state.close()
+    return {"refusal": refusal, "close": [r.getMessage() for r in records
+                                          if r.levelno >= logging.WARNING]}
+
+
+def test_a_forgotten_state_step_is_refused_at_the_next_backward_and_named_at_close() -> None:
+    for result in run_distributed("tests.ddp_hooks.test_ddp_hooks:forgotten_step_run", 2):
+        assert result["refusal"] is not None, "a second backward without state.step() ran"
+        assert "call state.step() after every backward()" in result["refusal"]
+        assert "ddp_model.no_sync()" in result["refusal"]
+        (warning,) = result["close"]
+        assert "never applied (0 updates in all): call step() after every backward()" in warning
+
+
 def test_bad_use_is_refused_with_a_clear_message() -> None:
     messages = run_distributed("tests.ddp_hooks.test_ddp_hooks:bad_use_run", 1)[0]
     assert messages["not_ddp"].startswith("TypeError: ACCOState needs a torch.nn.parallel.DistributedDataParallel model")

@@ -174,6 +174,20 @@ def test_acco_logs_show_rounds_real_updates_and_communication_wait(acco_results)
     assert {"grad_norm", "learning_rate"} <= logs[-1].keys()
 
 
+def test_the_logged_learning_rate_is_the_one_of_the_update_each_round_joins(acco_results) -> None:
+    """The linear schedule over the real updates (lr 1e-2, no warm-up): acco's rounds 2u + 1
+    and 2u + 2 join update u of 4, dpu's round s is update s - 1 of 8. Read at the round end,
+    not while the communication thread may be stepping the scheduler: two runs log the same."""
+    for result in acco_results:
+        for name, updates, rounds_per_update in (("acco", 4, 2), ("acco_plain", 4, 2),
+                                                 ("dpu", 8, 1)):  # fmt: skip
+            logged = {e["step"]: e["learning_rate"] for e in result[name]["log_history"]
+                      if "learning_rate" in e}  # fmt: skip
+            expected = {s: 1e-2 * (updates - (s - 1) // rounds_per_update) / updates
+                        for s in range(1, 9)}  # fmt: skip
+            assert logged == pytest.approx(expected, rel=1e-9), (name, logged)
+
+
 def test_auto_mode_trains_one_update_per_step_starting_synchronous(acco_results) -> None:
     """accumulation_steps per update as in ddp: switching ddp -> auto keeps the batch; while it
     measures (its first 5 updates) it is the synchronous schedule, bit for bit."""
