@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 import warnings
+from typing import NoReturn
 
 import torch
 
@@ -44,7 +47,10 @@ def main() -> None:
     init_logger()
     rank = int(os.environ.get("RANK", "0"))
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)  # until the config is read
-    config, build_trainer, acco = (_config_030 if TITAN_030 else _config_022)()
+    try:
+        config, build_trainer, acco = (_config_030 if TITAN_030 else _config_022)()
+    except ValueError as error:  # a bad setting (SettingError, TomlConfigError): nothing built
+        _refuse_config(error, rank)
     if rank in _logging_ranks(config):
         logger.setLevel(logging.INFO)
     else:
@@ -77,6 +83,17 @@ def main() -> None:
     trainer = None
     logger.info("train_titan: done")
     finish()
+
+
+def _refuse_config(error: ValueError, rank: int) -> NoReturn:
+    """A bad configuration: one line per job, from rank 0 (every rank reads the same config
+    and fails alike), and exit status 2 on every rank, as a command-line error."""
+    if rank == 0:
+        print(f"train_titan: {error}", file=sys.stderr, flush=True)
+    else:
+        # torchrun stops the other ranks once one has exited: leave rank 0 the time to print
+        time.sleep(2)
+    sys.exit(2)
 
 
 def _config_022():

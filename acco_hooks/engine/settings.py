@@ -300,9 +300,14 @@ class ACCOSettings:
                 "estimate_dtype",
             )
 
-    def check_round_size(self, accumulation_steps: int, spell: Spelling = python_spelling) -> None:
+    def check_round_size(
+        self, accumulation_steps: int, spell: Spelling = python_spelling,
+        set_steps: Optional[Callable[[int], str]] = None,
+    ) -> None:  # fmt: skip
         """Refuse what does not fit the round's size (``accumulation_steps``, micro-batches
-        per round; per update in ``auto``): what a front-end that resolves the size checks."""
+        per round; per update in ``auto``): what a front-end that resolves the size checks.
+        ``set_steps(n)``: how a user of that front-end sets the size to ``n`` (the setting
+        the size comes from, such as a global batch size), named in the error."""
         cap = self.max_microbatches_per_round
         if cap is not None and cap < accumulation_steps:
             raise SettingError(
@@ -315,8 +320,9 @@ class ACCOSettings:
             raise SettingError(
                 f"{spell('mode', 'auto')} splits each update's micro-batches (accumulation "
                 f"steps, here {accumulation_steps}) between an estimate round and an update "
-                "round, so it needs at least 2: raise the accumulation steps, or choose mode "
-                "'ddp'",
+                "round, so it needs at least 2: "
+                + (set_steps(2) if set_steps else "raise the accumulation steps to 2")
+                + ", or choose mode 'ddp'",
                 "mode",
             )
         split = self.estimate_microbatches

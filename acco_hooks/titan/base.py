@@ -28,6 +28,7 @@ PP alike (torchtitan's PP schedule sums token losses).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -194,6 +195,36 @@ def _shard_group(parallel_dims: Any) -> Any:
     return parallel_dims.get_mesh("fsdp")
 
 
+# DCP's planner, before it reads anything: a key of this run that the checkpoint lacks, or holds
+# in another size. With the engine's key, it means another tensor or pipeline parallel layout:
+# the engine's keys name the mesh coordinates of every dimension but the data-parallel ones.
+_DCP_KEY_MISMATCH = re.compile(
+    rf"(?:Missing key in checkpoint state_dict: |Size mismatch between saved .*? for )"
+    rf"(\S*{STATE_KEY}\S*?)\.?$", re.MULTILINE,
+)
+
+
+def refuse_other_model_layout(error: BaseException, parallel_dims: Any) -> None:
+    """Raise ACCO's own error, naming the fix, for a checkpoint load that failed because the
+    engine state was saved with another tensor or pipeline parallel degree; else return.
+
+    DCP refuses such a load while it plans it, before any tensor is read, with a raw
+    ``Missing key`` or ``Size mismatch`` for one of the engine's keys. The engine state
+    reshards across data-parallel replicas and FSDP degrees, not across these.
+    """
+    found = _DCP_KEY_MISMATCH.search(str(error))
+    if found is None:
+        return
+    raise ValueError(
+        f"ACCO: this checkpoint was saved with another tensor or pipeline parallel layout than "
+        f"this run's (tensor_parallel_degree = {parallel_dims.tp}, pipeline_parallel_degree = "
+        f"{parallel_dims.pp}), or by another model: its ACCO engine state has no "
+        f"{found.group(1)} of the size this run needs. The engine state reshards across "
+        "data-parallel replicas and FSDP degrees only: resume with the tensor_parallel_degree "
+        "and pipeline_parallel_degree it was saved with"
+    ) from None
+
+
 class ACCOTrainerBase(Trainer):
     """torchtitan's ``Trainer`` whose training step is one ACCO round.
 
@@ -227,7 +258,11 @@ class ACCOTrainerBase(Trainer):
         load = self.checkpointer.load
 
         def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
-            loaded = load(*args, **kwargs)
+            try:
+                loaded = load(*args, **kwargs)
+            except BaseException as error:  # DCP's CheckpointException is a BaseException
+                refuse_other_model_layout(error, self.parallel_dims)
+                raise
             if engine.round_index == 0:
                 # Model weights loaded without engine state (seed or pretrained checkpoint):
                 # the master shard was copied from the freshly initialised model.

@@ -170,7 +170,16 @@ def validate_acco(
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     acco.check_until_ready(" and ".join(split_by) or None, spelling)
     _check_global_batch(training, replicate * shard, shard)
-    acco.check_round_size(round_size(acco, par, training, world_size), spelling)
+
+    def set_round_size(steps: int) -> str:
+        if acco.accumulation_steps or training.global_batch_size <= 0:
+            return f"set [acco] accumulation_steps = {steps} (--acco.accumulation_steps {steps})"
+        batch = steps * training.local_batch_size * replicate * shard
+        return (f"set [training] global_batch_size = {batch} (--training.global_batch_size "
+                f"{batch}: {steps} micro-batches of local_batch_size = "
+                f"{training.local_batch_size} on {replicate * shard} data-parallel ranks)")
+
+    acco.check_round_size(round_size(acco, par, training, world_size), spelling, set_round_size)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(

@@ -15,25 +15,37 @@ ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "torchtitan_configs").glob("*.toml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_shipped_config_is_valid(path: pathlib.Path) -> None:
+def _load(path: pathlib.Path, *overrides: str):
+    """The installed torchtitan's config of ``path`` with command-line ``overrides``, its
+    ``[acco]`` section (None when disabled) and the validation of the installed release."""
     if TITAN_030:  # translated from the TOML, every key of it
         from acco_hooks.titan.toml_compat import load_toml_config
         from acco_hooks.titan.v030 import validate_acco_config
 
-        config = load_toml_config(path)
+        config = load_toml_config(path, overrides)
         acco = getattr(config, "acco", None)
     else:
         from torchtitan.config import ConfigManager
 
         from acco_hooks.titan.v022 import JobConfig, validate_acco_config
 
-        config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path)])
+        config = ConfigManager(JobConfig).parse_args(["--job.config_file", str(path), *overrides])
         acco = config.acco if config.acco.enable else None
+    return config, acco, validate_acco_config
+
+
+def _world(config) -> int:
+    par = config.parallelism
+    return math.prod((par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
+                      par.tensor_parallel_degree, par.pipeline_parallel_degree))  # fmt: skip
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_config_is_valid(path: pathlib.Path) -> None:
+    config, acco, validate_acco_config = _load(path)
     par = config.parallelism
     assert par.data_parallel_shard_degree >= 1, "give the shard degree explicitly"
-    world = math.prod((par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
-                       par.tensor_parallel_degree, par.pipeline_parallel_degree))  # fmt: skip
+    world = _world(config)
     validate_acco_config(config, world_size=world)
     batch = config.training.local_batch_size * par.data_parallel_replicate_degree * par.data_parallel_shard_degree
     if config.training.global_batch_size > 0:
@@ -49,3 +61,24 @@ def test_shipped_config_is_valid(path: pathlib.Path) -> None:
     if "hsdp" in path.name:
         assert acco is not None and acco.enable and par.data_parallel_shard_degree > 1
         assert par.data_parallel_replicate_degree > 1
+
+
+ACCO_CONFIGS = [p for p in CONFIGS if _load(p)[1] is not None]
+
+
+@pytest.mark.parametrize("path", ACCO_CONFIGS, ids=[p.name for p in ACCO_CONFIGS])
+def test_every_shipped_acco_config_runs_auto_or_names_the_flag(path: pathlib.Path) -> None:
+    """``--acco.mode auto`` on a shipped config is accepted, or refused before anything is built
+    with the exact flag that makes it acceptable."""
+    import re
+
+    config, _, validate_acco_config = _load(path, "--acco.mode", "auto")
+    try:
+        validate_acco_config(config, world_size=_world(config))
+        return
+    except ValueError as error:
+        message = str(error)
+    flag = re.search(r"\((--[\w.]+) (\d+)", message)
+    assert flag and "mode = 'auto'" in message, message
+    config, _, validate_acco_config = _load(path, "--acco.mode", "auto", *flag.groups())
+    validate_acco_config(config, world_size=_world(config))

@@ -10,6 +10,7 @@ import os
 import pathlib
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -474,16 +475,44 @@ def test_replicate_degree_minus_one_is_what_the_world_size_leaves(
 
 @pytest.mark.spmd_backends("spmd_types")  # a refusal before any layout is built
 def test_bad_acco_config_fails_before_the_first_step(tmp_path) -> None:
-    """The refusal above, through train_titan.py: a non-zero exit, the message, no step."""
+    """The refusal above, through torchrun and train_titan.py on 2 ranks: one line for the
+    job (rank 0's) with the setting, no traceback of the error, a non-zero exit, no step."""
     override, message = BAD_ACCO_CONFIGS[0]
-    cmd = [sys.executable, str(ROOT / "train_titan.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_titan.py"),
            "--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
            "--job.dump_folder", str(tmp_path), *override]  # fmt: skip
-    env = {**os.environ, "WORLD_SIZE": "2"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
-    assert "step:" not in proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if message in line]
+    assert lines == [f"train_titan: {message}, 'auto'"], output[-3000:]
+    assert "SettingError" not in output and "step:" not in output, output[-3000:]
+
+
+@pytest.mark.spmd_backends("spmd_types")  # a refusal before any tensor is read
+def test_a_checkpoint_of_another_tensor_parallel_degree_is_refused_by_acco(tmp_path) -> None:
+    """Saved with tensor parallelism over 2 ranks, resumed on 2 replicas without it: ACCO's own
+    error with the fix, not DCP's raw missing key (the data-parallel degrees may change)."""
+    common = (*FAST, "--checkpoint.enable", "--checkpoint.interval", "2")
+    run_titan(2, "debug_cpu_acco.toml", *common, "--parallelism.data_parallel_replicate_degree",
+              "1", "--parallelism.tensor_parallel_degree", "2", "--training.steps", "3",
+              "--training.global_batch_size", "4", dump=tmp_path)  # fmt: skip
+    shutil.rmtree(tmp_path / "checkpoint" / "step-3")  # the last one holds the model only
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_titan.py"),
+           "--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
+           "--job.dump_folder", str(tmp_path), *backend_overrides(), *common,
+           "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "4",
+           "--training.global_batch_size", "8"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("ACCO: this checkpoint was saved with another tensor or pipeline parallel layout "
+            "than this run's (tensor_parallel_degree = 1, pipeline_parallel_degree = 1)") in output
+    assert "resume with the tensor_parallel_degree and pipeline_parallel_degree" in output
+    assert "Missing key" not in output and "step:" not in output, output[-3000:]
 
 
 VALIDATING = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
