@@ -188,6 +188,14 @@ def test_the_logged_learning_rate_is_the_one_of_the_update_each_round_joins(acco
             assert logged == pytest.approx(expected, rel=1e-9), (name, logged)
 
 
+def test_the_logged_learning_rate_does_not_depend_on_the_communication_pace(tmp_path) -> None:
+    """The same schedule with every shard step held 0.2 s: the rate each round logs is still
+    the one of the update it joins (read at the start of a round, it was the previous one's)."""
+    (logged,) = run_distributed("tests.hf.workers:slow_shard_step_lrs", 1, str(tmp_path))
+    expected = {s: 1e-2 * (4 - (s - 1) // 2) / 4 for s in range(1, 9)}
+    assert logged == pytest.approx(expected, rel=1e-9), logged
+
+
 def test_auto_mode_trains_one_update_per_step_starting_synchronous(acco_results) -> None:
     """accumulation_steps per update as in ddp: switching ddp -> auto keeps the batch; while it
     measures (its first 5 updates) it is the synchronous schedule, bit for bit."""

@@ -194,6 +194,28 @@ def resume_on_one_process(rank: int, world_size: int, output_dir: str) -> dict[s
     return results
 
 
+def slow_shard_step_lrs(rank: int, world_size: int, output_dir: str) -> dict[int, float]:
+    """The learning rates an acco run logs while every shard step waits 0.2 s on the
+    communication thread: the scheduler then steps long after the next round began."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+
+    distributed_env(rank, world_size)
+
+    class SlowShardStep(TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            trainer.engine.optimizer.register_step_pre_hook(lambda *_: time.sleep(0.2))
+
+    args = training_args(output_dir, max_steps=8, learning_rate=1e-2, warmup_steps=0)
+    trainer = ACCOTrainer(model=tiny_llama(), args=args, train_dataset=byte_dataset(64),
+                          acco_args=ACCOArguments(mode="acco"), callbacks=[SlowShardStep()])
+    trainer.train()
+    return step_logs(trainer, "learning_rate")
+
+
 def all_runs(rank: int, world_size: int, variants: list[dict[str, Any]], output_dir: str) -> dict:
     """``ddp_vs_hf_ddp`` and ``acco_runs`` in one pair of processes (one import of transformers)."""
     return {
