@@ -1,8 +1,8 @@
 """A small model, deterministic data and an independent reference of the spec's recursions.
 
-The reference is written from ``shared/spec/acco-algorithm.md`` alone: one process, the full
-(unsharded) model, a plain torch optimizer, the N workers simulated one after the other. It
-shares no code with ``acco_hooks``.
+The reference is written from the algorithm as ``docs/algorithm.md`` states it, alone: one
+process, the full (unsharded) model, a plain torch optimizer, the N workers simulated one after
+the other. It shares no code with ``acco_hooks``.
 """
 
 from __future__ import annotations

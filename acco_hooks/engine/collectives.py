@@ -3,7 +3,7 @@
 On gloo, ``reduce_scatter`` is an all-reduce inside: it moves the whole buffer twice, when a
 reduce-scatter only needs (N-1)/N of it once. A ring of ``isend``/``irecv`` does the
 textbook amount. Measured at 200 Mbit/s on 2 ranks: 64 MiB reduce-scatter 2.84-2.94 s → 1.40-1.42 s;
-the whole round 5.0 s → 2.85 s (``shared/notes/cpu-comm-worker.md``). Other backends (NCCL)
+the whole round 5.0 s → 2.85 s (on the project's 2-core CPU machines). Other backends (NCCL)
 use their native collectives.
 
 ``ACCO_HOOKS_GLOO_RING=0`` switches gloo back to its native collectives (to compare).

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from acco_hooks.engine.buffers import GroupBuffers
 from acco_hooks.engine.collectives import all_gather, reduce_scatter_sum
@@ -375,14 +376,15 @@ def communicate(
             norm group's proposal is returned to every rank as ``schedule_choice``.
     """
     start = time.perf_counter()
-    for g in buffers:
-        if wire is not None:
-            reduce_scatter_encoded(g.shard_sum, g.comm_input, wire, g.wire_tail, g.wire_front,
-                                   groups.data)  # fmt: skip
-        elif groups.data is None:
-            g.shard_sum.copy_(g.comm_input)
-        else:
-            reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
+    with record_function("acco::reduce_scatter"):
+        for g in buffers:
+            if wire is not None:
+                reduce_scatter_encoded(g.shard_sum, g.comm_input, wire, g.wire_tail,
+                                       g.wire_front, groups.data)  # fmt: skip
+            elif groups.data is None:
+                g.shard_sum.copy_(g.comm_input)
+            else:
+                reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
     carried = [g.carried for g in buffers] if carry else []
@@ -414,7 +416,8 @@ def communicate(
         else:
             for g in buffers:
                 g.gather_input.copy_(g.master)
-            all_gather_shards(buffers, groups)
+            with record_function("acco::all_gather"):
+                all_gather_shards(buffers, groups)
         return RoundResult(global_count, None, True, False, time.perf_counter() - start,
                            wire is not None, choice, round_count)  # fmt: skip
     if global_count <= 0:
@@ -440,21 +443,26 @@ def communicate(
         grad_norm = _clip_(grads, buffers, max_grad_norm, groups.norm)
 
     if job is Job.UPDATE:
-        optimizer.step()
-        if lr_scheduler is not None:
-            lr_scheduler.step()
+        with record_function("acco::shard_step"):
+            optimizer.step()
+            if lr_scheduler is not None:
+                lr_scheduler.step()
         for g in buffers:
             g.gather_input.copy_(g.master)
     elif wire is not None:  # θ̃ − θ, narrow: θ stays exact on every rank
-        peek(optimizer, [g.difference for g in buffers])
-        for g in buffers:
-            all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
-                                  g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
+        with record_function("acco::estimate_step"):
+            peek(optimizer, [g.difference for g in buffers])
+        with record_function("acco::all_gather"):
+            for g in buffers:
+                all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
+                                      g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
         return RoundResult(global_count, grad_norm, False, False, time.perf_counter() - start,
                            True, choice, round_count)  # fmt: skip
     else:
-        peek(optimizer, [g.gather_input for g in buffers])
-    all_gather_shards(buffers, groups)
+        with record_function("acco::estimate_step"):
+            peek(optimizer, [g.gather_input for g in buffers])
+    with record_function("acco::all_gather"):
+        all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
                        time.perf_counter() - start, False, choice, round_count)  # fmt: skip
 

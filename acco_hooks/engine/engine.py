@@ -3,7 +3,7 @@
 This module is the one place where the algorithm's schedule lives; the front-ends
 (``ACCOOptimizer``, the DDP hook, the torchtitan and Hugging Face trainers) only build its
 settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The contract is
-``shared/spec/acco-algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
+``docs/algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
 allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
 ``communication`` (the thread, its process groups and the job it runs each round),
 ``collectives``, ``peek`` (the estimate step), ``ownership`` (one engine per parameter) and
@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from acco_hooks.advisor import (
@@ -438,7 +439,8 @@ class ACCOEngine:
             return False  # the caller runs another micro-batch while the network works
         round_index = self.round_index
         try:
-            self._end_round()
+            with record_function("acco::round_end"):
+                self._end_round()
         except BaseException:
             if self.round_index == round_index and self._failure is None:
                 # Interrupted before the round was launched (while waiting for the previous
@@ -540,9 +542,10 @@ class ACCOEngine:
         # Backstop only: a dead peer fails the collective within the group's timeout.
         timeout = self.settings.timeout
         try:
-            result = self._worker.wait(
-                flight.future, timeout_s=None if timeout is None else timeout + 60.0
-            )
+            with record_function("acco::wait"):
+                result = self._worker.wait(
+                    flight.future, timeout_s=None if timeout is None else timeout + 60.0
+                )
         except Exception as exc:  # not KeyboardInterrupt: the communication itself goes on
             self._failure = ACCOCommunicationError(
                 f"acco_hooks: the communication of round {flight.round_index} failed on rank "
@@ -554,7 +557,7 @@ class ACCOEngine:
             flight.seen = True
             self._take_result(result, flight)
         if apply:
-            with torch.no_grad():
+            with torch.no_grad(), record_function("acco::apply"):
                 for g in self._buffers:
                     g.copy_gathered_into_params(difference=flight.wire is not None)
             self._in_flight = None

@@ -118,3 +118,41 @@ def test_a_rank_stops_at_max_microbatches_per_round_and_waits() -> None:
     assert held["round1_microbatches"] == 4
     assert releasing["round1_microbatches"] == 2
     assert held["global_count"] == releasing["global_count"] == (2 + 4) + (2 + 2)
+
+
+PHASES = ("acco::round_end", "acco::wait", "acco::apply", "acco::reduce_scatter",
+          "acco::shard_step", "acco::estimate_step", "acco::all_gather")  # fmt: skip
+
+
+def profiled_run(rank: int, world_size: int) -> dict[str, list[int]]:
+    """Six acco rounds under ``torch.profiler``: each phase label and the threads it ran on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from acco_hooks import ACCOOptimizer
+    from tests.scenario import make_model, microbatch_loss
+
+    model = make_model()
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", accumulation_steps=2,
+                        lr=1e-2)  # fmt: skip
+    # The communication thread's labels need the profiler on every thread, not only this one.
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as trace:
+        for round_ in range(6):
+            for micro in range(2):
+                microbatch_loss(model, rank, round_, micro).backward()
+                opt.step()
+        opt.flush()
+    opt.close()
+    threads: dict[str, set[int]] = {}
+    for event in trace.events():
+        if event.name.startswith("acco::"):
+            threads.setdefault(event.name, set()).add(event.thread)
+    return {name: sorted(ids) for name, ids in threads.items()}
+
+
+def test_a_profiler_trace_shows_the_round_phases_on_both_threads() -> None:
+    for labels in run_distributed("tests.engine.test_overlap:profiled_run", 2):
+        assert set(PHASES) <= set(labels), labels
+        loop = set(labels["acco::round_end"]) & set(labels["acco::apply"])
+        worker = set(labels["acco::reduce_scatter"]) & set(labels["acco::all_gather"])
+        assert loop and worker and not loop & worker, labels  # two threads, each its phases

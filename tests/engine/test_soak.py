@@ -13,7 +13,7 @@ takes ~0.1 ms, which gave ~40 micro-batches per round and a needlessly slow repl
 Each rank records, for every round, ``engine.last_round_microbatches`` right after the
 ``step()`` that ended the round (and checks it against its own loop counter). The reference
 below replays exactly those counts in one process, from the recursions of
-``shared/spec/acco-algorithm.md``:
+``docs/algorithm.md``:
 
 * a round's gradient is the sum over all ranks' micro-batches (micro-batch ``j`` of round ``r``
   on rank ``i`` is ``microbatch_loss(model, i, r, j)``), divided by the total count;
