@@ -13,7 +13,7 @@ speedup:
 * ``acco``: the paper's schedule, 10 + 10, float32 estimate;
 * ``acco_bf16`` / ``acco_fp8``: 10 + 10 with the estimate round in bfloat16 / float8;
 * ``law``: the schedule (split and estimate format) that the generalized law prices fastest
-  for the c and C measured by this link's ``ddp`` run (``acco_hooks.advisor.best_schedule``,
+  for the c and C measured by this link's ``ddp`` run (``acco_hooks.engine.schedule.best_schedule``,
   the candidates ``auto`` has);
 * ``auto``: ``mode="auto"``, which measures and decides on its own. ``speedup`` is its steady
   state (the updates after its decision); ``speedup_whole_run`` counts every update from the
@@ -177,7 +177,7 @@ def arm_settings(name: str, ddp: dict | None) -> dict | None:
 
 
 def law_best(ddp: dict):
-    from acco_hooks.advisor import best_schedule, candidate_schedules
+    from acco_hooks.engine.schedule import best_schedule, candidate_schedules
 
     c, comm, fractions = ddp["per_microbatch_s"], ddp["comm_s"], ddp["fractions"]
     candidates = candidate_schedules(MICROBATCHES, list(fractions))
@@ -187,7 +187,7 @@ def law_best(ddp: dict):
 
 def law_speedup(ddp: dict, schedule: list) -> float:
     """The generalized law's per-token speedup of ``schedule`` with this link's c, C and α."""
-    from acco_hooks.advisor import Schedule, schedule_seconds
+    from acco_hooks.engine.schedule import Schedule, schedule_seconds
 
     c, comm = ddp["per_microbatch_s"], ddp["comm_s"]
     schedule = Schedule(*schedule)

@@ -8,7 +8,7 @@ spans two rounds, 2k micro-batches) against the engine's synchronous ZeRO-1 (``m
 with 2k micro-batches per update. Measured S = T_ddp(2k) / (2 · T_acco(k)), round times from
 torchtitan's own per-step log (``benchmarks.throughput``), on the two-host netbed. The link cap
 sets C, one round's communication (``benchmarks.comm_only``); K is the compute of k
-micro-batches in one process without communication. The law (``acco_hooks.advisor``):
+micro-batches in one process without communication. The law (``acco_hooks.engine.advisor``):
 S = (2K + C) / (2·max(K, C)). Each cap runs ``--repeats`` times (acco and ddp alternated); the
 figure shows every run and the mean with its standard deviation. The engine's own prediction
 (the ``acco advisor:`` line of each acco run, measured on its own rounds) is recorded next to
@@ -44,7 +44,7 @@ ADVISOR = re.compile(r"acco advisor: compute_per_round=([\d.]+)s comm_per_round=
 
 
 def law(compute_s: float, comm_s: float) -> float:
-    from acco_hooks.advisor import predicted_speedup
+    from acco_hooks.engine.advisor import predicted_speedup
 
     return predicted_speedup(compute_s, comm_s)
 

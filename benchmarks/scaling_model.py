@@ -2,7 +2,7 @@
 
     python -m benchmarks.scaling_model      # reads docs/results/law_sweep.json
 
-Per token at equal tokens per optimizer update (``acco_hooks.advisor``, ``benchmarks.law_sweep``),
+Per token at equal tokens per optimizer update (``acco_hooks.engine.advisor``, ``benchmarks.law_sweep``),
 with K the compute of one round of k micro-batches and C one round's communication::
 
     C       = alpha + (N-1)/N * P * (b_reduce + b_gather) * 8 / (eta * B)   ring RS + all-gather

@@ -176,7 +176,7 @@ def _python(code: str, *args: str, cwd: pathlib.Path = ROOT, **env: str) -> str:
 
 def test_import_acco_hooks_imports_no_trainer_framework() -> None:
     out = _python("""
-        import sys, acco_hooks, acco_hooks.engine, acco_hooks.advisor, acco_hooks.checkpoint
+        import sys, acco_hooks, acco_hooks.engine, acco_hooks.engine.advisor, acco_hooks.checkpoint
         print([m for m in sys.modules if m.split(".")[0] in ("torchtitan", "transformers",
                                                              "accelerate", "datasets")])
     """)

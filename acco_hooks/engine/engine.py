@@ -64,14 +64,8 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from acco_hooks.advisor import (
-    AUTO_ESTIMATE_DTYPES,
-    Advisor,
-    AutoSchedule,
-    Schedule,
-    candidate_schedules,
-)
 from acco_hooks.engine import ownership
+from acco_hooks.engine.advisor import Advisor
 from acco_hooks.engine.buffers import (
     GroupBuffers,
     build_shard,
@@ -94,6 +88,12 @@ from acco_hooks.engine.communication import (
 )
 from acco_hooks.engine.peek import has_functional_peek
 from acco_hooks.engine.placement import ShardPlacement
+from acco_hooks.engine.schedule import (
+    AUTO_ESTIMATE_DTYPES,
+    AutoSchedule,
+    Schedule,
+    candidate_schedules,
+)
 from acco_hooks.engine.settings import ESTIMATE_DTYPES, EngineSettings, SettingError
 from acco_hooks.engine.wire import WireFormat, backend_can_send
 

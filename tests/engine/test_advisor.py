@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from acco_hooks import ACCOOptimizer
-from acco_hooks.advisor import Advisor, predicted_speedup
+from acco_hooks.engine.advisor import Advisor, predicted_speedup
 
 
 @pytest.mark.parametrize("compute, comm, expected", [

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from acco_hooks import ACCOOptimizer, SettingError
-from acco_hooks.advisor import (
+from acco_hooks.engine.schedule import (
     AUTO_CONFIRM_UPDATES,
     AUTO_SETTLE_UPDATES,
     AUTO_TIMED_UPDATES,

@@ -1,0 +1,196 @@
+"""Whether ACCO speeds this run up: the per-token law and the engine's measurement of it.
+
+(The law generalized to uneven splits and narrower estimates, and ``mode="auto"``'s choice of
+schedule, are in ``schedule.py``.)
+
+With ``K`` the compute of one round (``accumulation_steps`` micro-batches) and ``C`` one
+round's communication (reduce-scatter, shard step, all-gather), a real ACCO update spans two
+rounds, so it costs ``2·max(K, C)`` when communication and compute overlap perfectly, against
+``2K + C`` for a synchronous ZeRO-1 update over the same tokens (2k micro-batches, one
+communication). Per token::
+
+    S = (2K + C) / (2·max(K, C))
+
+1 without communication, at most 1.5 at ``C = K``, 1 again at ``C = 2K`` and below 1 beyond:
+ACCO communicates twice per update, so it only wins while one round's compute hides a round's
+communication.
+
+:class:`Advisor` measures on the engine's own rounds, on every rank:
+
+* ``K`` from micro-batches that ran while no communication was in flight (the first round's,
+  and any after a round's communication finished). Micro-batches that overlap communication
+  are slower wherever the communication takes compute resources (a CPU core, GPU SMs); a
+  synchronous run never overlaps, so its ``2K + C`` uses the undisturbed ``K``.
+* ``C``, the communication job's time on the communication thread.
+* the round time ``T`` ACCO actually takes (round end to round end).
+
+``predicted_speedup = (2K + C) / (2T)``: synchronous ZeRO-1 as the law prices it against ACCO
+as measured, so imperfect overlap is included. ``ideal_speedup`` is the law itself, the
+ceiling for this ``K`` and ``C``. Rank 0 logs one ``acco advisor:`` line with both at INFO and,
+when ACCO does not pay, a WARNING line with what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Optional
+
+import torch.distributed as dist
+
+from acco_hooks.engine.schedule import best_schedule, candidate_schedules
+
+__all__ = ["Advisor", "predicted_speedup"]
+
+logger = logging.getLogger("acco_hooks")
+
+# Rounds ignored while the process warms up (allocations, the first collectives), then measured.
+WARMUP_ROUNDS, MEASURED_ROUNDS = 2, 4
+
+
+def predicted_speedup(compute_s: float, comm_s: float) -> float:
+    """Per-token speedup of ACCO over synchronous ZeRO-1 at equal tokens per update.
+
+    Args:
+        compute_s: compute of one round (K).
+        comm_s: one round's communication (C).
+
+    Returns:
+        ``(2K + C) / (2·max(K, C))``.
+    """
+    if compute_s <= 0 and comm_s <= 0:
+        return 1.0
+    return (2 * compute_s + comm_s) / (2 * max(compute_s, comm_s))
+
+
+class Advisor:
+    """Compute, communication and round time of the engine's first measured rounds.
+
+    The engine calls :meth:`record_microbatch` for each micro-batch after the first,
+    :meth:`record_round` at each round end and :meth:`record_comm` for each finished
+    communication. ``figures`` is empty until ``MEASURED_ROUNDS`` rounds after
+    ``WARMUP_ROUNDS`` were seen; then it holds ``compute_per_round_s`` (K),
+    ``comm_per_round_s`` (C), ``round_s`` (T), ``predicted_speedup`` and ``ideal_speedup``.
+
+    Args:
+        accumulation_steps: the engine's minimum micro-batches per round.
+        overlapping: whether the engine overlaps rounds (``acco``, ``dpu``). In ``ddp`` mode
+            nothing overlaps and ``predicted_speedup`` is the law's ideal.
+        microbatches_per_update: the micro-batches of a real update (what ``auto`` splits).
+        estimate_fractions: α of each estimate format ``auto`` may send (its share of the
+            update's bytes), by name.
+    """
+
+    __slots__ = (
+        "accumulation_steps", "overlapping", "microbatches_per_update", "estimate_fractions",
+        "report",
+        # measurements: undisturbed micro-batches, any micro-batch, rounds, communications
+        "_quiet_microbatch", "_microbatch", "_round", "_round_microbatches", "_comm",
+        "figures",
+    )  # fmt: skip
+
+    def __init__(
+        self, accumulation_steps: int, overlapping: bool = True,
+        microbatches_per_update: Optional[int] = None,
+        estimate_fractions: Optional[dict[str, float]] = None,
+    ) -> None:  # fmt: skip
+        self.accumulation_steps = accumulation_steps
+        self.overlapping = overlapping
+        self.microbatches_per_update = microbatches_per_update or accumulation_steps
+        self.estimate_fractions = estimate_fractions or {"float32": 1.0}
+        self.report = not dist.is_initialized() or dist.get_rank() == 0  # one line per job
+        self._quiet_microbatch: list[float] = []
+        self._microbatch: list[float] = []
+        self._round: list[float] = []
+        self._round_microbatches: list[int] = []
+        self._comm: list[float] = []
+        self.figures: dict[str, float] = {}
+
+    def record_microbatch(self, seconds: float, communicating: bool) -> None:
+        """One micro-batch's time; ``communicating``: a communication was in flight meanwhile."""
+        if not self.figures:
+            (self._microbatch if communicating else self._quiet_microbatch).append(seconds)
+
+    def record_round(self, seconds: float, microbatches: int) -> None:
+        """One round's time, round end to round end, and its micro-batches on this rank."""
+        if not self.figures:
+            self._round.append(seconds)
+            self._round_microbatches.append(microbatches)
+            self._maybe_conclude()
+
+    def record_comm(self, seconds: float) -> None:
+        """One round's communication job, timed on the communication thread."""
+        if not self.figures:
+            self._comm.append(seconds)
+            self._maybe_conclude()
+
+    def _maybe_conclude(self) -> None:
+        needed = WARMUP_ROUNDS + MEASURED_ROUNDS
+        if len(self._round) < needed or len(self._comm) < needed:
+            return
+        round_s = statistics.median(self._round[WARMUP_ROUNDS:needed])
+        comm = statistics.median(self._comm[WARMUP_ROUNDS:needed])
+        microbatches = statistics.median(self._round_microbatches[WARMUP_ROUNDS:needed])
+        # Undisturbed micro-batches if there were any; else every one (an upper bound on K).
+        per_microbatch = statistics.median(self._quiet_microbatch or self._microbatch or [0.0])
+        compute = microbatches * per_microbatch
+        ideal = predicted_speedup(compute, comm)
+        measured_acco = (2 * compute + comm) / (2 * round_s) if round_s > 0 else ideal
+        self.figures = {
+            "compute_per_round_s": compute, "comm_per_round_s": comm, "round_s": round_s,
+            "predicted_speedup": measured_acco if self.overlapping else ideal,
+            "ideal_speedup": ideal,
+        }  # fmt: skip
+        if self.report:
+            logger.info("%s", self.advice())
+            suggestion = self.suggestion()
+            if suggestion is not None:
+                logger.debug("%s", suggestion)
+            finding = self.finding()
+            if finding is not None:
+                # A WARNING record: Python prints it with no logging configured, where an INFO
+                # line reaches only the users who set logging up.
+                logger.warning("%s", finding)
+
+    def advice(self) -> str:
+        """The ``acco advisor:`` line: the figures per round and per token (speedups: per
+        token against synchronous ZeRO-1 over the same tokens; the law's ceiling is 1.5 at
+        comm = compute). The same figures go to the metrics (``figures``)."""
+        figures = self.figures
+        return (f"acco advisor: compute_per_round={figures['compute_per_round_s']:.4f}s "
+                f"comm_per_round={figures['comm_per_round_s']:.4f}s "
+                f"predicted_speedup={figures['predicted_speedup']:.2f} "
+                f"round={figures['round_s']:.4f}s ideal_speedup={figures['ideal_speedup']:.2f}")
+
+    def finding(self) -> Optional[str]:
+        """One line when ACCO is slower than synchronous ZeRO-1 here, with the fix; else None."""
+        figures = self.figures
+        compute, comm = figures["compute_per_round_s"], figures["comm_per_round_s"]
+        speedup, ideal = figures["predicted_speedup"], figures["ideal_speedup"]
+        per_microbatch = compute / max(self.accumulation_steps, 1)
+        steps = max(1, round(comm / per_microbatch)) if per_microbatch > 0 else 1
+        if ideal < 1.0:
+            return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token): "
+                    f"a round communicates {comm / max(compute, 1e-12):.1f}x as long as it "
+                    f"computes. Raise accumulation_steps to about {steps}, or use mode='ddp'")
+        if speedup < 1.0:
+            return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token) "
+                    f"although the law allows {ideal:.2f}: communication slows the compute "
+                    "(e.g. the communication thread shares its CPU cores). Give each rank more "
+                    "cores, or use mode='ddp'")  # fmt: skip
+        return None
+
+    def suggestion(self) -> Optional[str]:
+        """Where ACCO pays little or ``mode='auto'`` would pick another schedule: one line of
+        what to try, for a reader who asks (``logger.debug``); else None."""
+        figures = self.figures
+        compute, comm = figures["compute_per_round_s"], figures["comm_per_round_s"]
+        per_microbatch = compute / max(self.accumulation_steps, 1)
+        if self.microbatches_per_update < 2 or per_microbatch <= 0:
+            return None
+        fractions = self.estimate_fractions
+        candidates = candidate_schedules(self.microbatches_per_update, list(fractions))
+        best, best_speedup = best_schedule(per_microbatch, comm, candidates,
+                                           {d: a * comm for d, a in fractions.items()})  # fmt: skip
+        return (f"acco advisor: mode='auto' would try {best.describe()}, priced at "
+                f"{best_speedup:.2f}x synchronous")
