@@ -26,7 +26,7 @@ groups for it (once, in the same order on every rank) and destroys them when it 
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
   ranks): the squared gradient norm is summed there.
 
-**One round's job** (:func:`communicate`)::
+**One round's job** (:func:`communicate`), as the round's :class:`RoundPlan` says::
 
     reduce-scatter Σ gradients ─► ÷ global weight ─► clip ─► UPDATE: step the shard optimizer
                                                              ESTIMATE: Peek (no state changes)
@@ -70,7 +70,7 @@ from acco_hooks.engine.wire import (
 
 __all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundResult",
            "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
-           "build_engine_groups", "communicate", "reduce_scatter_accumulators", "release_communication"]  # fmt: skip
+           "build_engine_groups", "communicate", "RoundPlan", "reduce_scatter_accumulators", "release_communication"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -339,6 +339,36 @@ class Job(enum.Enum):
     ESTIMATE = "estimate"  # θ̃_{t+1} = Peek(θ_t, g): nothing advances
 
 
+class RoundPlan(NamedTuple):
+    """What one round's communication does, decided once at the round end by the training loop
+    and taken whole by :func:`communicate`."""
+
+    job: Job
+    local_count: float  # this rank's Σ micro-batch weights in the payload
+    # An estimate sent narrower than the update (``estimate_dtype``): its gradients are
+    # reduce-scattered in this format and θ̃ − θ is all-gathered in it. None: the reduce dtype,
+    # and the job gathers the new parameters themselves.
+    wire: WireFormat | None = None
+    # acco with the estimate in the reduce dtype: the estimate job keeps its reduce-scattered
+    # ΣG̃ on the shard side, and the update job adds it (``adds_carried``).
+    carry: bool = False
+    # The training loop's side: the accumulators keep this round's gradients (and the local
+    # count its weight) for the update round to send, as after a narrow estimate.
+    keeps_accumulator: bool = False
+    carried_count: float = 0.0  # c̃, the carried ΣG̃'s weight over every rank (an update)
+    # Resumed on another world: the weight an update round had on the saved one; ΣG̃ and c̃
+    # are multiplied by this round's own weight over it. None: kept as they are.
+    reweigh_carried: float | None = None
+    # mode="auto": the schedule this rank wants next; the first rank of the norm group's
+    # proposal comes back to every rank as ``RoundResult.schedule_choice``.
+    proposal: int | None = None
+
+    @property
+    def adds_carried(self) -> bool:
+        """An update that averages the carried ΣG̃ in."""
+        return self.carry and self.job is Job.UPDATE
+
+
 class RoundResult(NamedTuple):
     """What a finished job reports to the training loop."""
 
@@ -353,28 +383,15 @@ class RoundResult(NamedTuple):
 
 
 def communicate(
-    job: Job, local_count: float, buffers: list[GroupBuffers], groups: EngineGroups,
+    plan: RoundPlan, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
-    wire: WireFormat | None = None, carry: bool = False, proposal: int | None = None,
-    carried_count: float = 0.0, reweigh_carried: float | None = None,
 ) -> RoundResult:  # fmt: skip
-    """reduce-scatter -> average -> clip -> step or estimate -> all-gather.
+    """reduce-scatter -> average -> clip -> step or estimate -> all-gather, as ``plan`` says.
 
-    Args:
-        wire: an estimate job sent narrower than the update (``wire``): its gradients are
-            reduce-scattered in that format and θ̃ − θ is all-gathered in it. None: the job
-            travels in the reduce dtype and gathers θ itself.
-        carry: ``acco`` with the estimate in the reduce dtype: the estimate job keeps its
-            reduce-scattered ΣG̃, the update job adds it. Without it the update round's payload
-            holds both rounds' sum already (the accumulator was not zeroed after a narrow
-            estimate).
-        carried_count: the update job's carried ΣG̃ weighs this much (c̃, over every rank).
-        reweigh_carried: resumed on another world, the weight an update round had on the
-            saved one: ΣG̃ and c̃ are multiplied by this round's own weight over it, so that
-            the half-batch weighs what the update round weighs here.
-        proposal: ``mode="auto"``: the schedule this rank wants next; the first rank of the
-            norm group's proposal is returned to every rank as ``schedule_choice``.
+    Without ``plan.carry``, an acco update round's payload holds both rounds' sum already (the
+    accumulators were not zeroed after a narrow estimate).
     """
+    job, wire = plan.job, plan.wire
     start = time.perf_counter()
     with record_function("acco::reduce_scatter"):
         for g in buffers:
@@ -387,7 +404,7 @@ def communicate(
                 reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
-    carried = [g.carried for g in buffers] if carry else []
+    carried = [g.carried for g in buffers] if plan.carry else []
     if carried and job is Job.ESTIMATE:
         torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
     add_carried = bool(carried) and job is Job.UPDATE
@@ -397,17 +414,19 @@ def communicate(
     sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
     finite = all(bool(torch.isfinite(t).all()) for t in sums)
     device = buffers[0].master.device
-    counts = torch.tensor([local_count, 0.0 if finite else 1.0], dtype=torch.float64,
+    counts = torch.tensor([plan.local_count, 0.0 if finite else 1.0], dtype=torch.float64,
                           device=device)  # fmt: skip
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
     round_count, nonfinite = counts[0].item(), counts[1].item() > 0
     global_count = round_count
     if add_carried:
-        scale = 1.0 if reweigh_carried is None else round_count / reweigh_carried
+        reweigh = plan.reweigh_carried
+        scale = 1.0 if reweigh is None else round_count / reweigh
         if scale != 1.0:
             torch._foreach_mul_(carried, scale)
-        global_count += carried_count * scale
+        global_count += plan.carried_count * scale
+    proposal = plan.proposal
     choice = None if proposal is None else _agree(proposal, groups.norm, device)
     if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
         if wire is not None:  # they hold θ already: add a zero difference, send nothing

@@ -77,6 +77,7 @@ from acco_hooks.engine.communication import (
     ACCOCommunicationError,
     CommWorker,
     Job,
+    RoundPlan,
     RoundResult,
     all_gather_shards,
     barrier_each,
@@ -112,17 +113,14 @@ STATE_VERSION = 4
 class RoundInFlight:
     """A round whose communication was launched and whose result is not applied yet."""
 
-    __slots__ = ("future", "job", "round_index", "wire", "adds_carried", "seen")
+    __slots__ = ("future", "plan", "round_index", "seen")
 
-    def __init__(
-        self, future: Future, job: Job, round_index: int, wire: WireFormat | None = None,
-        adds_carried: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, future: Future, plan: RoundPlan, round_index: int) -> None:
         self.future = future  # of the job's RoundResult (None for a re-gather after a load)
-        self.job = job  # what the result is: a real update θ, or an estimate θ̃
+        # what the job does: its result is a real update θ or an estimate θ̃ (plan.job); with a
+        # narrow estimate's format (plan.wire) it is θ̃ − θ, added to θ
+        self.plan = plan
         self.round_index = round_index  # the round whose gradients it communicates
-        self.wire = wire  # a narrow estimate's format: the result is θ̃ − θ, added to θ
-        self.adds_carried = adds_carried  # an update that averages the carried ΣG̃ in
         self.seen = False  # its RoundResult was read (counted) already, e.g. by state_dict()
 
 
@@ -422,7 +420,7 @@ class ACCOEngine:
             self._microbatch_overlapped = self.communication_in_flight
 
     def _count_or_end_round(self, weight: float) -> bool:
-        if self._synchronous and self._in_flight is not None:
+        if self._waits_for_own_round and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
             self._finish_in_flight(apply=True)
             self._at_update_end(self.schedule)
@@ -461,33 +459,39 @@ class ACCOEngine:
         #    ("carry"), and its count c̃. An estimate sent narrower (``wire``) is not carried:
         #    the accumulator and the local count keep it, and the update round sends both
         #    rounds' sum in the reduce dtype.
+        #    A resumed run between a narrow estimate and its update carries too: the checkpoint
+        #    made the kept gradients a carried half-batch.
         schedule = self.schedule
-        estimate = not schedule.synchronous and self._estimate_next
-        narrow = not schedule.synchronous and self._estimate_kept
-        carry = not schedule.synchronous and not narrow
-        wire = WireFormat(ESTIMATE_DTYPES[schedule.estimate_dtype]) if estimate and narrow else None
+        overlapped = not schedule.synchronous
+        estimate = overlapped and self._estimate_next
+        keeps = estimate and self._estimate_kept
+        carry = (overlapped and not self._estimate_kept) or (
+            not estimate and self._carry_next_update
+        )
+        update_carries = carry and not estimate
+        plan = RoundPlan(
+            Job.ESTIMATE if estimate else Job.UPDATE, self._local_count,
+            wire=WireFormat(ESTIMATE_DTYPES[schedule.estimate_dtype]) if keeps else None,
+            carry=carry, keeps_accumulator=keeps,
+            carried_count=self._estimate_count if update_carries else 0.0,
+            reweigh_carried=self._reweigh_carried if update_carries else None,
+            proposal=None if self._auto is None or estimate
+            else self._auto.candidates.index(self._auto.target),
+        )  # fmt: skip
         for g in self._buffers:
             g.comm_input.copy_(g.accumulator)
-            if carry or not estimate:
+            if not keeps:
                 g.accumulator.zero_()
-        count = self._local_count
-        if carry or not estimate:
+        if not keeps:
             self._local_count = 0.0
-        adds_carried = (carry or self._carry_next_update) and not estimate
-        reweigh = self._reweigh_carried if adds_carried else None
         if not estimate:
             self._reweigh_carried, self._carry_next_update = None, False
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
-        job = Job.ESTIMATE if estimate else Job.UPDATE
-        proposal = None
-        if self._auto is not None and not estimate:
-            proposal = self._auto.candidates.index(self._auto.target)
         future = self._worker.submit(
-            communicate, job, count, self._buffers, self._groups, self.optimizer,
-            self.lr_scheduler, self.settings.max_grad_norm, wire, carry or adds_carried, proposal,
-            self._estimate_count if adds_carried else 0.0, reweigh,
+            communicate, plan, self._buffers, self._groups, self.optimizer, self.lr_scheduler,
+            self.settings.max_grad_norm,
         )  # fmt: skip
-        self._in_flight = RoundInFlight(future, job, self.round_index, wire, adds_carried)
+        self._in_flight = RoundInFlight(future, plan, self.round_index)
 
         self.last_round_microbatches = self._round_microbatches
         self._round_microbatches = 0
@@ -496,7 +500,7 @@ class ACCOEngine:
             arrived[:] = [False] * len(arrived)
         if not schedule.synchronous:
             self._estimate_next = not estimate
-        if self._synchronous:  # its own result is the next parameters
+        if self._waits_for_own_round:  # its own result is the next parameters
             self._finish_in_flight(apply=True)
         if not estimate:
             self._at_update_end(schedule)
@@ -508,7 +512,7 @@ class ACCOEngine:
         self._round_started = now
 
     @property
-    def _synchronous(self) -> bool:
+    def _waits_for_own_round(self) -> bool:
         """Whether each round waits for its own communication (``ddp``; ``auto`` between its
         overlapped schedules)."""
         return self.schedule.synchronous and self.settings.mode != "dpu"
@@ -559,14 +563,14 @@ class ACCOEngine:
         if apply:
             with torch.no_grad(), record_function("acco::apply"):
                 for g in self._buffers:
-                    g.copy_gathered_into_params(difference=flight.wire is not None)
+                    g.copy_gathered_into_params(difference=flight.plan.wire is not None)
             self._in_flight = None
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
-        if flight.job is Job.ESTIMATE:
+        if flight.plan.job is Job.ESTIMATE:
             self._estimate_count = result.global_count
-        elif flight.adds_carried and self._update_weight is not None:
+        elif flight.plan.adds_carried and self._update_weight is not None:
             first = self._update_weight == 0.0
             if first or math.isclose(result.round_count, self._update_weight, rel_tol=1e-9):
                 self._update_weight = result.round_count
@@ -575,7 +579,7 @@ class ACCOEngine:
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
         if self._auto is not None:
-            wire = flight.wire
+            wire = flight.plan.wire
             self._auto.record_comm(
                 _reduce_name(self.settings) if wire is None else _name(wire.dtype), result.comm_s
             )
@@ -583,7 +587,7 @@ class ACCOEngine:
                 self._agreed = self._auto.candidates[result.schedule_choice]
         if not result.nonfinite:
             return
-        what = flight.job.value
+        what = flight.plan.job.value
         if self.settings.nonfinite == "raise":
             self._failure = ACCOCommunicationError(
                 f"acco_hooks: non-finite gradient (NaN/Inf) in round {flight.round_index}; "
@@ -628,7 +632,7 @@ class ACCOEngine:
         :meth:`real_weights` to look at θ without changing the trajectory.
         """
         if self._in_flight is not None:
-            self._finish_in_flight(apply=self._in_flight.job is Job.UPDATE)
+            self._finish_in_flight(apply=self._in_flight.plan.job is Job.UPDATE)
 
     @contextlib.contextmanager
     def real_weights(self) -> Iterator[dict[str, Tensor] | None]:
@@ -650,7 +654,7 @@ class ACCOEngine:
             ...     val_loss = evaluate(model)
         """
         self._raise_if_failed()
-        if self._in_flight is None or self._in_flight.job is not Job.UPDATE:
+        if self._in_flight is None or self._in_flight.plan.job is not Job.UPDATE:
             yield None
             return
         self._finish_in_flight(apply=False)
@@ -697,7 +701,7 @@ class ACCOEngine:
         """
         self._finish_in_flight(apply=False)
         flight = self._in_flight
-        narrow = flight is not None and flight.wire is not None
+        narrow = flight is not None and flight.plan.wire is not None
         partial = bool(self._round_microbatches)
         half = self._between_estimate_and_update
         if narrow:  # the pending result is θ̃ − θ, decoded: each rank's range of it, as any shard
@@ -725,8 +729,8 @@ class ACCOEngine:
                 "agreed": None if self._agreed is None else tuple(self._agreed),
             },
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "pending_job": None if flight is None else flight.job.value,
-            "pending_wire": _name(flight.wire.dtype) if narrow else None,
+            "pending_job": None if flight is None else flight.plan.job.value,
+            "pending_wire": _name(flight.plan.wire.dtype) if narrow else None,
             # per element, DTensors: every rank's part is saved, and any world loads it
             "master": chunks([g.master for g in self._buffers]),
             "pending_shard": chunks([g.gather_input for g in self._buffers]),
@@ -831,7 +835,7 @@ class ACCOEngine:
             wire = None if wire is None else WireFormat(ESTIMATE_DTYPES[wire])
             future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight = RoundInFlight(
-                future, Job(state["pending_job"]), self.round_index - 1, wire
+                future, RoundPlan(Job(state["pending_job"]), 0.0, wire), self.round_index - 1
             )
 
     def _load_optimizer_state(self, saved: dict[str, Any], rank_key: str) -> None:
@@ -933,7 +937,7 @@ class ACCOEngine:
             )  # fmt: skip
         try:
             if self._in_flight is not None and self._failure is None:
-                self._finish_in_flight(apply=flush and self._in_flight.job is Job.UPDATE)
+                self._finish_in_flight(apply=flush and self._in_flight.plan.job is Job.UPDATE)
         except (ACCOCommunicationError, FloatingPointError):
             pass  # already reported to the training loop by the call that failed
         finally:
