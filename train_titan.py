@@ -123,7 +123,6 @@ def _config_030():
     """torchtitan 0.3.0: a TOML and its overrides, translated into a ``Trainer.Config``, or
     torchtitan's own ``--module M --config NAME`` and its overrides."""
     import importlib
-    import sys
 
     from torchtitan.config import ConfigManager
 

@@ -480,9 +480,9 @@ class ACCOEngine:
         )  # fmt: skip
         for g in self._buffers:
             g.comm_input.copy_(g.accumulator)
-            if not keeps:
+            if not plan.keeps_accumulator:
                 g.accumulator.zero_()
-        if not keeps:
+        if not plan.keeps_accumulator:
             self._local_count = 0.0
         if not estimate:
             self._reweigh_carried, self._carry_next_update = None, False
