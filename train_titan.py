@@ -114,9 +114,10 @@ def _config_022():
             super()._validate_config()
 
     config = _ConfigManager(JobConfig).parse_args()
-    validate_acco_config(config)  # a bad [acco] value fails here, before anything is built
-    trainer_cls = ACCOTrainer if config.acco.enable else Trainer
-    return config, lambda: trainer_cls(config), config.acco.enable
+    settings = validate_acco_config(config)  # a bad [acco] value fails here, before building
+    if settings is None:
+        return config, lambda: Trainer(config), False
+    return config, lambda: ACCOTrainer(config, settings), True
 
 
 def _config_030():
@@ -154,16 +155,20 @@ def _config_030():
                                       settings.get("training.dataset_path"),
                                       settings.get("model.hf_assets_path", "./tests/assets/tokenizer"))  # fmt: skip
         config = load_toml_config(path, overrides)
-    validate_acco_config(config)  # a bad acco value fails here, before anything is built
+    settings = validate_acco_config(config)  # a bad acco value fails here, before building
     # config.build(): ACCOTrainer for an ACCOTrainer.Config, torchtitan's Trainer otherwise
-    return config, config.build, getattr(config, "acco", None) is not None
+    if settings is None:
+        return config, config.build, getattr(config, "acco", None) is not None
+    return config, lambda: config.build(settings=settings), True
 
 
 def _logging_ranks(config) -> set[int] | range:
     """``LOG_RANK`` (global ranks, comma-separated, or ``all``); by default the one rank whose
     step lines carry the loss: rank 0, or with pipeline parallelism the first rank of the last
     stage (torchtitan's mesh puts ``pp`` outermost)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from acco_hooks._frontend import launcher_world_size
+
+    world_size = launcher_world_size()
     chosen = os.environ.get("LOG_RANK", "")
     if chosen == "all":
         return range(world_size)

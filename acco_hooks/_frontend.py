@@ -3,6 +3,7 @@ and the one rule for a micro-batch's weight under a token-summed loss."""
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -10,9 +11,15 @@ import torch
 
 from acco_hooks.engine import ACCOEngine
 
-__all__ = ["EngineFrontEnd", "label_tokens"]
+__all__ = ["EngineFrontEnd", "label_tokens", "launcher_world_size"]
 
 IGNORE_INDEX = -100  # torch's cross_entropy default, torchtitan's and transformers' label padding
+
+
+def launcher_world_size() -> int:
+    """The processes the launcher started (torchrun's ``WORLD_SIZE``; 1 without a launcher):
+    what a front-end sizes its run by before the process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:

@@ -592,6 +592,8 @@ def test_each_setting_is_declared_once() -> None:
                 elements = node.keys
             elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 elements = node.elts
+            elif isinstance(node, ast.ClassDef):  # an enum's members: NAME = "value"
+                elements = [n.value for n in node.body if isinstance(n, ast.Assign)]
             else:
                 continue
             strings = {e.value for e in elements if isinstance(e, ast.Constant)}

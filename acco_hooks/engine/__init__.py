@@ -15,9 +15,10 @@ from acco_hooks.engine.settings import (
     REDUCE_DTYPES,
     ACCOSettings,
     EngineSettings,
+    Mode,
     SettingError,
     real_updates,
 )
 
 __all__ = ["ACCOCommunicationError", "ACCOEngine", "ACCOSettings", "EngineSettings", "MODES",
-           "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError", "real_updates"]  # fmt: skip
+           "Mode", "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError", "real_updates"]  # fmt: skip

@@ -95,8 +95,8 @@ from acco_hooks.engine.schedule import (
     Schedule,
     candidate_schedules,
 )
-from acco_hooks.engine.settings import ESTIMATE_DTYPES, EngineSettings, SettingError
-from acco_hooks.engine.wire import WireFormat, backend_can_send
+from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
+from acco_hooks.engine.wire import WIRE_FORMATS, backend_can_send
 
 __all__ = ["ACCOEngine", "STATE_VERSION"]
 
@@ -226,10 +226,10 @@ class ACCOEngine:
             # The estimate formats it may send: the reduce dtype's carries ΣG̃ on the shard
             # side; a narrower one needs the wire buffers.
             formats = _estimate_formats(settings, self._groups)
-            narrow = [WireFormat(ESTIMATE_DTYPES[f]) for f in formats if f != _reduce_name(settings)]
+            narrow = [WIRE_FORMATS[f] for f in formats if f != settings.reduce_format]
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
-                settings.reduce_torch_dtype, _reduce_name(settings) in formats,
+                settings.reduce_torch_dtype, settings.reduce_format in formats,
                 (lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 optimizer_class, optimizer_kwargs, lr_scheduler,
             )  # fmt: skip
@@ -268,7 +268,8 @@ class ACCOEngine:
         # measures K, C and the round time; predicts ACCO's per-token speedup
         self.advisor = Advisor(
             settings.accumulation_steps, overlapping=settings.overlaps_every_update,
-            microbatches_per_update=settings.accumulation_steps * (2 if settings.mode == "acco" else 1),
+            microbatches_per_update=settings.accumulation_steps
+            * (2 if settings.mode is Mode.ACCO else 1),
             estimate_fractions=fractions or None,
         )  # fmt: skip
         self._round_started: float | None = None
@@ -471,7 +472,7 @@ class ACCOEngine:
         update_carries = carry and not estimate
         plan = RoundPlan(
             Job.ESTIMATE if estimate else Job.UPDATE, self._local_count,
-            wire=WireFormat(ESTIMATE_DTYPES[schedule.estimate_dtype]) if keeps else None,
+            wire=WIRE_FORMATS[schedule.estimate_dtype] if keeps else None,
             carry=carry, keeps_accumulator=keeps,
             carried_count=self._estimate_count if update_carries else 0.0,
             reweigh_carried=self._reweigh_carried if update_carries else None,
@@ -504,7 +505,7 @@ class ACCOEngine:
             self._finish_in_flight(apply=True)
         if not estimate:
             self._at_update_end(schedule)
-        self.step_boundary = self.settings.mode != "auto" or not estimate
+        self.step_boundary = self.settings.mode is not Mode.AUTO or not estimate
         # 4. return: the next round computes while the network works
         now = time.perf_counter()
         if self._round_started is not None:  # round end to round end, for the advisor
@@ -515,7 +516,7 @@ class ACCOEngine:
     def _waits_for_own_round(self) -> bool:
         """Whether each round waits for its own communication (``ddp``; ``auto`` between its
         overlapped schedules)."""
-        return self.schedule.synchronous and self.settings.mode != "dpu"
+        return self.schedule.synchronous and self.settings.mode is not Mode.DPU
 
     def _at_update_end(self, ran: Schedule) -> None:
         """An update's micro-batches are all in (its update launched, or applied when
@@ -581,7 +582,7 @@ class ACCOEngine:
         if self._auto is not None:
             wire = flight.plan.wire
             self._auto.record_comm(
-                _reduce_name(self.settings) if wire is None else _name(wire.dtype), result.comm_s
+                self.settings.reduce_format if wire is None else wire.name, result.comm_s
             )
             if result.schedule_choice is not None:
                 self._agreed = self._auto.candidates[result.schedule_choice]
@@ -716,8 +717,9 @@ class ACCOEngine:
                            else g.carried for g in self._buffers]  # fmt: skip
         chunks = self._placement.chunks
         return {
-            "version": STATE_VERSION, "mode": self.settings.mode,
-            "optimizer_class": _class_name(self.optimizer), "world_size": self.world_size, "fsdp_world_size": self.fsdp_world_size,
+            "version": STATE_VERSION, "mode": self.settings.mode.value,
+            "optimizer_class": _class_name(self.optimizer), "world_size": self.world_size,
+            "fsdp_world_size": self.fsdp_world_size,
             "params": self._placement.param_names, "param_shapes": self._placement.global_shapes,
             "accumulation_steps": self.settings.accumulation_steps,
             "round_index": self.round_index, "num_updates": self.num_updates,
@@ -730,7 +732,7 @@ class ACCOEngine:
             },
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "pending_job": None if flight is None else flight.plan.job.value,
-            "pending_wire": _name(flight.plan.wire.dtype) if narrow else None,
+            "pending_wire": flight.plan.wire.name if narrow else None,
             # per element, DTensors: every rank's part is saved, and any world loads it
             "master": chunks([g.master for g in self._buffers]),
             "pending_shard": chunks([g.gather_input for g in self._buffers]),
@@ -832,7 +834,7 @@ class ACCOEngine:
             # it (θ, or a narrow estimate's decoded θ̃ − θ); gathering the shards again rebuilds
             # the full result bit for bit.
             wire = state["pending_wire"]
-            wire = None if wire is None else WireFormat(ESTIMATE_DTYPES[wire])
+            wire = None if wire is None else WIRE_FORMATS[wire]
             future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight = RoundInFlight(
                 future, RoundPlan(Job(state["pending_job"]), 0.0, wire), self.round_index - 1
@@ -866,7 +868,7 @@ class ACCOEngine:
     def _estimate_kept(self) -> bool:
         """The estimate round was sent narrower than the reduce dtype: the accumulators keep
         its gradients (and the local counts its weight) for the update round to send."""
-        return self.schedule.estimate_dtype != _reduce_name(self.settings)
+        return self.schedule.estimate_dtype != self.settings.reduce_format
 
     def _kept_estimate_sum(self) -> list[Tensor]:
         """ΣG̃ of a narrow estimate round as the reduce dtype's carried half-batch: the
@@ -977,7 +979,7 @@ def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
     narrower one of ``AUTO_ESTIMATE_DTYPES`` the backend can send."""
     if not settings.has_estimate_round:
         return []
-    chosen = _name(settings.estimate_torch_dtype)
+    chosen = settings.estimate_format
     if chosen == "float8_e4m3fn" and not backend_can_send(groups.data):
         raise SettingError(
             f"acco_hooks: estimate_dtype={settings.estimate_dtype!r} sends bytes with "
@@ -986,21 +988,21 @@ def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
             "estimate_dtype='bfloat16'",
             "estimate_dtype",
         )
-    if settings.mode == "acco" or settings.estimate_dtype is not None:
+    if settings.mode is Mode.ACCO or settings.estimate_dtype is not None:
         return [chosen]
     reduce = settings.reduce_torch_dtype
-    return [_reduce_name(settings)] + [
+    return [settings.reduce_format] + [
         name for name in AUTO_ESTIMATE_DTYPES
-        if ESTIMATE_DTYPES[name].itemsize < reduce.itemsize
+        if WIRE_FORMATS[name].dtype.itemsize < reduce.itemsize
         and (name != "float8_e4m3fn" or backend_can_send(groups.data))
     ]  # fmt: skip
 
 
 def _wire_fraction(buffers: list[GroupBuffers], settings: EngineSettings, name: str) -> float:
     """α of an estimate format: its bytes on the wire, both ways, over the update's."""
-    if name == _reduce_name(settings):
+    if name == settings.reduce_format:
         return 1.0
-    wire = WireFormat(ESTIMATE_DTYPES[name])
+    wire = WIRE_FORMATS[name]
     update = sum(g.padded_numel * (settings.reduce_torch_dtype.itemsize + g.gather_dtype.itemsize)
                  for g in buffers)  # fmt: skip
     world_size = buffers[0].padded_numel // buffers[0].shard_numel
@@ -1014,20 +1016,12 @@ def _first_schedule(
     steps = settings.accumulation_steps
     if not formats:  # ddp, dpu (one round per update)
         return Schedule(0, steps), None
-    if settings.mode == "acco":
+    if settings.mode is Mode.ACCO:
         return Schedule(settings.estimate_microbatches or steps, steps, formats[0]), None
     candidates = candidate_schedules(steps, formats, settings.estimate_microbatches)
     first = groups.norm is None or dist.get_rank() == 0
-    auto = AutoSchedule(candidates, _reduce_name(settings), fractions, report=first)
+    auto = AutoSchedule(candidates, settings.reduce_format, fractions, report=first)
     return candidates[0], auto
-
-
-def _reduce_name(settings: EngineSettings) -> str:
-    return _name(settings.reduce_torch_dtype)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------- what the engine refuses

@@ -30,6 +30,7 @@ the field types of the front-end subclasses.
 
 import ast
 import dataclasses
+import enum
 import inspect
 import math
 import textwrap
@@ -40,11 +41,25 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-__all__ = ["ACCOSettings", "ESTIMATE_DTYPES", "EngineSettings", "MODES", "NONFINITE_POLICIES",
+__all__ = ["ACCOSettings", "ESTIMATE_DTYPES", "EngineSettings", "MODES", "Mode", "NONFINITE_POLICIES",
            "REDUCE_DTYPES", "SettingError", "boolean", "check_accumulation_steps", "real_updates",
            "with_own_fields"]  # fmt: skip
 
-MODES = ("acco", "dpu", "ddp", "auto")
+
+
+class Mode(enum.StrEnum):
+    """The engine's modes (``EngineSettings.mode`` holds one; equal to its name as a string)."""
+
+    ACCO = "acco"
+    DPU = "dpu"
+    DDP = "ddp"
+    AUTO = "auto"
+
+    def __repr__(self) -> str:  # refusals and the settings' repr spell it as it was given
+        return repr(self.value)
+
+
+MODES = tuple(mode.value for mode in Mode)
 NONFINITE_POLICIES = ("skip", "raise")
 # Dtypes the collectives can sum on every backend (float8 has no add on CPU, integers no mean).
 REDUCE_DTYPES: dict[str, torch.dtype] = {
@@ -79,7 +94,7 @@ def real_updates(mode: str, steps: int) -> int:
     """Real optimizer updates in ``steps`` training steps (what a trainer counts: one round in
     ``acco``, ``dpu`` and ``ddp``; one update, of one or two rounds, in ``auto``): every other
     step in ``acco``, every step otherwise. Schedules counted in updates use it."""
-    return steps // 2 if mode == "acco" else steps
+    return steps // 2 if mode == Mode.ACCO else steps
 
 
 # ------------------------------------------------------------------------------ the checks
@@ -159,6 +174,13 @@ def _check_timeout(value: Any) -> Optional[str]:
         return None
     low, high = TIMEOUT_RANGE_S
     return f"must be a number of seconds between {low:g} and {high:g}, or None for the default"
+
+
+def _dtype_name(value: Any) -> Optional[str]:
+    """A dtype setting (a name, a ``torch.dtype`` or None) by its name, or None."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
 
 
 def _as_dtype(value: Any) -> Optional[torch.dtype]:
@@ -275,7 +297,7 @@ class ACCOSettings:
                 "max_microbatches_per_round unset (None)",
                 "max_microbatches_per_round",
             )
-        if self.mode == "auto" and self.accumulate_until_ready:
+        if self.mode == Mode.AUTO and self.accumulate_until_ready:
             raise SettingError(
                 f"{spell('accumulate_until_ready', True)}: mode 'auto' times updates of a fixed "
                 "number of micro-batches to choose its schedule, which uneven rounds would "
@@ -316,7 +338,7 @@ class ACCOSettings:
                 "or None",
                 "max_microbatches_per_round",
             )
-        if self.mode == "auto" and accumulation_steps < 2:
+        if self.mode == Mode.AUTO and accumulation_steps < 2:
             raise SettingError(
                 f"{spell('mode', 'auto')} splits each update's micro-batches (accumulation "
                 f"steps, here {accumulation_steps}) between an estimate round and an update "
@@ -326,7 +348,7 @@ class ACCOSettings:
                 "mode",
             )
         split = self.estimate_microbatches
-        if self.mode == "auto" and split is not None and split >= accumulation_steps:
+        if self.mode == Mode.AUTO and split is not None and split >= accumulation_steps:
             raise SettingError(
                 f"{spell('estimate_microbatches', split)} leaves no micro-batch of an update's "
                 f"{accumulation_steps} (accumulation steps) to the update round: set it between "
@@ -354,7 +376,8 @@ class ACCOSettings:
 
     def to_engine_settings(self, **more: Any) -> "EngineSettings":
         """These settings, with the engine's others (``accumulation_steps``, ``max_grad_norm``)
-        from ``more``: what a trainer front-end hands the engine."""
+        from ``more``: what a trainer front-end hands the engine. ``more`` may hold
+        ``spell`` and ``set_steps``, how the refusals name the front-end's settings."""
         own = {field.name: getattr(self, field.name) for field in dataclasses.fields(ACCOSettings)}
         return EngineSettings(**{**own, **more})
 
@@ -362,12 +385,12 @@ class ACCOSettings:
     def has_estimate_round(self) -> bool:
         """Whether an update may run as an estimate round and an update round ('acco', and
         'auto' when it picks an overlapped schedule)."""
-        return self.mode == "acco" or self.mode == "auto"
+        return self.mode in (Mode.ACCO, Mode.AUTO)
 
     @property
     def overlaps_every_update(self) -> bool:
         """Whether every update's communication overlaps the next round ('acco', 'dpu')."""
-        return self.mode == "acco" or self.mode == "dpu"
+        return self.mode in (Mode.ACCO, Mode.DPU)
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:
@@ -397,15 +420,32 @@ class EngineSettings(ACCOSettings):
     """Clip the averaged gradient to this global L2 norm before each step or estimate; None:
     no clipping."""
 
+    spell: dataclasses.InitVar[Optional[Spelling]] = None
+    """How refusals name a setting: the front-end's spelling (default: as a keyword argument)."""
+
+    set_steps: dataclasses.InitVar[Optional[Callable[[int], str]]] = None
+    """How a user of the front-end sets accumulation_steps to n, for the round-size refusals
+    (:meth:`ACCOSettings.check_round_size`)."""
+
     checks: ClassVar[dict[str, Check]] = {
         **ACCOSettings.checks,
         "accumulation_steps": check_accumulation_steps,
         "max_grad_norm": _check_max_grad_norm,
     }
 
-    def __post_init__(self) -> None:
-        self.check()
-        self.check_round_size(self.accumulation_steps)
+    def __post_init__(
+        self, spell: Optional[Spelling], set_steps: Optional[Callable[[int], str]]
+    ) -> None:
+        # Every setting is checked here, once, whichever front-end built them.
+        self.check(spell or python_spelling)
+        self.check_round_size(self.accumulation_steps, spell or python_spelling, set_steps)
+        # Converted once, here, to the forms the engine reads; nothing converts them again.
+        self.mode = Mode(self.mode)
+        self.reduce_format: str = _dtype_name(self.reduce_dtype) or "float32"
+        """reduce_dtype by its name (float32 for None): the update round's format."""
+        self.estimate_format: str = _dtype_name(self.estimate_dtype) or self.reduce_format
+        """estimate_dtype by its name (reduce_format for None): the estimate round's format
+        in 'acco', and the widest 'auto' tries."""
 
     @classmethod
     def from_keywords(

@@ -35,8 +35,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from acco_hooks.engine.collectives import all_gather
+from acco_hooks.engine.settings import ESTIMATE_DTYPES
 
-__all__ = ["BLOCK", "WireFormat", "all_gather_difference", "backend_can_send", "gather_encoded",
+__all__ = ["BLOCK", "WIRE_FORMATS", "WireFormat", "all_gather_difference", "backend_can_send", "gather_encoded",
            "reduce_scatter_encoded"]  # fmt: skip
 
 BLOCK = 128  # elements per float8 scale: 4 bytes of scale per 128 bytes of values (3 %)
@@ -51,10 +52,11 @@ class WireFormat:
     (float32, one per block) then its values; for a float dtype the values cast to it.
     """
 
-    __slots__ = ("dtype", "scaled")
+    __slots__ = ("name", "dtype", "scaled")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.name = str(dtype).removeprefix("torch.")  # as the settings spell it: "bfloat16"
         self.scaled = dtype.itemsize == 1  # float8: the values need a scale per block
 
     def __repr__(self) -> str:
@@ -103,6 +105,12 @@ class WireFormat:
             decoded = decoded.view(-1)[: piece.numel()]
             target.add_(decoded) if accumulate else target.copy_(decoded)
 
+
+
+# Every format an estimate round may travel in, built once: the engine looks them up by name.
+WIRE_FORMATS: dict[str, WireFormat] = {
+    name: WireFormat(dtype) for name, dtype in ESTIMATE_DTYPES.items()
+}
 
 def _rows(piece: Tensor) -> Tensor:
     """``piece`` in float32 as rows of ``BLOCK``, the last one padded with zeros. Read only:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainingArguments
 
+from acco_hooks._frontend import launcher_world_size
+from acco_hooks.engine import Mode
 from acco_hooks.hf.arguments import ACCOArguments
 from acco_hooks.hf.data import tokenize_and_group
 from acco_hooks.hf.trainer import ACCOTrainer
@@ -75,7 +77,7 @@ def training_arguments_from_paper_config(
     values = dict(config.items()) if hasattr(config, "items") else dict(vars(config))
     world_size = world_size or (
         dist.get_world_size() if dist.is_available() and dist.is_initialized()
-        else int(os.environ.get("WORLD_SIZE", "1"))
+        else launcher_world_size()
     )  # fmt: skip
     mode = "ddp" if values.get("run_baseline_ddp") else values.get("method_name", "acco")
     acco_args = ACCOArguments(mode=mode)
@@ -94,7 +96,7 @@ def training_arguments_from_paper_config(
     if "nb_steps_tot" in values:
         kwargs["max_steps"] = max(1, math.ceil(int(values["nb_steps_tot"]) / micro))
     if "warmup" in values:
-        kwargs["warmup_steps"] = int(values["warmup"]) * (2 if mode == "acco" else 1)
+        kwargs["warmup_steps"] = int(values["warmup"]) * (2 if mode == Mode.ACCO else 1)
     if values.get("eval") and "eval_step" in values:
         kwargs["eval_strategy"] = "steps"
         kwargs["eval_steps"] = max(1, math.ceil(int(values["eval_step"]) / micro))

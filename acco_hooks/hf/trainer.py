@@ -41,7 +41,7 @@ from torch import nn
 from transformers import Trainer, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 
-from acco_hooks.engine import ACCOEngine, real_updates
+from acco_hooks.engine import ACCOEngine, Mode, real_updates
 from acco_hooks.hf._checkpoints import (
     ENGINE_DIR,
     ENGINE_FILE,
@@ -147,7 +147,7 @@ class ACCOTrainer(Trainer):
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
     ) -> Any:
         self._acco_max_steps = max_steps
-        if self.acco_args.mode == "acco" and max_steps % 2:
+        if self.acco_args.mode == Mode.ACCO and max_steps % 2:
             logger.warning(
                 "ACCOTrainer: max_steps=%d rounds is odd: in acco mode the last round computes "
                 "at an estimate whose update never comes, its gradients are unused. Use an even "

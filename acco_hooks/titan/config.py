@@ -11,14 +11,14 @@ No ``from __future__ import annotations``: torchtitan 0.2.2's ConfigManager read
 types (``dataclasses.fields(...).type``) to build nested sections from TOML.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from acco_hooks._frontend import launcher_world_size
 from acco_hooks.engine import ACCOSettings, EngineSettings
 from acco_hooks.engine.settings import Check, boolean, check_accumulation_steps
 
-__all__ = ["ACCO", "engine_settings", "validate_acco"]
+__all__ = ["ACCO", "validate_acco"]
 
 
 def spelling(name: str, value: Any) -> str:
@@ -125,30 +125,35 @@ def validate_acco(
     *,
     early_step_in_backward: bool = False,
     world_size: int | None = None,
-) -> None:
-    """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built;
-    resolve ``data_parallel_replicate_degree = -1`` in ``parallelism`` (torchtitan takes -1
+) -> EngineSettings | None:
+    """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
+    and build the engine's settings: the one place the torchtitan path checks and builds them.
+    Resolves ``data_parallel_replicate_degree = -1`` in ``parallelism`` (torchtitan takes -1
     for the shard degree only).
 
     Args:
         acco: the section.
         parallelism: torchtitan's ``ParallelismConfig`` (0.2.2 or 0.3.0).
-        training: torchtitan's ``Training`` section (the batch sizes give the round's size).
+        training: torchtitan's ``Training`` section (the batch sizes give the round's size;
+            ``max_norm`` the clipping, off when <= 0).
         optimizer_names: the optimizer of every parameter group (0.2.2 has exactly one).
         early_step_in_backward: torchtitan 0.2.2's ``[optimizer]`` option of that name.
-        world_size: default ``$WORLD_SIZE``.
+        world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
+
+    Returns:
+        The engine's settings (``[acco]``'s own, micro-batches per round from
+        ``accumulation_steps`` or torchtitan's gradient accumulation), or ``None`` when
+        ``enable`` is off.
 
     Raises:
         ValueError: naming the setting and the fix.
     """
     acco.check(spelling, names=("enable",))
     if not acco.enable:
-        return
-    acco.check(spelling)
+        return None
+    acco.check(spelling, names=("accumulation_steps", "fsdp_sync_every_microbatch"))
     par = parallelism
-    replicate, shard = _data_parallel_degrees(
-        par, world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    )
+    replicate, shard = _data_parallel_degrees(par, world_size or launcher_world_size())
     par.data_parallel_replicate_degree = replicate
     # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
     # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
@@ -159,17 +164,6 @@ def validate_acco(
             "data_parallel_replicate_degree >= 2 (FSDP then shards each replica: HSDP), or "
             "[acco] enable = false for torchtitan's own FSDP"
         )
-    if par.context_parallel_degree != 1 or par.expert_parallel_degree != 1:
-        raise ValueError(
-            "[acco] enable supports tensor and pipeline parallelism only: set "
-            "context_parallel_degree = 1 and expert_parallel_degree = 1"
-        )
-    degrees = {"data_parallel_shard_degree": shard,
-               "tensor_parallel_degree": par.tensor_parallel_degree,
-               "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
-    split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
-    acco.check_until_ready(" and ".join(split_by) or None, spelling)
-    _check_global_batch(training, replicate * shard, shard)
 
     def set_round_size(steps: int) -> str:
         if acco.accumulation_steps or training.global_batch_size <= 0:
@@ -179,7 +173,27 @@ def validate_acco(
                 f"{batch}: {steps} micro-batches of local_batch_size = "
                 f"{training.local_batch_size} on {replicate * shard} data-parallel ranks)")
 
-    acco.check_round_size(round_size(acco, par, training, world_size), spelling, set_round_size)
+    # torchtitan's gradient accumulation steps: the global batch over the local batch times
+    # the data-parallel degree (one step when global_batch_size is -1)
+    round_size = acco.accumulation_steps or max(
+        1, training.global_batch_size // (training.local_batch_size * replicate * shard)
+    )
+    settings = acco.to_engine_settings(
+        accumulation_steps=round_size,
+        max_grad_norm=training.max_norm if training.max_norm > 0 else None,
+        spell=spelling, set_steps=set_round_size,
+    )  # fmt: skip
+    if par.context_parallel_degree != 1 or par.expert_parallel_degree != 1:
+        raise ValueError(
+            "[acco] enable supports tensor and pipeline parallelism only: set "
+            "context_parallel_degree = 1 and expert_parallel_degree = 1"
+        )
+    degrees = {"data_parallel_shard_degree": shard,
+               "tensor_parallel_degree": par.tensor_parallel_degree,
+               "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
+    split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
+    settings.check_until_ready(" and ".join(split_by) or None, spelling)
+    _check_global_batch(training, replicate * shard, shard)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(
@@ -191,29 +205,4 @@ def validate_acco(
             "[optimizer] early_step_in_backward = true cannot be combined with [acco] enable: "
             "the engine steps the optimizer on its communication thread"
         )
-
-
-def round_size(acco: ACCO, parallelism: Any, training: Any, world_size: int | None = None) -> int:
-    """Micro-batches per round: ``accumulation_steps``, or when it is 0 torchtitan's gradient
-    accumulation steps (the global batch over the local batch times the data-parallel degree,
-    one step when ``global_batch_size`` is -1)."""
-    if acco.accumulation_steps:
-        return acco.accumulation_steps
-    replicate, shard = _data_parallel_degrees(
-        parallelism, world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    )
-    return max(1, training.global_batch_size // (training.local_batch_size * replicate * shard))
-
-
-def engine_settings(
-    acco: ACCO, parallelism: Any, training: Any, world_size: int | None = None
-) -> EngineSettings:
-    """The engine's settings of a run that :func:`validate_acco` accepted.
-
-    ``[acco]``'s own settings as they are; micro-batches per round from :func:`round_size`;
-    clipping at ``training.max_norm`` (off when <= 0).
-    """
-    return acco.to_engine_settings(
-        accumulation_steps=round_size(acco, parallelism, training, world_size),
-        max_grad_norm=training.max_norm if training.max_norm > 0 else None,
-    )
+    return settings

@@ -43,7 +43,7 @@ from acco_hooks.titan.base import (  # noqa: E402
     EngineOptimizersContainer,
     WithoutReplicate,
 )
-from acco_hooks.titan.config import ACCO, engine_settings, validate_acco  # noqa: E402
+from acco_hooks.titan.config import ACCO, validate_acco  # noqa: E402
 
 __all__ = ["ACCO", "EngineOptimizerConfig", "ACCOTrainer", "JobConfig", "acco_train_spec",
            "build_acco_lr_schedulers", "build_acco_optimizers", "validate_acco_config"]  # fmt: skip
@@ -59,19 +59,24 @@ class JobConfig(TitanJobConfig):
 @dataclass
 class EngineOptimizerConfig(TitanOptimizer):
     """torchtitan's ``[optimizer]`` section with the engine's settings, resolved from the job
-    (``acco_hooks.titan.config.engine_settings``) by :class:`ACCOTrainer`."""
+    (``acco_hooks.titan.config.validate_acco``) by :class:`ACCOTrainer`."""
 
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine's settings: [acco], the round size and training.max_norm's clipping."""
 
 
-def validate_acco_config(job_config: JobConfig, world_size: int | None = None) -> None:
+def validate_acco_config(
+    job_config: JobConfig, world_size: int | None = None
+) -> EngineSettings | None:
     """Refuse a bad ``[acco]`` section or an unsupported parallelism before anything is built.
+
+    Returns:
+        The engine's settings, for :class:`ACCOTrainer`; ``None`` when ``[acco] enable`` is off.
 
     Raises:
         ValueError: naming the setting and the fix.
     """
-    validate_acco(
+    return validate_acco(
         job_config.acco, job_config.parallelism, job_config.training, [job_config.optimizer.name],
         early_step_in_backward=job_config.optimizer.early_step_in_backward,
         world_size=world_size,
@@ -151,14 +156,19 @@ class ACCOTrainer(ACCOTrainerBase):
 
     Needs ``[acco] enable = true``. The model's train spec is replaced by ``<name>_acco``
     (registered on the fly): the same model and parallelize function, without DDP.
+
+    Args:
+        job_config: the run's configuration.
+        settings: what :func:`validate_acco_config` returned for it, when the caller validated
+            it first (``train_titan.py`` does, to refuse a bad section on every rank before
+            anything is built); ``None`` validates it here.
     """
 
-    def __init__(self, job_config: JobConfig) -> None:
-        validate_acco_config(job_config)
-        if not job_config.acco.enable:
+    def __init__(self, job_config: JobConfig, settings: EngineSettings | None = None) -> None:
+        settings = settings or validate_acco_config(job_config)
+        if settings is None:
             raise ValueError("ACCOTrainer needs [acco] enable = true")
         job_config.model.name = _ensure_acco_train_spec(job_config.model.name)
-        settings = engine_settings(job_config.acco, job_config.parallelism, job_config.training)
         optimizer = job_config.optimizer
         job_config.optimizer = EngineOptimizerConfig(
             **{f.name: getattr(optimizer, f.name) for f in dataclasses.fields(TitanOptimizer)},

@@ -57,7 +57,7 @@ from acco_hooks.titan.base import (  # noqa: E402
     EngineOptimizersContainer,
     WithoutReplicate,
 )
-from acco_hooks.titan.config import ACCO, engine_settings, spelling, validate_acco  # noqa: E402
+from acco_hooks.titan.config import ACCO, spelling, validate_acco  # noqa: E402
 
 __all__ = ["ACCOLRSchedulersContainer", "ACCOOptimizersContainer", "ACCOTrainer",
            "validate_acco_config", "with_acco"]  # fmt: skip
@@ -66,17 +66,23 @@ ACCO_SPMD_BACKENDS = ("spmd_types", "partial_dtensor")
 """The ``parallelism.spmd_backend`` values ACCO is tested on; the first is torchtitan's default."""
 
 
-def validate_acco_config(config: Trainer.Config, world_size: int | None = None) -> None:
+def validate_acco_config(
+    config: Trainer.Config, world_size: int | None = None
+) -> EngineSettings | None:
     """Refuse bad ``acco`` settings or an unsupported parallelism before anything is built.
+
+    Returns:
+        The engine's settings, for :class:`ACCOTrainer`; ``None`` without ``acco`` or when
+        ``acco.enable`` is off.
 
     Raises:
         ValueError: naming the setting and the fix.
     """
     acco = getattr(config, "acco", None)
     if acco is None or not acco.enable:
-        return
+        return None
     groups = config.optimizer.param_groups
-    validate_acco(
+    settings = validate_acco(
         acco, config.parallelism, config.training,
         [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size,
@@ -92,6 +98,7 @@ def validate_acco_config(config: Trainer.Config, world_size: int | None = None) 
             f"{' or '.join(ACCO_SPMD_BACKENDS)}; set --parallelism.spmd-backend spmd_types "
             "(torchtitan's default)"
         )
+    return settings
 
 
 class ACCOOptimizersContainer(EngineOptimizersContainer):
@@ -151,6 +158,12 @@ class ACCOTrainer(ACCOTrainerBase):
 
     Needs ``acco.enable = True``. Build it from its config (``config.build()``), as
     ``torchtitan.train`` does.
+
+    Args:
+        config: the run's configuration.
+        settings: what :func:`validate_acco_config` returned for it, when the caller validated
+            it first (``train_titan.py``: ``config.build(settings=...)``); ``None`` validates
+            it here.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -161,9 +174,9 @@ class ACCOTrainer(ACCOTrainerBase):
     optimizers: ACCOOptimizersContainer
     config: Config
 
-    def __init__(self, config: Config) -> None:
-        validate_acco_config(config)
-        if not config.acco.enable:
+    def __init__(self, config: Config, settings: EngineSettings | None = None) -> None:
+        settings = settings or validate_acco_config(config)
+        if settings is None:
             raise ValueError("ACCOTrainer needs acco.enable = true")
         spec = config.model_spec
         parallelize_fn = spec.parallelize_fn
@@ -191,8 +204,7 @@ class ACCOTrainer(ACCOTrainerBase):
             post_optimizer_build_fn=_bind_engine_after(spec.post_optimizer_build_fn),
         )  # fmt: skip
         config.optimizer = _as(ACCOOptimizersContainer.Config, config.optimizer,
-                               engine=engine_settings(config.acco, config.parallelism,
-                                                      config.training))  # fmt: skip
+                               engine=settings)  # fmt: skip
         config.lr_scheduler = _as(ACCOLRSchedulersContainer.Config, config.lr_scheduler)
         # A CUDA-graph replay would skip the engine's gradient hooks (Python).
         config.training.disable_cuda_graphs = True
