@@ -31,8 +31,7 @@ from acco_hooks.engine import (  # noqa: E402
     EngineSettings,
     SettingError,
 )
-from acco_hooks.fsdp import ACCOHSDPOptimizer  # noqa: E402
-from acco_hooks.optimizer import ACCOOptimizer  # noqa: E402
+from acco_hooks.optim import ACCOHSDPOptimizer, ACCOOptimizer  # noqa: E402
 
 __all__ = [
     "ACCOCommunicationError",
