@@ -1,141 +1,144 @@
-"""Draw docs/figures/timeline.png: what each side of one rank does per round in ddp, dpu and acco.
+"""Draw docs/figures/timeline.png from a profiler trace of the README's main job.
 
-    pip install -e ".[docs]" && python docs/figures/timeline.py
+    python docs/figures/timeline.py            # runs the job under the profiler, then draws
 
-A schematic, not a measurement: one round's compute is 1 time unit and its communication 0.8,
-drawn to the engine's schedule (``acco_hooks/engine.py``; ``tests/scenario.py:reference_run``).
+It runs the main job (``train_titan.py --job.config_file torchtitan_configs/debug_cpu_acco.toml``
+on 2 CPU processes; ``--training.steps 12``: the same rounds, fewer of them) with every
+thread recorded by ``torch.profiler``, keeps the engine's ``acco::`` ranges of each rank
+(``docs/results/timeline_trace.json``: rank, thread, label, start and length in ms) and draws
+four rounds of both ranks: the training loop's thread above, the communication thread below.
+Between two round ends the loop computes the next micro-batches; what the loop waits for is
+``acco::wait``. The profiler slows every operator, so read the shape, not the milliseconds.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-COMPUTE, COMM = 1.0, 0.8  # one round's compute and communication time (arbitrary units)
-# The communication of a round: reduce-scatter, the shard step, all-gather (schematic shares).
-REDUCE_SCATTER, SHARD_STEP, ALL_GATHER = 0.32, 0.16, 0.32
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULT = ROOT / "docs" / "results" / "timeline_trace.json"
+FIGURE = ROOT / "docs" / "figures" / "timeline.png"
+JOB = ["--job.config_file", "torchtitan_configs/debug_cpu_acco.toml", "--training.steps", "12"]
+LOOP_LABELS = ("acco::round_end", "acco::wait", "acco::apply")
+COMM_LABELS = ("acco::reduce_scatter", "acco::shard_step", "acco::estimate_step",
+               "acco::all_gather")  # fmt: skip
 COLORS = {
-    "G̃": "#f4a261", "G": "#2a9d8f", "Peek": "#e9c46a", "Opt": "#264653", "wait": "#dddddd",
-    "collective": "#a8c5da",
+    "compute": "#2a9d8f", "acco::round_end": "#e9c46a", "acco::wait": "#e76f51",
+    "acco::apply": "#f4a261", "acco::reduce_scatter": "#a8c5da", "acco::shard_step": "#264653",
+    "acco::estimate_step": "#8ab17d", "acco::all_gather": "#5e81ac",
 }  # fmt: skip
-COMPUTE_ROW, COMM_ROW = 1, 0
+ROUNDS_DRAWN = 4
 
 
-def sub(i: int | str) -> str:
-    return str(i).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
+def profile_one_rank(trace_dir: str, job_args: list[str]) -> None:
+    """In a torchrun child: the main job under a profiler that records every thread."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(ROOT))
+    sys.argv = ["train_titan.py", *job_args]
+    import train_titan
+
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as trace:
+        train_titan.main()
+    trace.export_chrome_trace(os.path.join(trace_dir, f"rank{os.environ['RANK']}.json"))
 
 
-THETA = r"\theta"
+def acco_ranges(chrome_trace: str, rank: int) -> list[dict]:
+    """The ``acco::`` ranges of one rank's trace, the loop's thread named ``loop``."""
+    trace = json.loads(pathlib.Path(chrome_trace).read_text())
+    # Kineto's times are microseconds after baseTimeNanoseconds: on one machine, one clock
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    ranges = [e for e in trace["traceEvents"]
+              if e.get("ph") == "X" and str(e.get("name", "")).startswith("acco::")]  # fmt: skip
+    loop_tid = next(e["tid"] for e in ranges if e["name"] in LOOP_LABELS)
+    return [{"rank": rank, "thread": "loop" if e["tid"] == loop_tid else "communication",
+             "label": e["name"], "start_ms": (base_us + e["ts"]) / 1e3, "ms": e["dur"] / 1e3}
+            for e in sorted(ranges, key=lambda e: e["ts"])]  # fmt: skip
 
 
-def tilde(symbol: str, n: int) -> str:
-    """A tilded symbol with subscript n, in mathtext: the default font loses combining tildes
-    next to mathtext, so every tilded symbol in a label is drawn the same way."""
-    return rf"$\tilde{{{symbol}}}_{{{n}}}$"
+def run_job() -> list[dict]:
+    with tempfile.TemporaryDirectory() as trace_dir:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "2", __file__, "--trace-dir", trace_dir, *JOB]  # fmt: skip
+        subprocess.run(command, cwd=ROOT, check=True)
+        ranges = [r for rank in (0, 1)
+                  for r in acco_ranges(os.path.join(trace_dir, f"rank{rank}.json"), rank)]  # fmt: skip
+    origin = min(r["start_ms"] for r in ranges)
+    for r in ranges:
+        r["start_ms"] = round(r["start_ms"] - origin, 3)
+        r["ms"] = round(r["ms"], 3)
+    return ranges
 
 
-def compute_boxes(mode: str, rounds: int):
-    """(start, length, label, color, above) of each compute box; ``above`` names the round."""
-    boxes, t = [], 0.0
-    for r in range(rounds):
-        if mode == "ddp":
-            boxes.append((t, COMPUTE, f"G{sub(r)} at θ{sub(r)}", COLORS["G"], f"round {r}"))
-            boxes.append((t + COMPUTE, COMM, "idle (waits)", COLORS["wait"], ""))
-            t += COMPUTE + COMM
-            continue
-        if mode == "acco":
-            if r % 2 == 0:
-                label = tilde("G", r // 2) + " at " + tilde(THETA, r // 2)
-                color, kind = COLORS["G̃"], "estimate"
-            else:
-                label, color, kind = f"+G{sub(r // 2)} at θ{sub(r // 2)}", COLORS["G"], "update"
-            boxes.append((t, COMPUTE, label, color, f"round {r}: {kind} round"))
-        else:  # dpu: round r computes at the parameters of update r - 1
-            boxes.append((t, COMPUTE, f"G{sub(r)} at θ{sub(max(r - 1, 0))}", COLORS["G"],
-                          f"round {r}"))  # fmt: skip
-        t += COMPUTE
-    return boxes
+def draw(ranges: list[dict]) -> None:
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-def comm_boxes(mode: str, rounds: int):
-    """(start, step label, step color, result) of each round's communication."""
-    out = []
-    for r in range(rounds):
-        if mode == "ddp":
-            out.append((r * (COMPUTE + COMM) + COMPUTE, "Opt", COLORS["Opt"], f"→ θ{sub(r + 1)}"))
-        elif r > 0:  # the previous round's payload is communicated during this round
-            start = r * COMPUTE
-            if mode == "dpu":
-                out.append((start, "Opt", COLORS["Opt"], f"G{sub(r - 1)} → θ{sub(r)}"))
-            elif (r - 1) % 2 == 0:  # acco: after an estimate round
-                t = (r - 1) // 2
-                result = "Σ" + tilde("G", t) + " → " + tilde(THETA, t + 1)
-                out.append((start, "Peek", COLORS["Peek"], result))
-            else:  # acco: after an update round
-                t = (r - 1) // 2
-                result = f"Σ(G̃{sub(t)}+G{sub(t)}) → θ{sub(t + 1)}"
-                out.append((start, "Opt", COLORS["Opt"], result))
-    return out
-
-
-def draw(ax, mode: str, rounds: int) -> None:
-    for start, length, label, color, above in compute_boxes(mode, rounds):
-        ax.broken_barh([(start, length * 0.98)], (COMPUTE_ROW - 0.35, 0.7), color=color)
-        dark = color == COLORS["G"]
-        ax.text(start + length / 2, COMPUTE_ROW, label, ha="center", va="center", fontsize=8,
-                color="white" if dark else "black")  # fmt: skip
-        if above:
-            ax.text(start + length / 2, COMPUTE_ROW + 0.45, above, ha="center", va="bottom",
-                    fontsize=7, color="#444444")  # fmt: skip
-    for start, step, color, result in comm_boxes(mode, rounds):
-        t = start
-        for length, label, c in ((REDUCE_SCATTER, "RS", COLORS["collective"]),
-                                 (SHARD_STEP, step, color),
-                                 (ALL_GATHER, "AG", COLORS["collective"])):  # fmt: skip
-            ax.broken_barh([(t, length * 0.97)], (COMM_ROW - 0.35, 0.7), color=c)
-            ax.text(t + length / 2, COMM_ROW, label, ha="center", va="center", fontsize=6.5,
-                    color="white" if c == COLORS["Opt"] else "black")  # fmt: skip
-            t += length
-        ax.text(start + COMM / 2, COMM_ROW - 0.45, result, ha="center", va="top", fontsize=7)
-    lanes = ["communication thread\n(RS → shard step → AG)", "main thread\n(forward/backward)"]
-    ax.set_yticks([COMM_ROW, COMPUTE_ROW], lanes)
-    ax.set_ylim(-1.05, 1.9)
-    ax.tick_params(axis="y", length=0)
+    # A window of ROUNDS_DRAWN rounds from the middle of the run, on rank 0's round ends.
+    ends = [r for r in ranges if r["rank"] == 0 and r["label"] == "acco::round_end"]
+    first = ends[len(ends) // 2 - ROUNDS_DRAWN // 2]
+    last = ends[len(ends) // 2 + ROUNDS_DRAWN // 2]
+    t0, t1 = first["start_ms"], last["start_ms"] + last["ms"]
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    rows = {(0, "loop"): 3, (0, "communication"): 2, (1, "loop"): 1, (1, "communication"): 0}
+    for rank in (0, 1):
+        loop = [r for r in ranges if r["rank"] == rank and r["thread"] == "loop"]
+        round_ends = [r for r in loop if r["label"] == "acco::round_end"]
+        # compute: the loop's time between one round end and the next
+        for before, after in itertools.pairwise(round_ends):
+            ax.broken_barh([(before["start_ms"] + before["ms"],
+                             after["start_ms"] - before["start_ms"] - before["ms"])],
+                           (rows[rank, "loop"] - 0.4, 0.8), color=COLORS["compute"])  # fmt: skip
+        for r in ranges:
+            if r["rank"] != rank:
+                continue
+            inner = r["label"] in ("acco::wait", "acco::apply")
+            height = 0.5 if inner else 0.8
+            ax.broken_barh([(r["start_ms"], r["ms"])],
+                           (rows[rank, r["thread"]] - height / 2, height),
+                           color=COLORS[r["label"]])  # fmt: skip
+    ax.set_xlim(t0 - 5, t1 + 5)
+    ax.set_yticks(list(rows.values()),
+                  [f"rank {rank}: {thread}" for rank, thread in rows])  # fmt: skip
+    ax.set_xlabel("ms since the job's first acco:: range (profiled: every operator is slower)")
+    ax.set_title(f"The README main job (acco, 2 CPU ranks), {ROUNDS_DRAWN} rounds from a "
+                 "torch.profiler trace")  # fmt: skip
+    ax.legend(handles=[Patch(color=c, label=k.removeprefix("acco::")) for k, c in COLORS.items()],
+              loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=8, fontsize=8,
+              frameon=False)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(FIGURE, dpi=130)
+    print(f"wrote {FIGURE.relative_to(ROOT)}")
 
 
 def main() -> None:
-    fig, axes = plt.subplots(3, 1, figsize=(12, 7.6), sharex=True)
-    panels = [
-        ("ddp", 4, "ddp (synchronous ZeRO-1): the main thread waits while the round communicates"),
-        ("dpu", 6, "dpu: round r's communication overlaps round r+1's compute; "
-                   "the gradient is one update stale"),
-        ("acco", 6, "acco: estimate rounds compute G̃ at the estimate θ̃, update rounds add G "
-                    "at θ; one real update per two rounds"),
-    ]  # fmt: skip
-    for ax, (mode, rounds, title) in zip(axes, panels):
-        draw(ax, mode, rounds)
-        ax.set_title(title, fontsize=9, loc="left")
-    axes[-1].set_xlabel("time (arbitrary units: one round's compute = 1, its communication = 0.8)")
-    legend = [
-        Patch(color=COLORS["G"], label="G: micro-batch gradients of a round at θ"),
-        Patch(color=COLORS["G̃"], label="G̃: acco's half-batch gradients at the estimate θ̃"),
-        Patch(color=COLORS["collective"], label="RS / AG: reduce-scatter / all-gather"),
-        Patch(color=COLORS["Opt"], label="Opt: optimizer step of the shard (real update)"),
-        Patch(color=COLORS["Peek"], label="Peek: estimate θ̃, optimizer state unchanged"),
-        Patch(color=COLORS["wait"], label="idle: waiting for communication"),
-    ]
-    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle("Schematic (not a measurement): one rank's rounds in ddp, dpu and acco",
-                 fontsize=11, x=0.01, ha="left")  # fmt: skip
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    out = pathlib.Path(__file__).with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    if "--trace-dir" in sys.argv:  # a torchrun child
+        at = sys.argv.index("--trace-dir")
+        profile_one_rank(sys.argv[at + 1], sys.argv[at + 2:])
+        return
+    ranges = run_job()
+    RESULT.write_text(json.dumps({
+        "what": "acco:: ranges of the README main job (--training.steps 12) under "
+                "torch.profiler with every thread recorded; ms from the first range of either rank",
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
+        "cpus": os.cpu_count(), "command": "python docs/figures/timeline.py",
+        "ranges": ranges,
+    }, indent=1) + "\n")  # fmt: skip
+    print(f"wrote {RESULT.relative_to(ROOT)}: {len(ranges)} ranges")
+    draw(ranges)
 
 
 if __name__ == "__main__":
