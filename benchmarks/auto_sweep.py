@@ -34,7 +34,6 @@ Writes ``docs/results/auto_sweep.json`` and ``docs/figures/auto_sweep.png``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -42,9 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "auto_sweep.json"
-FIGURE = ROOT / "docs" / "figures" / "auto_sweep.png"
+from benchmarks.harness import (
+    FIGURES, RESULTS, ROOT, emit, header, pyplot, result_lines, run_on_link, save_figure,
+    write_result,
+)  # fmt: skip
+
+RESULT_FILE = RESULTS / "auto_sweep.json"
+FIGURE = FIGURES / "auto_sweep.png"
 # The issue's links, and 300mbit: C between one and two rounds' compute (K = 10 micro-batches)
 RATES = ("none", "1gbit", "300mbit", "200mbit", "100mbit", "50mbit")
 MICROBATCHES = 20  # per real update, every arm
@@ -68,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
         for arm in arms if repeat % 2 == 0 else arms[::-1]:
             result = train(dict(arm), args)
             if dist.get_rank() == 0:
-                print("RESULT " + json.dumps({**result, "settings": arm}), flush=True)
+                emit({**result, "settings": arm})
     finish()  # scaffolding/process_exit.py: no abort at exit
 
 
@@ -119,25 +122,16 @@ def paired(args: argparse.Namespace) -> dict:
     """``--paired N``: ddp and auto (and the paper's acco) in the same two processes on the
     uncapped netbed, alternated N times: what separate launches add to the noise (±4 % here)
     stays out of the ratio."""
-    from benchmarks.netbed import run_two_ranks, two_host_link
-    from benchmarks.throughput import _machine
+    from benchmarks.netbed import two_host_link
 
     arms = [arm_settings(name, None) for name in ("ddp", "auto", "acco")]
-    results: dict = {"date": datetime.date.today().isoformat(), "machine": _machine(),
-                     "link": "netbed, no cap", "updates": args.updates, "timed": args.timed,
+    results: dict = {**header(), "link": "netbed, no cap", "updates": args.updates, "timed": args.timed,
                      "alternations": args.paired, "runs": {}}  # fmt: skip
     with two_host_link() as link:
         for compute in args.compute:
-            argv = [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
-                    json.dumps(arms), "--compute", compute, "--microbatch-s",
-                    str(args.microbatch_s), "--updates", str(args.updates), "--timed",
-                    str(args.timed), "--paired", str(args.paired)]  # fmt: skip
-            status, out0, out1 = run_two_ranks(link, argv, env={"PYTHONPATH": str(ROOT)},
-                                               timeout_s=3000)  # fmt: skip
-            if status:
-                raise SystemExit(f"auto_sweep --paired failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
-            runs = [json.loads(line[len("RESULT "):]) for line in out0.splitlines()
-                    if line.startswith("RESULT ")]  # fmt: skip
+            runs = result_lines(run_on_link(link, worker_argv(arms, compute, args.microbatch_s,
+                                                              args.updates, args.timed, args.paired),
+                                            env={"PYTHONPATH": str(ROOT)}, timeout_s=3000))  # fmt: skip
             by_mode: dict[str, list] = {}
             for run in runs:
                 by_mode.setdefault(run["settings"]["mode"], []).append(run)
@@ -154,7 +148,7 @@ def paired(args: argparse.Namespace) -> dict:
             results["runs"][compute] = {"runs": runs, "summary": summary}
             print(compute, {m: (round(v["speedup"], 3), [round(x, 3) for x in v["speedup_per_run"]])
                             for m, v in summary.items()}, flush=True)  # fmt: skip
-            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            write_result(args.out, results)
     return results
 
 
@@ -195,31 +189,28 @@ def law_speedup(ddp: dict, schedule: list) -> float:
     return (MICROBATCHES * c + comm) / schedule_seconds(c, comm, schedule, alpha * comm)
 
 
+def worker_argv(settings, compute: str, microbatch_s: float, updates: int, timed: int,
+                paired: int = 0) -> list[str]:  # fmt: skip
+    """The command of one rank of :func:`worker`."""
+    return [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
+            json.dumps(settings), "--compute", compute, "--microbatch-s", str(microbatch_s),
+            "--updates", str(updates), "--timed", str(timed), "--paired", str(paired)]  # fmt: skip
+
+
 def run_arm(link, settings: dict, compute: str, microbatch_s: float, updates: int,
             timed: int) -> dict:  # fmt: skip
-    from benchmarks.netbed import run_two_ranks
-
-    argv = [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
-            json.dumps(settings), "--compute", compute, "--microbatch-s", str(microbatch_s),
-            "--updates", str(updates), "--timed", str(timed)]  # fmt: skip
-    status, out0, out1 = run_two_ranks(link, argv, env={"PYTHONPATH": str(ROOT)}, timeout_s=900)
-    lines = [line for line in out0.splitlines() if line.startswith("RESULT ")]
-    if status or not lines:
-        raise SystemExit(f"auto_sweep: {settings} failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["settings"] = settings
-    return result
+    out = run_on_link(link, worker_argv(settings, compute, microbatch_s, updates, timed),
+                      env={"PYTHONPATH": str(ROOT)}, timeout_s=900)  # fmt: skip
+    return {**result_lines(out)[-1], "settings": settings}
 
 
 def measure(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import two_host_link
-    from benchmarks.throughput import _machine
 
     import torch
 
     results: dict = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "torch": torch.__version__,
+        **header(), "torch": torch.__version__,
         "model": f"MLP 2 x Linear({WIDTH}, {WIDTH}), 1.05M parameters, batch {BATCH}, fused AdamW",
         "microbatches_per_update": MICROBATCHES, "updates": args.updates, "timed": args.timed,
         "auto_updates": args.auto_updates, "repeats": args.repeats, "runs": {},
@@ -266,7 +257,7 @@ def measure(args: argparse.Namespace) -> dict:
                           + (f" auto_whole={auto['speedup_whole_run']:.2f}" if auto else ""),
                           flush=True)  # fmt: skip
                 results["runs"][key] = repeats
-                args.out.write_text(json.dumps(results, indent=1) + "\n")
+                write_result(args.out, results)
     return results
 
 
@@ -279,11 +270,7 @@ def _fractions(runs: dict) -> dict[str, float]:
 
 
 def plot(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     computes = [c for c in ("real", "sleep") if any(k.startswith(c + "/") for k in results["runs"])]
     fig, axes = plt.subplots(1, len(computes), figsize=(6.5 * len(computes), 4.8), squeeze=False)
     markers = {"acco": "o", "acco_bf16": "s", "acco_fp8": "D", "law": "^", "auto": "*"}
@@ -312,9 +299,7 @@ def plot(results: dict) -> None:
         ax.set_ylabel("per-token speedup over synchronous ZeRO-1")
         ax.set_title(f"compute: {compute} (filled: measured, every repeat; hollow: the law)")
         ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=120)
+    save_figure(fig, FIGURE, dpi=120)
 
 
 def main() -> None:
@@ -333,7 +318,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of every arm per link")
     parser.add_argument("--arms", nargs="+", choices=ARMS[1:], default=list(ARMS[1:]),
                         help="arms besides ddp (which every link runs)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results JSON")
+    parser.add_argument("--out", type=Path, default=RESULT_FILE, help="results JSON")
     parser.add_argument("--resume", action="store_true", help="keep the links already measured")
     parser.add_argument("--paired", type=int, default=0,
                         help="alternate ddp, auto and acco this many times in the same processes "
@@ -345,14 +330,14 @@ def main() -> None:
         worker(args)
         return
     if args.paired:
-        if args.out == RESULTS:
-            args.out = RESULTS.with_name("auto_no_cap.json")
+        if args.out == RESULT_FILE:
+            args.out = RESULT_FILE.with_name("auto_no_cap.json")
         paired(args)
         return
     results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
-    if args.out == RESULTS:
+    if args.out == RESULT_FILE:
         plot(results)
-    print(f"wrote {args.out}" + (f" and {FIGURE.relative_to(ROOT)}" if args.out == RESULTS else ""))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -19,26 +19,24 @@ noise a ratio has to clear).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import statistics
 import sys
 
-from benchmarks.throughput import LOCAL_BATCH, SEQ_LEN, _machine, parse_steps, titan_args
+from benchmarks.harness import LOCAL_BATCH, SEQ_LEN, header, write_result
+from benchmarks.throughput import MODEL, titan_on_link
 
 MODES = ("acco", "dpu", "ddp")
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import run_two_ranks, two_host_link
+    from benchmarks.netbed import two_host_link
 
     trees = {name: pathlib.Path(path).resolve()
              for name, path in (("before", args.before), ("after", args.after))}  # fmt: skip
     k = args.microbatches
     results: dict = {
-        "what": args.what, "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "model": "torchtitan llama3 debugmodel (6.16M parameters)",
+        "what": args.what, **header(), "model": MODEL,
         "trees": {name: str(path) for name, path in trees.items()},
         "microbatches_per_round": k, "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
         "rounds": args.rounds, "repeats": args.repeats, "rates": {},
@@ -51,14 +49,9 @@ def measure(args: argparse.Namespace) -> dict:
                 order = ("before", "after") if repeat % 2 == 0 else ("after", "before")
                 for tree in order:
                     for mode in MODES:
-                        cmd = titan_args("debug_cpu_acco.toml", ("--acco.mode", mode),
-                                         args.rounds, k, 2, f"/tmp/acco_bench/{tree}_{mode}",
-                                         root=trees[tree])  # fmt: skip
-                        status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
-                        if status:
-                            raise RuntimeError(f"{tree} {mode} at {rate} failed:\n{out[-3000:]}\n"
-                                               f"{out1[-3000:]}")  # fmt: skip
-                        round_s = parse_steps(out, LOCAL_BATCH * SEQ_LEN * k)["round_s"]
+                        round_s = titan_on_link(link, mode, args.rounds, k,
+                                                f"/tmp/acco_bench/{tree}_{mode}",
+                                                root=trees[tree])[0]["round_s"]  # fmt: skip
                         runs[mode][tree].append(round_s)
                         print(f"{rate:>8} repeat {repeat} {tree:>6} {mode}: {round_s:.4f} s/round",
                               flush=True)  # fmt: skip
@@ -76,14 +69,8 @@ def measure(args: argparse.Namespace) -> dict:
                       f"(spread of repeats: before {row[mode]['spread_of_repeats']['before']:.1%},"
                       f" after {row[mode]['spread_of_repeats']['after']:.1%})", flush=True)
             results["rates"][rate] = row
-            _save(results, args.out)  # a later failure keeps what was measured
+            write_result(args.out, results)
     return results
-
-
-def _save(results: dict, out: str) -> None:
-    path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def main() -> None:

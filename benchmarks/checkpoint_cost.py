@@ -16,21 +16,16 @@ Writes ``docs/results/checkpoint_cost.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.throughput import ROOT, _machine
+from benchmarks.harness import RESULTS, ROOT, machine, run, step_lines, torchrun, write_result
 
-RESULTS = ROOT / "docs" / "results" / "checkpoint_cost.json"
+RESULT_FILE = RESULTS / "checkpoint_cost.json"
 STEPS, FIRST_TIMED = 40, 6
-STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - root - INFO - step:\s*(\d+)\s")
 SAVE = re.compile(r"Finished saving the checkpoint \(or staging if async is enabled\)\s*in "
                   r"([\d.]+) seconds")  # fmt: skip
 
@@ -40,20 +35,13 @@ def one_run(dump: Path, interval: int | None, async_mode: str) -> dict:
         "--checkpoint.enable", "--checkpoint.interval", str(interval),
         "--checkpoint.async_mode", async_mode, "--checkpoint.keep_latest_k", "2",
     ]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train_titan.py"), "--job.config_file",
-           str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
-           "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
-           "--training.steps", str(STEPS), *checkpoint]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env,
-                          check=False)  # fmt: skip
-    output = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise RuntimeError(output[-3000:])
-    when = {int(step): datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
-            for stamp, step in STEP.findall(output)}  # fmt: skip
-    seconds = (when[STEPS] - when[FIRST_TIMED]).total_seconds() / (STEPS - FIRST_TIMED)
+    output = run(torchrun(2, str(ROOT / "train_titan.py"), "--job.config_file",
+                          str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
+                          "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
+                          "--training.steps", str(STEPS), *checkpoint),
+                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    when = {row["step"]: row["ts"] for row in step_lines(output)}
+    seconds = (when[STEPS] - when[FIRST_TIMED]) / (STEPS - FIRST_TIMED)
     saves = [float(s) for s in SAVE.findall(output)]
     return {"s_per_step": seconds, "saves": len(saves),
             "blocked_s_per_save": statistics.mean(saves) if saves else 0.0}  # fmt: skip
@@ -63,7 +51,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--intervals", default="1,5,20")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULT_FILE))
     args = p.parse_args()
     configs = [(None, "disabled")] + [(int(k), mode) for k in args.intervals.split(",")
                                       for mode in ("disabled", "async")]  # fmt: skip
@@ -85,13 +73,13 @@ def main() -> None:
         for name, rs in runs.items()
     }  # fmt: skip
     print(json.dumps(summary, indent=1))
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "what": "train_titan.py, debug_cpu_acco.toml (Llama-3 debug model, acco) on 2 gloo "
                 f"ranks, {STEPS} steps; seconds per step from step {FIRST_TIMED} on, relative to "
                 "the run without checkpoints; blocked_s_per_save is torchtitan's own figure",
-        "command": "python -m benchmarks.checkpoint_cost", "machine": _machine(),
+        "command": "python -m benchmarks.checkpoint_cost", "machine": machine(),
         "s_per_step_without_checkpoints": round(base, 4), "summary": summary, "runs": runs,
-    }, indent=1) + "\n")  # fmt: skip
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ One rank per host (run it under ``benchmarks.netbed``): no forward or backward, 
 round end costs the network and the shard: reduce-scatter of the gradient buffer, the AdamW step
 of the 1/N fp32 shard, all-gather of the new parameters. ``mode="ddp"`` makes every round end
 wait for its own communication, so the time of ``microbatch_done`` is that cost.
-Prints one JSON line: {"comm_s": [...], "memory_bytes": {...}, "params": N}. ``memory_bytes``
+Prints one ``RESULT`` line (``benchmarks.harness``): {"comm_s": [...], "memory_bytes": {...},
+"params": N}. ``memory_bytes``
 is ``ACCOEngine.memory_bytes()`` of this ``mode="ddp"`` engine after the rounds: the same
 accounting as the ``ddp`` row of ``benchmarks.memory`` (no carried shard, which only ``acco``
 holds).
@@ -13,7 +14,6 @@ holds).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torchtitan.models.llama3 import Transformer, llama3_args
 
 from acco_hooks import ACCOEngine
+from benchmarks.harness import emit
 from scaffolding.process_exit import finish
 
 
@@ -44,8 +45,8 @@ def main() -> None:
         engine.microbatch_done()
         times.append(time.perf_counter() - start)
     if dist.get_rank() == 0:
-        print(json.dumps({"comm_s": times[1:], "memory_bytes": engine.memory_bytes(),
-                          "params": sum(p.numel() for p in engine.params)}))  # fmt: skip
+        emit({"comm_s": times[1:], "memory_bytes": engine.memory_bytes(),
+              "params": sum(p.numel() for p in engine.params)})  # fmt: skip
     engine.close()
     finish()  # scaffolding/process_exit.py: no abort at exit
 

@@ -35,20 +35,25 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import pathlib
 import platform
 import runpy
 import statistics
-import subprocess
 import sys
 import time
 
-from benchmarks.throughput import LOCAL_BATCH, SEQ_LEN, parse_steps, titan_args
+from benchmarks.harness import (
+    LOCAL_BATCH,
+    RESULTS,
+    ROOT,
+    SEQ_LEN,
+    parse_steps,
+    run,
+    titan_args,
+    torchrun,
+    write_result,
+)  # fmt: skip
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "cuda_overhead.json"
+RESULT_FILE = RESULTS / "cuda_overhead.json"
 SMOKE_RESULTS = ROOT / "outputs" / "cuda_overhead_smoke.json"
 ONE_REPLICA = ("--parallelism.data_parallel_replicate_degree", "1")
 # Shapes added to torchtitan 0.2.2's llama3 flavors for this benchmark (see the docstring).
@@ -66,7 +71,7 @@ ARMS: dict[str, tuple[str, tuple[str, ...], int, int]] = {
 }
 
 
-def run_arm(arm: str, compiled: bool, args: argparse.Namespace, log: pathlib.Path) -> dict:
+def run_arm(arm: str, compiled: bool, args: argparse.Namespace, log) -> dict:
     """One training run of ``arm``; its time per update and peak memory. Its output goes to
     ``log``."""
     config, extra, micro_units, steps_per_update = ARMS[arm]
@@ -77,17 +82,10 @@ def run_arm(arm: str, compiled: bool, args: argparse.Namespace, log: pathlib.Pat
     rank_args = titan_args(config, extra, args.updates * steps_per_update, microbatches, 1,
                            str(ROOT / "outputs" / "cuda_overhead" / arm),
                            local_batch=args.local_batch, seq_len=args.seq_len)[2:]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "benchmarks.cuda_overhead", RUN_RANK, *rank_args]  # fmt: skip
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800,
-                          env={**os.environ, "LOG_RANK": "0"})  # fmt: skip
+    output = run(torchrun(1, "-m", "benchmarks.cuda_overhead", RUN_RANK, *rank_args),
+                 timeout_s=1800, env={"LOG_RANK": "0"}, log=log)  # fmt: skip
     wall_s = time.perf_counter() - start
-    output = proc.stdout + proc.stderr
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(output)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{arm} (compile={compiled}) failed:\n{output[-4000:]}")
     steps = parse_steps(output, args.local_batch * args.seq_len * microbatches)
     return {"update_s": steps["round_s"] * steps_per_update,
             "peak_memory_gib": steps["peak_rss_gib"],
@@ -125,7 +123,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def measure(args: argparse.Namespace, out: pathlib.Path) -> dict:
+def measure(args: argparse.Namespace, out) -> dict:
     """Every arm, ``args.repeats`` times, interleaved; ``out`` is rewritten after every run, so
     that a run cut short (a time limit on a lent GPU) still leaves the runs it finished."""
     import torch
@@ -144,7 +142,6 @@ def measure(args: argparse.Namespace, out: pathlib.Path) -> dict:
         "complete": False, "summary": {}, "runs": {},
     }  # fmt: skip
     runs = results["runs"]
-    out.parent.mkdir(parents=True, exist_ok=True)
     for repeat in range(args.repeats):
         compiled_too = args.compile and repeat < args.compiled_repeats
         for compiled in (False, True) if compiled_too else (False,):
@@ -155,9 +152,9 @@ def measure(args: argparse.Namespace, out: pathlib.Path) -> dict:
                 print(f"repeat {repeat} {key:15s} update {run['update_s'] * 1e3:8.2f} ms  "
                       f"peak {run['peak_memory_gib']:.2f} GiB", flush=True)  # fmt: skip
                 results["summary"] = summarize(runs)
-                out.write_text(json.dumps(results, indent=1) + "\n")
+                write_result(out, results)
     results["complete"] = True
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(out, results)
     return results
 
 
@@ -208,7 +205,7 @@ def main() -> None:
     if unknown or "titan" not in args.arms:
         parser.error(f"--arms {','.join(args.arms)}: name arms of {', '.join(ARMS)}, titan "
                      "among them (the baseline)")
-    out = SMOKE_RESULTS if args.smoke else RESULTS
+    out = SMOKE_RESULTS if args.smoke else RESULT_FILE
     results = measure(args, out)
     for key, row in results["summary"].items():
         print(f"{key:15s} {row['update_s_median'] * 1e3:8.2f} ms/update "

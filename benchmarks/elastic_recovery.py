@@ -36,9 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.throughput import ROOT, _machine
+from benchmarks.harness import RESULTS, ROOT, free_port, machine, write_result
 
-RESULTS = ROOT / "docs" / "results" / "elastic_recovery.json"
+RESULT_FILE = RESULTS / "elastic_recovery.json"
 # torchrun shares its rendezvous TCPStore with the workers by default; a node that joins a later
 # rendezvous round then waits forever for bootstrap keys the store's owner wrote only in its
 # first round (torch's dynamic_rendezvous.next_rendezvous). Building them every round works.
@@ -64,12 +64,6 @@ def start_agent(command: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, **ELASTIC_ENV, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, agent: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -168,7 +162,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--updates", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULT_FILE))
     args = p.parse_args()
     rng = random.Random(args.seed)
     runs = []
@@ -185,14 +179,14 @@ def main() -> None:
         "updates_redone": [r["updates_redone"] for r in runs],
     }  # fmt: skip
     print(json.dumps(summary))
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "what": "2 torchrun agents x 2 gloo ranks on loopback, c10d rendezvous "
                 "(last_call_timeout 10 s, monitor interval 0.5 s); one agent and its workers "
                 "SIGKILLed; the survivor resumes on 2 ranks from the newest checkpoint "
                 "(every 4 updates, ~0.2 s of compute per update)",
-        "command": "python -m benchmarks.elastic_recovery", "machine": _machine(),
+        "command": "python -m benchmarks.elastic_recovery", "machine": machine(),
         "summary": summary, "runs": runs,
-    }, indent=1) + "\n")  # fmt: skip
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

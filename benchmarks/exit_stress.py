@@ -50,9 +50,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import datetime
 import gc
-import json
 import os
 import pathlib
 import re
@@ -62,7 +60,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.throughput import ROOT, _machine
+from benchmarks.harness import RESULTS, ROOT, header, torchrun, write_result
 
 FAST = ("--training.steps", "3", "--training.global_batch_size", "8", "--optimizer.lr", "3e-3",
         "--training.seq_len", "64", "--training.local_batch_size", "2")  # fmt: skip
@@ -127,12 +125,11 @@ def exit_race(teardown: str) -> None:
 
 def launch(args: tuple[str, ...], workdir: pathlib.Path, core_files: bool) -> dict:
     """One ``torchrun --standalone --nproc_per_node 2 train_titan.py ...``, classified."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     if args[0] == "--exit-race":
-        cmd = [*torchrun, "-m", "benchmarks.exit_stress", *args]
+        cmd = torchrun(2, "-m", "benchmarks.exit_stress", *args)
     else:
-        cmd = [*torchrun, str(ROOT / "train_titan.py"), *args, "--job.dump_folder",
-               str(workdir / "dump"), "--metrics.disable_color_printing"]  # fmt: skip
+        cmd = torchrun(2, str(ROOT / "train_titan.py"), *args, "--job.dump_folder",
+                       str(workdir / "dump"), "--metrics.disable_color_printing")  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOG_RANK": "all"}
 
     def allow_core_files() -> None:
@@ -202,12 +199,12 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()  # fmt: skip
     results = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(), "commit": commit,
+        **header(), "commit": commit,
         "torch": __import__("torch").__version__, "torchtitan_release": release,
         "launches_per_job": args.launches, "parallel": args.parallel, "load": args.load,
         "command": " ".join(["python -m benchmarks.exit_stress", *sys.argv[1:]]), "jobs": {},
     }  # fmt: skip
-    out = args.out or ROOT / "docs" / "results" / f"exit_stress_{release}_{args.label}.json"
+    out = args.out or RESULTS / f"exit_stress_{release}_{args.label}.json"
     with tempfile.TemporaryDirectory() as tmp, background_load(args.load), \
             concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:  # fmt: skip
         for name in chosen:
@@ -225,8 +222,7 @@ def main() -> None:
                   f"{counts['abort']} aborted at exit, {counts['failed']} failed otherwise, "
                   f"{fell_back} left without finalizing; "
                   f"{seconds[len(seconds) // 2]:.0f} s each (median)", flush=True)  # fmt: skip
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(results, indent=1) + "\n")
+            write_result(out, results)
     print(f"wrote {out}")
 
 

@@ -13,8 +13,6 @@ alternate (twice each); figures are medians. Writes docs/results/hsdp_sync.json.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import resource
 import statistics
 import time
@@ -22,8 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "results" / "hsdp_sync.json"
+from benchmarks.harness import RESULTS, run_ranks, write_result
+
+OUT = RESULTS / "hsdp_sync.json"
 MICROBATCHES, ROUNDS, WARMUP = 4, 8, 2
 
 
@@ -72,12 +71,10 @@ def run(rank: int, world_size: int, sync_every: bool) -> dict:
 
 
 def main() -> None:
-    from tests.dist_utils import run_distributed
-
     samples: dict[str, list[dict]] = {"once_per_round": [], "every_microbatch": []}
     for _ in range(2):
         for name, sync_every in (("once_per_round", False), ("every_microbatch", True)):
-            per_rank = run_distributed("benchmarks.hsdp_sync:run", 4, sync_every)
+            per_rank = run_ranks("benchmarks.hsdp_sync:run", 4, sync_every)
             samples[name].append({k: max(r[k] for r in per_rank) for k in per_rank[0]})
     results = {
         name: {k: statistics.median(s[k] for s in runs) for k in runs[0]}
@@ -88,8 +85,7 @@ def main() -> None:
     results["setup"] = {"model": "llama3 debugmodel (6.2M params)", "replicas": 2,
                         "fsdp_shards": 2, "microbatches_per_round": MICROBATCHES,
                         "microbatch": "2 x 128 tokens", "backend": "gloo, loopback, 2 CPU cores"}  # fmt: skip
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(OUT, results)
     mib = 1 << 20
     print(f"{'FSDP reduce-scatter':<22}{'calls/round':>12}{'s/round':>10}{'peak RSS growth':>18}")
     for name in ("once_per_round", "every_microbatch"):

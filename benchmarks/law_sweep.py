@@ -20,27 +20,27 @@ Writes ``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
 import statistics
-import sys
 
+from benchmarks.harness import FIGURES, RESULTS, header, pyplot, save_figure, write_result
 from benchmarks.throughput import (
     LOCAL_BATCH,
-    ROOT,
+    MODEL,
     SEQ_LEN,
-    _machine,
+    comm_only_s,
     compute_only_round_s,
     main_args,
-    parse_steps,
-    titan_args,
-)
+    titan_on_link,
+)  # fmt: skip
 
-RESULTS = ROOT / "docs" / "results" / "law_sweep.json"
-FIGURE = ROOT / "docs" / "figures" / "law_sweep.png"
+RESULT_FILE = RESULTS / "law_sweep.json"
+FIGURE = FIGURES / "law_sweep.png"
 ADVISOR = re.compile(r"acco advisor: compute_per_round=([\d.]+)s comm_per_round=([\d.]+)s "
                      r"predicted_speedup=([\d.]+) round=([\d.]+)s ideal_speedup=([\d.]+)")  # fmt: skip
+ADVISOR_KEYS = ("compute_per_round_s", "comm_per_round_s", "predicted_speedup", "round_s",
+                "ideal_speedup")  # fmt: skip
 
 
 def law(compute_s: float, comm_s: float) -> float:
@@ -50,12 +50,11 @@ def law(compute_s: float, comm_s: float) -> float:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import run_two_ranks, two_host_link
+    from benchmarks.netbed import two_host_link
 
     k = args.microbatches
     results: dict = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "model": "torchtitan llama3 debugmodel (6.16M parameters)", "k": k,
+        **header(), "model": MODEL, "k": k,
         "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
         "repeats": args.repeats, "rates": {},
     }  # fmt: skip
@@ -66,29 +65,17 @@ def measure(args: argparse.Namespace) -> dict:
     with two_host_link() as link:
         for rate in args.rates:
             link.set_rate(rate)
-            status, out, _ = run_two_ranks(link, [sys.executable, "-m", "benchmarks.comm_only",
-                                                  "--rounds", "5"], timeout_s=900)  # fmt: skip
-            comm = statistics.median(
-                json.loads(next(line for line in out.splitlines() if line.startswith("{")))["comm_s"]
-            )
+            comm = statistics.median(comm_only_s(link)["comm_s"])
             row: dict = {"comm_C_s": comm, "C_over_K": comm / compute, "law_S": law(compute, comm),
                          "acco_round_s": [], "ddp_round_s": [], "measured_S": [],
                          "advisor": []}  # fmt: skip
             for repeat in range(args.repeats):
                 times = {}
                 for mode, micro in (("acco", k), ("ddp", 2 * k)):
-                    cmd = titan_args("debug_cpu_acco.toml", ("--acco.mode", mode), args.rounds,
-                                     micro, 2, f"/tmp/acco_law/{mode}")  # fmt: skip
-                    status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
-                    if status:
-                        raise RuntimeError(f"{mode} at {rate} failed:\n{out[-3000:]}\n{out1[-3000:]}")
-                    times[mode] = parse_steps(out, LOCAL_BATCH * SEQ_LEN * micro)["round_s"]
+                    steps, out = titan_on_link(link, mode, args.rounds, micro, f"/tmp/acco_law/{mode}")
+                    times[mode] = steps["round_s"]
                     if mode == "acco" and (found := ADVISOR.search(out)):
-                        row["advisor"].append({"compute_per_round_s": float(found[1]),
-                                               "comm_per_round_s": float(found[2]),
-                                               "predicted_speedup": float(found[3]),
-                                               "round_s": float(found[4]),
-                                               "ideal_speedup": float(found[5])})  # fmt: skip
+                        row["advisor"].append(dict(zip(ADVISOR_KEYS, map(float, found.groups()))))
                 row["acco_round_s"].append(times["acco"])
                 row["ddp_round_s"].append(times["ddp"])
                 row["measured_S"].append(times["ddp"] / (2 * times["acco"]))
@@ -102,16 +89,12 @@ def measure(args: argparse.Namespace) -> dict:
             row["advisor_error"] = [a["predicted_speedup"] / measured - 1
                                     for a, measured in zip(row["advisor"], row["measured_S"])]  # fmt: skip
             results["rates"][rate] = row
-            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+            write_result(RESULT_FILE, results)
     return results
 
 
 def plot(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = sorted(results["rates"].items(), key=lambda item: item[1]["C_over_K"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     grid = [i / 100 for i in range(0, 501)]
@@ -131,16 +114,13 @@ def plot(results: dict) -> None:
     ax.set_ylabel("per-token speedup S of acco(k) over ddp(2k)")
     ax.set_title(f"{results['model']}, 2 ranks, k = {results['k']}, netbed caps", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=110)
-    print(f"wrote {FIGURE}")
+    save_figure(fig, FIGURE)
 
 
 def main() -> None:
     args = main_args(__doc__, "1400mbit,670mbit,340mbit,170mbit,85mbit",
                      "tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4")  # fmt: skip
-    results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
+    results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
     for rate, row in results["rates"].items():
         advised = [a["predicted_speedup"] for a in row["advisor"]]
         worst = max((abs(e) for e in row.get("advisor_error", [])), default=float("nan"))

@@ -18,14 +18,13 @@ rank's model bytes. Writes docs/results/memory.json.
 from __future__ import annotations
 
 import io
-import json
-import pathlib
 import resource
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "results" / "memory.json"
+from benchmarks.harness import RESULTS, run_ranks, write_result
+
+OUT = RESULTS / "memory.json"
 
 
 def _rss_peak_bytes() -> int:
@@ -120,19 +119,15 @@ def spec_prediction(params: int, n: int) -> dict:
 
 
 def main() -> None:
-    from tests.dist_utils import run_distributed
-
     results = {}
     for mode in ("adamw_unsharded", "ddp", "dpu", "acco", "acco_hsdp"):
         world = {"adamw_unsharded": 1, "acco_hsdp": 4}.get(mode, 2)
-        results[mode] = run_distributed("benchmarks.memory:run", world, mode)[0]
+        results[mode] = run_ranks("benchmarks.memory:run", world, mode)[0]
     params = results["acco"]["params"]
     results["spec_prediction_acco_n2"] = spec_prediction(params, 2)
     results["estimate_step_rss_cost_bytes"] = (
         results["acco"]["rss_growth_bytes"] - results["dpu"]["rss_growth_bytes"]
     )
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
     mib = 1 << 20
     print(f"parameters: {params:,} ({4 * params / mib:.1f} MiB fp32), 2 ranks")
     print(f"{'category':<18}" + "".join(f"{m:>17}" for m in ("spec (acco)", "acco", "dpu", "ddp")))
@@ -146,12 +141,12 @@ def main() -> None:
     print(f"unsharded AdamW: optimizer state {unsharded['optimizer_state'] / mib:.1f} MiB, "
           f"grads {unsharded['grads'] / mib:.1f} MiB")  # fmt: skip
     hsdp, acco = results["acco_hsdp"]["tracked_bytes"], results["acco"]["tracked_bytes"]
-    results["hsdp_reduction_vs_acco"] = {cat: acco[cat] / hsdp[cat] for cat in acco}
+    # categories both hold (estimate_wire is empty with a float32 estimate)
+    results["hsdp_reduction_vs_acco"] = {cat: acco[cat] / hsdp[cat] for cat in acco if hsdp[cat]}
     print("HSDP (2 replicas x 2 FSDP shards) vs acco over 2 plain replicas, per rank:")
-    for cat in acco:
-        print(f"  {cat:<18}{acco[cat] / mib:8.1f} MiB -> {hsdp[cat] / mib:6.1f} MiB "
-              f"(/{results['hsdp_reduction_vs_acco'][cat]:.2f})")
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    for cat, ratio in results["hsdp_reduction_vs_acco"].items():
+        print(f"  {cat:<18}{acco[cat] / mib:8.1f} MiB -> {hsdp[cat] / mib:6.1f} MiB (/{ratio:.2f})")
+    write_result(OUT, results)
     for mode in ("adamw_unsharded", "ddp", "dpu", "acco", "acco_hsdp"):
         print(f"peak RSS growth over training, {mode}: {results[mode]['rss_growth_bytes'] / mib:.1f} MiB")
     print(f"estimate step (acco - dpu peak RSS): {results['estimate_step_rss_cost_bytes'] / mib:+.1f} MiB")

@@ -24,11 +24,11 @@ on an 80 GB H100.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "results" / "memory_8b.json"
+from benchmarks.harness import RESULTS, ROOT, write_result
+
+OUT = RESULTS / "memory_8b.json"
 GPUS_PER_NODE = 8
 NODES = (2, 4, 8, 16)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -102,7 +102,7 @@ def main() -> None:
                   f"{row['comm_buffer']:>7}{row['optimizer']:>7}{row['activations_estimate']:>7}"
                   f"{row['total']:>8}  {_note(row)}")  # fmt: skip
     print("act*: an estimate (selective activation checkpointing), see the module docstring")
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(OUT, results)
     print(f"wrote {OUT}")
 
 

@@ -2,9 +2,9 @@
 
     python -m benchmarks.peer_death            # ~10 s on 2 cores: 3 runs of 2 processes
 
-The scenario of ``tests/test_failures.py::test_killed_rank_makes_the_survivor_fail_clearly``:
-a tiny model (``tests/scenario.py``) trains in ``mode="acco"`` on 2 gloo ranks over loopback;
-rank 1 writes the wall-clock time and SIGKILLs itself before round 5, with round 4's
+The scenario of ``tests/engine/test_faults.py::test_killed_rank_makes_the_survivor_fail_clearly``:
+a tiny model (two linear layers, as in ``tests/scenario.py``) trains in ``mode="acco"`` on 2
+gloo ranks over loopback; rank 1 writes the wall-clock time and SIGKILLs itself before round 5, with round 4's
 communication in flight. Rank 0 notes the wall-clock time at which ``ACCOCommunicationError``
 reaches its training loop. The detection time is the difference (same machine, same clock).
 It includes at most one micro-batch of the tiny model's compute: the survivor sees the error
@@ -17,8 +17,6 @@ Writes ``docs/results/peer_death.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import signal
@@ -28,28 +26,30 @@ import time
 
 import torch
 
-from benchmarks.throughput import ROOT, _machine
+from benchmarks.harness import RESULTS, ROOT, header, run_ranks, write_result
 
-RESULTS = ROOT / "docs" / "results" / "peer_death.json"
+RESULT_FILE = RESULTS / "peer_death.json"
 KILL_BEFORE_ROUND = 5
 
 
 def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
     """One rank of the scenario; rank 0 returns when and how the error reached it.
 
-    ``tests/test_failures.py`` runs it too, for the error's message.
+    ``tests/engine/test_faults.py`` runs it too, for the error's message.
     """
     from acco_hooks import ACCOCommunicationError, ACCOOptimizer
-    from tests.scenario import make_model, microbatch_loss
 
-    model = make_model()
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", lr=1e-2, timeout=30)
     try:
         for r in range(50):
             if rank == 1 and r == KILL_BEFORE_ROUND:
                 pathlib.Path(stamp_dir, "killed_at").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            microbatch_loss(model, rank, r, 0).backward()
+            g = torch.Generator().manual_seed(10_007 * rank + 101 * r)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
     except ACCOCommunicationError as exc:
         return {"error_at": time.time(), "round": r, "message": str(exc)}
@@ -57,36 +57,31 @@ def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
 
 
 def main() -> None:
-    from tests.dist_utils import run_distributed
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     runs = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as stamp_dir:
-            survivor, dead = run_distributed(
-                "benchmarks.peer_death:killed_peer_run", 2, stamp_dir, may_die=(1,)
-            )
+            survivor, dead = run_ranks("benchmarks.peer_death:killed_peer_run", 2, stamp_dir,
+                                       may_die=(1,))  # fmt: skip
             killed_at = float(pathlib.Path(stamp_dir, "killed_at").read_text())
         assert dead is None and survivor["error_at"] is not None, survivor
         runs.append({**survivor, "killed_at": killed_at,
                      "detection_s": survivor["error_at"] - killed_at})  # fmt: skip
     detection = [run["detection_s"] for run in runs]
     results = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "torch": torch.__version__, "backend": "gloo (loopback)", "world_size": 2,
+        **header(), "torch": torch.__version__, "backend": "gloo (loopback)", "world_size": 2,
         "mode": "acco", "engine_timeout_s": 30, "killed_before_round": KILL_BEFORE_ROUND,
         "detection_s": detection, "detection_s_median": statistics.median(detection),
         "runs": runs,
     }  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(RESULT_FILE, results)
     print(f"SIGKILL of rank 1 -> ACCOCommunicationError on rank 0, {args.repeats} runs (gloo):")
     for run in runs:
         print(f"  {run['detection_s'] * 1e3:7.1f} ms (raised in round {run['round']}): "
               f"{run['message'].splitlines()[0][:90]}")  # fmt: skip
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

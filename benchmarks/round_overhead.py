@@ -22,7 +22,6 @@ run; the arms interleaved, ``--repeats`` times. Writes ``docs/results/round_over
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "round_overhead.json"
+RESULT_FILE = ROOT / "docs" / "results" / "round_overhead.json"
 WIDTH, BATCH, UPDATE = 724, 256, 20
 ARMS = {  # name: (checkout, settings)
     "ddp_before": ("before", dict(mode="ddp", accumulation_steps=UPDATE, foreach=True)),
@@ -80,28 +79,32 @@ def worker(args: argparse.Namespace) -> None:
     opt.flush()
     if dist.get_rank() == 0:
         timed = rounds[2:]
-        print("RESULT " + json.dumps({
+        this_checkout("benchmarks/harness.py").emit({
             "round_s": statistics.median(r for r, _ in timed),
             "compute_s": statistics.median(c for _, c in timed),
             "overhead_s": statistics.median(r - c for r, c in timed),
             "comm_per_round_s": opt.engine.advisor.figures.get("comm_per_round_s"),
-        }), flush=True)  # fmt: skip
+        })  # fmt: skip
     opt.close()
-    # This checkout's exit (scaffolding/process_exit.py: no abort at exit), loaded by its path:
-    # the arm's checkout comes first on the path, and an older one has no such module.
-    spec = importlib.util.spec_from_file_location("process_exit", ROOT / "scaffolding" / "process_exit.py")
-    process_exit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(process_exit)
-    process_exit.finish()
+    this_checkout("scaffolding/process_exit.py").finish()  # no abort at exit
+
+
+def this_checkout(path: str):
+    """A module of this checkout, loaded by its path: the arm's checkout comes first on the
+    worker's path, and an older one has no such module."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import run_two_ranks, two_host_link
-    from benchmarks.throughput import _machine
+    from benchmarks.harness import header, result_lines, run_on_link, write_result
+    from benchmarks.netbed import two_host_link
 
     trees = {"before": str(Path(args.before).resolve()), "after": str(ROOT)}
     results: dict = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(), "trees": trees,
+        **header(), "trees": trees,
         "model": f"MLP 2 x Linear({WIDTH}, {WIDTH}), 1.05M parameters, batch {BATCH}",
         "microbatches_per_update": UPDATE, "rounds": args.rounds, "repeats": args.repeats,
         "link": "netbed, no cap", "runs": {},
@@ -116,12 +119,8 @@ def measure(args: argparse.Namespace) -> dict:
                             "--settings", json.dumps(settings), "--compute", compute,
                             "--microbatch-s", str(args.microbatch_s), "--rounds",
                             str(args.rounds)]  # fmt: skip
-                    env = {"PYTHONPATH": trees[tree]}  # its acco_hooks
-                    status, out0, out1 = run_two_ranks(link, argv, env=env, timeout_s=900)
-                    lines = [line for line in out0.splitlines() if line.startswith("RESULT ")]
-                    if status or not lines:
-                        raise SystemExit(f"{name} failed ({status}):\n{out0[-3000:]}\n{out1[-2000:]}")
-                    runs[name].append(json.loads(lines[-1][len("RESULT "):]))
+                    out = run_on_link(link, argv, env={"PYTHONPATH": trees[tree]}, timeout_s=900)
+                    runs[name].append(result_lines(out)[-1])  # with its checkout's acco_hooks
                     print(f"{compute} {name}: {runs[name][-1]}", flush=True)
             summary = {}
             for name, repeats in runs.items():
@@ -135,7 +134,7 @@ def measure(args: argparse.Namespace) -> dict:
                 ddp = summary["ddp_before" if name.endswith("_before") else "ddp"]
                 summary[name]["speedup_vs_ddp"] = ddp["update_s"] / summary[name]["update_s"]
             results["runs"][compute] = {"runs": runs, "summary": summary}
-            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+            write_result(RESULT_FILE, results)
     return results
 
 
@@ -161,7 +160,7 @@ def main() -> None:
             print(f"{compute:5s} {name:13s} round {figures['round_s'] * 1e3:6.1f} ms, compute "
                   f"{figures['compute_s'] * 1e3:6.1f} ms, fixed cost {figures['overhead_s'] * 1e3:5.1f}"
                   f" ms per round; per token {figures['speedup_vs_ddp']:.3f}x its ddp")  # fmt: skip
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,12 @@ import math
 import pathlib
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAW_SWEEP = ROOT / "docs" / "results" / "law_sweep.json"
+from benchmarks.harness import FIGURES, RESULTS, ROOT, pyplot, save_figure, write_result
+
+LAW_SWEEP = RESULTS / "law_sweep.json"
 CONFIG = ROOT / "torchtitan_configs" / "llama3_8b_acco.toml"
-OUT = ROOT / "docs" / "results" / "scaling.json"
-FIGURE = ROOT / "docs" / "figures" / "scaling.png"
+OUT = RESULTS / "scaling.json"
+FIGURE = FIGURES / "scaling.png"
 
 # The testbed (benchmarks.comm_only, gloo ring of acco_hooks.engine.collectives): 2 ranks, the debug
 # model's 6,163,712 fp32 parameters, fp32 reduce-scatter then fp32 all-gather, each moving
@@ -197,11 +198,7 @@ def predict(fitted: dict, run: dict, nodes: int, gbit_per_node: float, name: str
 
 
 def plot(fitted: dict, run: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     grid = [10 * (3200 / 10) ** (i / 200) for i in range(201)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     colors = {4: "tab:blue", 8: "tab:orange", 32: "tab:green"}
@@ -234,9 +231,7 @@ def plot(fitted: dict, run: dict) -> None:
         "measurement; fitted on a 2-core CPU testbed (docs/results/scaling.json)",
         fontsize=9,
     )
-    fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=110)
+    save_figure(fig, FIGURE)
 
 
 def main() -> None:
@@ -282,11 +277,10 @@ def main() -> None:
         "raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
         "update); whether the larger batch converges as well is not modelled.",
     ]
-    OUT.write_text(json.dumps({"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted,
-                               "setup": run, "assumptions": assumptions, "rows": rows},
-                              indent=1) + "\n")  # fmt: skip
+    write_result(OUT, {"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted, "setup": run,
+                       "assumptions": assumptions, "rows": rows})  # fmt: skip
     plot(fitted, run)
-    print(f"wrote {OUT.relative_to(ROOT)} and {FIGURE.relative_to(ROOT)}")
+    print(f"wrote {OUT.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -17,16 +17,14 @@ Writes ``docs/results/shard_step.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import time
 
 import torch
 
-from benchmarks.throughput import ROOT, _machine
+from benchmarks.harness import RESULTS, ROOT, header, write_result
 
-RESULTS = ROOT / "docs" / "results" / "shard_step.json"
+RESULT_FILE = RESULTS / "shard_step.json"
 PARAMS, WORLD_SIZE = 6_163_712, 2  # torchtitan llama3 debugmodel; ranks on the testbed
 HYPER = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 IMPLEMENTATIONS = {  # torchtitan's [optimizer] implementation -> AdamW keywords
@@ -59,8 +57,7 @@ def main() -> None:
                 samples[name].append(elapsed)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     results = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        **header(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "shard": {"numel": numel, "dtype": "float32", "model_params": PARAMS,
                   "world_size": WORLD_SIZE},
         "optimizer": "torch.optim.AdamW", "hyperparameters": HYPER,
@@ -69,8 +66,7 @@ def main() -> None:
         "relative_to_for_loop": {name: m / medians["for-loop"] for name, m in medians.items()},
         "step_s_all": samples,
     }  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(RESULT_FILE, results)
     print(f"AdamW.step() on a flat fp32 shard of {numel:,} elements, 1 thread, "
           f"median of {args.steps} steps ({torch.__version__})")  # fmt: skip
     print(f"{'implementation':<16}{'median':>12}{'min':>12}{'max':>12}{'vs for-loop':>14}")
@@ -78,7 +74,7 @@ def main() -> None:
         relative = results["relative_to_for_loop"][name]
         print(f"{name:<16}{medians[name] * 1e3:>9.1f} ms{min(times) * 1e3:>9.1f} ms"
               f"{max(times) * 1e3:>9.1f} ms{relative:>13.2f}x")  # fmt: skip
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

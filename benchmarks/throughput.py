@@ -37,19 +37,28 @@ Writes ``docs/results/throughput.json`` and ``docs/figures/throughput.png``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import pathlib
-import platform
-import re
 import statistics
-import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results" / "throughput.json"
-FIGURE = ROOT / "docs" / "figures" / "throughput.png"
+from benchmarks.harness import (
+    FIGURES,
+    LOCAL_BATCH,
+    RESULTS,
+    SEQ_LEN,
+    header,
+    parse_steps,
+    pyplot,
+    result_lines,
+    run,
+    run_on_link,
+    save_figure,
+    titan_args,
+    write_result,
+)  # fmt: skip
+
+RESULT_FILE = RESULTS / "throughput.json"
+FIGURE = FIGURES / "throughput.png"
 MODES = {  # name -> (config, extra overrides, micro-batches per step in units of k)
     "acco": ("debug_cpu_acco.toml", ("--acco.mode", "acco"), 1),
     "dpu": ("debug_cpu_acco.toml", ("--acco.mode", "dpu"), 2),
@@ -61,42 +70,32 @@ MODES = {  # name -> (config, extra overrides, micro-batches per step in units o
 }
 PER_MICROBATCH_SYNC = ("titan_ddp", "titan_fsdp")  # communicate on every micro-batch
 BASELINES = ("ddp", "titan_ddp_no_sync", "titan_ddp", "titan_fsdp", "dpu")
-STEP = re.compile(r"step:\s*(\d+)\s+loss:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
-LOCAL_BATCH, SEQ_LEN = 4, 128
-
-
-def parse_steps(output: str, tokens_per_rank: int) -> dict[str, float]:
-    """Median round time (s) over steps >= 3 and the peak RSS (GiB) from torchtitan's log."""
-    rows = [(int(s), float(m), float(t.replace(",", ""))) for s, m, t in STEP.findall(output)]
-    times = [tokens_per_rank / tps for step, _, tps in rows if step >= 3]
-    if not times:
-        raise RuntimeError(f"no step lines in the output:\n{output[-3000:]}")
-    return {"round_s": statistics.median(times), "round_s_all": times,
-            "peak_rss_gib": max(m for _, m, _ in rows)}  # fmt: skip
-
-
-def titan_args(config: str, extra: tuple[str, ...], rounds: int, microbatches: int, dp: int,
-               dump: str, root: pathlib.Path = ROOT, local_batch: int = LOCAL_BATCH,
-               seq_len: int = SEQ_LEN) -> list[str]:  # fmt: skip
-    """The command of one rank: ``root``'s (a checkout's) train_titan.py and job config."""
-    return [sys.executable, str(root / "train_titan.py"),
-            "--job.config_file", str(root / "torchtitan_configs" / config),
-            "--job.dump_folder", dump, "--metrics.disable_color_printing",
-            "--training.steps", str(rounds), "--training.local_batch_size", str(local_batch),
-            "--training.seq_len", str(seq_len),
-            "--training.global_batch_size", str(local_batch * dp * microbatches), *extra]  # fmt: skip
+MODEL = "torchtitan llama3 debugmodel (6.16M parameters)"
 
 
 def compute_only_round_s(rounds: int, microbatches: int) -> float:
     """Median round time of one process on core 0 with no communication at all."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29641", "OMP_NUM_THREADS": "1"}  # fmt: skip
     cmd = ["taskset", "-c", "0", *titan_args(
         "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
         rounds, microbatches, 1, "/tmp/acco_bench/compute")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    tokens_per_rank = LOCAL_BATCH * SEQ_LEN * microbatches
-    return parse_steps(proc.stdout + proc.stderr, tokens_per_rank)["round_s"]
+    return parse_steps(run(cmd, env=env), LOCAL_BATCH * SEQ_LEN * microbatches)["round_s"]
+
+
+def comm_only_s(link) -> dict:
+    """``benchmarks.comm_only`` on the link as it is capped now: its RESULT."""
+    return result_lines(run_on_link(link, [sys.executable, "-m", "benchmarks.comm_only", "--rounds",
+                                      "5"], timeout_s=900))[-1]  # fmt: skip
+
+
+def titan_on_link(link, mode: str, steps: int, microbatches: int, dump: str,
+                  **kw) -> tuple[dict, str]:  # fmt: skip
+    """A torchtitan run of ``mode`` (of :data:`MODES`) on the link: its step times
+    (:func:`parse_steps`) and rank 0's output."""
+    config, extra, _ = MODES[mode]
+    output = run_on_link(link, titan_args(config, extra, steps, microbatches, 2, dump, **kw))
+    return parse_steps(output, LOCAL_BATCH * SEQ_LEN * microbatches), output
 
 
 def main_args(description: str, rates: str, rates_help: str) -> argparse.Namespace:
@@ -117,12 +116,11 @@ def main_args(description: str, rates: str, rates_help: str) -> argparse.Namespa
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import run_two_ranks, two_host_link
+    from benchmarks.netbed import two_host_link
 
     k = args.microbatches
     results: dict = {
-        "date": datetime.date.today().isoformat(), "machine": _machine(),
-        "model": "torchtitan llama3 debugmodel (6.16M parameters)",
+        **header(), "model": MODEL,
         "microbatches_per_round": k, "microbatches_per_update": 2 * k,
         "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
         "tokens_per_update_per_rank": 2 * k * LOCAL_BATCH * SEQ_LEN, "rates": {},
@@ -134,23 +132,15 @@ def measure(args: argparse.Namespace) -> dict:
     with two_host_link() as link:
         for rate in args.rates:
             link.set_rate(rate)
-            row: dict = {}
-            status, out, _ = run_two_ranks(link, [sys.executable, "-m", "benchmarks.comm_only",
-                                                  "--rounds", "5"], timeout_s=900)  # fmt: skip
-            comm = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-            row["comm_only_s"] = statistics.median(comm["comm_s"])
-            row["engine_memory_bytes"] = comm["memory_bytes"]
-            for mode, (config, extra, units) in MODES.items():
+            comm = comm_only_s(link)
+            row: dict = {"comm_only_s": statistics.median(comm["comm_s"]),
+                         "engine_memory_bytes": comm["memory_bytes"]}  # fmt: skip
+            for mode, (_, _, units) in MODES.items():
                 if mode in PER_MICROBATCH_SYNC and rate not in args.per_microbatch_rates:
                     continue
-                micro = units * k
                 steps = args.rounds if units == 1 else update_steps
-                cmd = titan_args(config, extra, steps, micro, 2, f"/tmp/acco_bench/{mode}")
-                status, out, out1 = run_two_ranks(link, cmd, timeout_s=1800)
-                if status:
-                    raise RuntimeError(f"{mode} at {rate} failed:\n{out[-3000:]}\n{out1[-3000:]}")
-                row[mode] = parse_steps(out, LOCAL_BATCH * SEQ_LEN * micro)
-                row[mode]["microbatches_per_step"] = micro
+                row[mode] = titan_on_link(link, mode, steps, units * k, f"/tmp/acco_bench/{mode}")[0]
+                row[mode]["microbatches_per_step"] = units * k
                 row[mode]["update_s"] = row[mode]["round_s"] * (2 // units)
                 row[mode]["tokens_per_s"] = 2 * results["tokens_per_update_per_rank"] / row[mode]["update_s"]
                 print(f"{rate:>8} {mode:>18}: {row[mode]['update_s']:.3f} s/update", flush=True)
@@ -163,27 +153,12 @@ def measure(args: argparse.Namespace) -> dict:
             print(f"{rate:>8}: compute {compute:.3f} comm {comm_s:.3f} E={row['overlap_efficiency_E']:.3f}"
                   f" per-token S over {shown}", flush=True)  # fmt: skip
             results["rates"][rate] = row
-            _save(results)  # a later failure keeps what was measured
+            write_result(RESULT_FILE, results)
     return results
 
 
-def _machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())  # fmt: skip
-    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}"
-
-
-def _save(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-
-
 def plot(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rates = list(results["rates"])
     modes = [m for m in MODES if any(m in results["rates"][r] for r in rates)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.4), gridspec_kw={"width_ratios": [3, 1.6]})
@@ -212,16 +187,13 @@ def plot(results: dict) -> None:
     ax2.set_title("S = T_update(baseline) / T_update(acco)\n(> 1: acco is faster per token)",
                   fontsize=9)  # fmt: skip
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIGURE, dpi=110)
-    print(f"wrote {FIGURE}")
+    save_figure(fig, FIGURE)
 
 
 def main() -> None:
     args = main_args(__doc__, "none,1gbit,200mbit,50mbit",
                      "comma-separated tbf caps per host (none = no cap)")  # fmt: skip
-    results = json.loads(RESULTS.read_text()) if args.plot_only else measure(args)
+    results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
     plot(results)
 
 

@@ -1,44 +1,27 @@
 """Plot and summarise the results of ``benchmarks/convergence/run.py``.
 
-What it shows
-    ``docs/figures/convergence.png``: left, training loss vs tokens seen (all ranks) per mode,
-    the mean over seeds as a line and the min-max over seeds as a band, after a trailing moving
-    average over ``--smooth-tokens`` tokens (0 turns it off); middle, the held-out loss
-    (``stdlib_validation``, the same batches at every validation) vs tokens, every seed as a
-    thin line and the mean ± sample std over seeds as error bars; right, the paired held-out
-    gap to ddp (mode − ddp, same seed) at the token counts both validated at.
-    ``docs/figures/heterogeneous.png``: held-out loss vs tokens processed (all ranks, actual
-    tokens) and vs training time, every seed; tokens/s of each arm per seed; the micro-batches
-    each rank ran per round.
+    python -m benchmarks.convergence.plot  # the default results files, figures in docs/figures
 
-    One figure per experiment and data (``convergence_iid.png``, ``convergence_torch-iid.png``,
-    ``heterogeneous_iid.png``, ``heterogeneous_documents.png``). Printed, and written into each
-    results file as its top-level ``"summary"``, keyed by the data: ``iid`` (sequence-shuffled
-    stdlib), ``documents`` (the document stream), ``torch-iid``, ... (recomputed at every call):
+One figure per experiment and data (``convergence_iid.png``, ``convergence_torch-iid.png``,
+``heterogeneous_iid.png``, ``heterogeneous_documents.png``): for convergence, the training loss
+vs tokens (mean over seeds and min-max band, after a trailing moving average over
+``--smooth-tokens``), the held-out loss vs tokens (every seed, and mean ± sample std) and the
+paired held-out gap to ddp (same seed); for heterogeneous, the held-out loss vs tokens and vs
+training time, tokens/s per arm and seed, and the micro-batches each rank ran per round.
 
-    * convergence: per mode the held-out loss after the final update, mean ± sample std over
-      seeds, and the paired gap to ddp (``acco − ddp``, ``dpu − ddp`` per seed, then mean ±
-      std over seeds); also the training loss over the last ``--tail`` (5 %) of steps;
-    * heterogeneous: tokens/s per arm and seed, each arm's ratio to ddp per seed and its
-      mean ± std, micro-batches per round per rank, and the held-out gap at equal tokens: both
-      curves interpolated (linearly) at the fewer of the two arms' final token counts,
-      ``arm − ddp`` per seed, also in % of ddp's loss there. ``heldout_gap_pct`` (``mean``,
-      ``std``, ``per_seed``) and ``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s;
-      the ratio is of the training steps alone (``run.training_tokens_per_s``: the step after
-      each validation left out), ``with_validations`` beside it.
+Printed, and written into each results file as its top-level ``"summary"``, keyed by the data
+(``iid``: sequence-shuffled stdlib, ``documents``, ``torch-iid``, ...): per convergence mode
+the held-out loss after the final update and its paired gap to ddp, and the training loss over
+the last ``--tail`` of steps; per heterogeneous arm tokens/s and its ratio to ddp (of the
+training steps alone, ``run.training_tokens_per_s``, and with the validations), micro-batches
+per round per rank, the held-out gap at equal tokens (both curves interpolated at the fewer of
+the two final token counts) and the time to reach held-out losses. ``heldout_gap_pct`` and
+``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s; ``spread``, the runs of
+``--data-seed``: the spread over initialisations and over data orders apart.
 
-Reproduce::
-
-    python -m benchmarks.convergence.run --updates 300 --seeds 0 1 2 -- --training.seq_len 64
-    python -m benchmarks.convergence.run --heterogeneous --updates 300 --seeds 0 1 2 \\
-        -- --training.seq_len 64
-    python -m benchmarks.convergence.plot  # both default results files, figures in docs/figures
-
-Assumptions: only runs marked ``complete`` are used. Training-loss bands put the seeds of a mode
-on a common x grid (their own tokens, linear interpolation) cut to the shortest run. Held-out
-points of different seeds of one mode are matched by step (the same token counts in convergence
-runs). A results file without held-out data (the earlier ``docs/results/convergence.json``)
-still gives the training-loss panels and tables.
+Only runs marked ``complete`` count. Training-loss bands put the seeds on the shortest run's
+token grid (linear interpolation); held-out points of one mode are matched by step. A results
+file without held-out data still gives the training-loss panels and tables.
 """
 
 from __future__ import annotations
@@ -50,13 +33,12 @@ import pathlib
 import sys
 from typing import Any, Sequence
 
-import matplotlib
+import numpy as np
 
 from benchmarks.convergence.run import training_tokens_per_s
+from benchmarks.harness import pyplot, save_figure, write_result
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+plt = pyplot()
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_RESULTS = ("docs/results/convergence_heldout.json", "docs/results/heterogeneous.json",
@@ -497,8 +479,10 @@ def _plot_heldout_seeds(ax: plt.Axes, grouped: Runs, x_key: str, scale: float) -
 
 
 def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
-    heldout = has_heldout(grouped)
-    fig, axes = plt.subplots(1, 3 if heldout else 2, figsize=(18 if heldout else 12, 4.8))
+    heldout = has_heldout(grouped)  # an older results file has the training loss alone
+    fig, axes = plt.subplots(1, 3 if heldout else 1, figsize=(18 if heldout else 6, 4.8),
+                             squeeze=False)  # fmt: skip
+    axes = axes[0]
     _plot_bands(axes[0], grouped, "tokens", smooth_tokens, 1e6)
     axes[0].set_ylabel("training loss")
     axes[0].set_title(f"training loss ({_smooth_label(smooth_tokens)})", fontsize=10)
@@ -538,37 +522,12 @@ def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> No
         axes[2].set_ylabel("held-out loss − ddp's, same seed")
         axes[2].set_title("paired gap to ddp: thin lines = seeds", fontsize=10)
         axes[2].legend(fontsize=8)
-    else:  # an older results file: the training loss's second half, zoomed in
-        _plot_bands(axes[1], grouped, "tokens", smooth_tokens, 1e6)
-        end = min(min(r["tokens"][-1] for r in records) for records in grouped.values()) / 1e6
-        axes[1].set_xlim(end / 2, end)
-        axes[1].set_ylim(*_tail_ylim(grouped, smooth_tokens))
-        axes[1].set_ylabel("training loss")
-        axes[1].set_title("second half (zoom)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("tokens seen, all ranks (millions)")
         ax.grid(alpha=0.3)
     updates = "/".join(map(str, sorted({r["updates"] for rs in grouped.values() for r in rs})))
     fig.suptitle(f"ACCO / DPU / DDP, llama3 debug model, 2 CPU ranks, {updates} updates")
-    _save(fig, out)
-
-
-def _save(fig, out: pathlib.Path) -> None:
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def _tail_ylim(grouped: Runs, smooth_tokens: int) -> tuple[float, float]:
-    lows, highs = [], []
-    for records in grouped.values():
-        x, _, lo, hi = band(records, "tokens", smooth_tokens)
-        half = x >= x[-1] / 2
-        lows.append(lo[half].min())
-        highs.append(hi[half].max())
-    pad = 0.05 * (max(highs) - min(lows) or 1.0)
-    return min(lows) - pad, max(highs) + pad
+    save_figure(fig, out, dpi=120)
 
 
 def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
@@ -626,7 +585,7 @@ def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> 
     updates = "/".join(map(str, sorted({r["updates"] for r in rows})))
     fig.suptitle(f"rank 1 {slow}× slower per micro-batch, {updates} real updates per arm, "
                  "2 CPU ranks")  # fmt: skip
-    _save(fig, out)
+    save_figure(fig, out, dpi=120)
 
 
 # ----------------------------------------------------------------------------- main
@@ -681,7 +640,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summary = heterogeneous_summary(grouped)
                 print_hetero_table(summary["arms"], summary["arms_vs_ddp"])
                 print_time_to_heldout(summary["time_to_heldout"])
-            print(f"wrote {png}")
             for path in sources:  # a file holding both experiments keys by experiment too
                 both = len({r.get("experiment") for r in files[path].get("runs", {}).values()})
                 summaries[path][f"{experiment}/{data}" if both > 1 else data] = summary
@@ -702,11 +660,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no complete runs in {', '.join(map(str, files)) or args.results}", file=sys.stderr)
         return 1
     if not args.no_write_summary:
-        from benchmarks.convergence.run import save_results
-
         for path, summary in summaries.items():
             if summary:
-                save_results(path, {**files[path], "summary": summary})
+                write_result(path, {**files[path], "summary": summary})
                 print(f"summary written into {path}")
     return 0
 

@@ -1,97 +1,43 @@
 """Convergence of ACCO vs DPU vs DDP per token, and ACCO with one rank 4x slower (torchtitan, CPU).
 
-What it measures
-    Data (``benchmarks/convergence/data.py``): ``--corpus`` (``stdlib``, the embedded corpus;
-    ``torch``, the installed torch package's sources) cut into chunks of one sequence each and
-    shuffled by the seed (``--data-order sequences``, the default: independent samples in every
-    micro-batch), or whole documents in an order drawn from the seed, streamed and packed by
-    torchtitan (``--data-order documents``). The seed sets the model initialisation
-    (``--debug.seed``) and the data order, so the spread over seeds covers both. The held-out
-    set is the corpus's validation documents cut the same way and shuffled once (seed 0): the
-    same sequences for every run of a corpus and ``seq_len``.
+What each experiment runs and why is in ``docs/results.md`` (sections 4 and 5); in short:
 
-    Convergence (default): for each mode (``ddp``, ``acco``, ``dpu``) and seed, one run of
-    ``train_titan.py`` on 2 gloo CPU processes with ``torchtitan_configs/debug_cpu_<mode>.toml``
-    (llama3 debug model, embedded ``stdlib`` dataset). Every run makes ``--updates`` real
-    optimizer updates: ``2 x updates`` rounds (torchtitan steps) for ``acco``, ``updates``
-    steps for ``ddp``/``dpu``. Per logged step it records the training loss (global token
-    average, as printed by torchtitan), the tokens seen so far by all ranks (step x
-    global_batch_size x seq_len, read from the TOML and the overrides), each rank's tokens/s
-    (``tps``) and the time since training started (from the log timestamps), plus the run's
-    wall time.
+* Convergence (default): per mode (``--modes``: ``ddp``, ``acco``, ``dpu``, or a schedule arm
+  of mode auto) and seed, ``train_titan.py`` on 2 gloo CPU ranks with
+  ``torchtitan_configs/debug_cpu_<mode>.toml``, ``--updates`` real optimizer updates each
+  (``2 x updates`` rounds for ``acco``, whose two rounds use half the batch each, so x =
+  tokens is comparable; ``--batch-per-update B`` gives acco B/2 per round, the others B).
+* Heterogeneous (``--heterogeneous``): global rank 1 is ``--slow-factor`` times slower
+  (``slow_rank.py``); the arms (``--arms``) ``acco_until_ready``, ``ddp``
+  (``--ddp-microbatches-per-rank`` per rank and update), ``ddp_matched`` (each rank its own
+  ``--control-mix`` micro-batches per update, through ``per_rank.py``) and ``acco_capped``
+  (``--cap`` micro-batches per round at most). Per-step loss, tokens, time and micro-batches
+  come from every rank's per-micro-batch log (``slow_rank.py``); torchtitan logs only the
+  first and last step (``--log-freq``), since each logged step all-reduces and puts the ranks
+  back in step.
 
-    Held-out loss, in every run of both experiments: torchtitan's validator on the held-out
-    ``stdlib_validation`` split (the prepared directory's ``validation.jsonl``) at step 1 and every
-    ``--heldout-every`` real updates (``validation.freq`` = that many steps, twice as many for
-    acco), ``--heldout-steps`` batches per rank of the training ``local_batch_size`` x
-    ``seq_len``. The slow_rank hooks rewind the validation data before each validation, so
-    every validation of every run scores the same batches. ``ACCOTrainer`` validates the real
-    parameters θ (the update in flight included, not the estimate θ̃). The validator averages
-    the loss over the ranks and logs ``validate step: S  loss: L``; rank 0's lines give
-    ``heldout_step``, ``heldout_updates`` (real updates in θ), ``heldout_tokens`` (tokens seen
-    by all ranks by then) and ``heldout_loss``. torchtitan validates at step 1 and at multiples
-    of the frequency, not at the last step: ``--updates`` must be a multiple of
-    ``--heldout-every`` so that the final model is validated.
+Data: ``--corpus`` cut into one-sequence chunks shuffled by the seed (``--data-order
+sequences``) or whole documents (``documents``), ``data.py``; the seed also sets the model
+initialisation (``--debug.seed``). Held-out loss in every run: torchtitan's validator on the
+corpus's validation split at step 1 and every ``--heldout-every`` real updates (a multiple of
+``--updates``: torchtitan does not validate at the last step otherwise), ``--heldout-steps``
+batches per rank, the same batches every time (``slow_rank.py`` rewinds them). ``ACCOTrainer``
+validates the real parameters θ.
 
-    Heterogeneous (``--heterogeneous``): global rank 1 is ``--slow-factor`` (4) times slower:
-    after each of its forward+backward passes it sleeps ``factor - 1`` times its own compute
-    (``benchmarks/convergence/slow_rank.py``). Arms (``--arms``), all for the same number of
-    real updates:
-
-    * ``acco_until_ready``: ``acco`` with ``[acco] accumulate_until_ready = true`` and one
-      micro-batch per rank per round at least: the fast rank keeps computing while the slow
-      one finishes, ~1 slow + 4 fast per round at factor 4, ~10 per update;
-    * ``ddp``: ``--ddp-microbatches-per-rank`` (5) per rank per update, about the same tokens
-      per update;
-    * ``ddp_matched``, the data-matched control: synchronous ``ddp`` with the until-ready arm's
-      per-rank mix, ``--control-mix`` (8 2) micro-batches per update on ranks 0 and 1 (each
-      rank's ``--acco.accumulation_steps``, through ``per_rank.py``). It separates what the
-      mix of samples in an update does from what the one-round delay does;
-    * ``acco_capped``: ``acco_until_ready`` with ``[acco] max_microbatches_per_round`` =
-      ``--cap`` (2): the fast rank's share of an update is bounded, at a cost in tokens/s.
- Every rank logs each micro-batch (step, tokens, token-summed loss, compute
-    time, time: the slow_rank module's JSONL files); from them come the per-step loss, the
-    tokens actually processed by all ranks (also for ``heldout_tokens``), the time, the
-    micro-batches of each rank per round and the global tokens/s. torchtitan logs only the
-    first and last step (``--metrics.log_freq``, see ``--log-freq``): each logged step
-    all-reduces the loss, which would put the ranks back in step every round and hide what
-    accumulate_until_ready does. A validation does the same (it all-reduces, and ACCO waits
-    for the update in flight): the round after it starts in step, which costs the fast rank
-    about one round's extra micro-batches per validation, ~1-2 % of them at the default
-    ``--heldout-every 25`` (50 rounds); validate rarely. Compute-bound, the tokens/s ratio
-    acco_until_ready / ddp is at most (factor + 1) / 2 = 2.5.
-
-Reproduce (from the repository root, nothing else running; measured on the 2-core dev box at
-seq_len 64 with 64 held-out batches per rank every 25 updates: ddp ~87 s per 200-update run,
-acco ~127 s, dpu ~109 s, ~20 min per corpus for 3 seeds; heterogeneous, 150 updates:
-acco_until_ready ~2.5 min, ddp ~4.5 min, ddp_matched ~2.5 min, acco_capped ~2.5 min)::
+Reproduce (from the repository root, nothing else running)::
 
     python -m benchmarks.convergence.run --updates 200 --seeds 0 1 2 --corpus stdlib torch \
         -- --training.seq_len 64
     python -m benchmarks.convergence.run --heterogeneous --updates 150 --seeds 0 1 2 \
         --arms acco_until_ready ddp ddp_matched acco_capped -- --training.seq_len 64
-    python -m benchmarks.convergence.run --heterogeneous --updates 150 --seeds 0 1 2 \
-        --data-order documents --arms acco_until_ready ddp ddp_matched -- --training.seq_len 64
     python -m benchmarks.convergence.plot
 
-Extra torchtitan overrides go after ``--`` and are applied to every run, e.g.
-``python -m benchmarks.convergence.run --updates 2 --heldout-every 1 -- --training.seq_len 64``.
-Results go to ``docs/results/convergence_heldout.json`` (heterogeneous:
-``docs/results/heterogeneous.json``; ``--out``), rewritten atomically after every run; a run
-already there with the same settings is skipped unless ``--force``. Raw logs stay in
-``outputs/convergence/<experiment>/<arm>/seed<N>/console.log`` (``--workdir``).
-
-Assumptions
-    * The three TOMLs share model, optimizer and LR schedule; ``acco`` uses half the
-      global batch per round (two rounds make one update), so x = tokens is comparable.
-      ``--batch-per-update B`` overrides this: ``acco`` gets B/2 per round, the others B.
-    * torchtitan's data loader does not shuffle: the order is the prepared file's, one per
-      corpus, data order, seed and ``seq_len``; each rank reads a contiguous half of it.
-    * Each run is alone on the machine: wall times and tokens/s are only meaningful without
-      other CPU load. ``OMP_NUM_THREADS=1`` (``--omp-threads``) for every rank.
-    * ``tps`` is torchtitan's per-rank tokens/s of the interval since the previous log line;
-      the line after a validation reads 0 (the validator resets torchtitan's token counter).
-    * Training time (``time_s``, tokens/s) includes the validations.
+Extra torchtitan overrides go after ``--``, for every run. Results go to
+``docs/results/convergence_heldout.json`` (heterogeneous: ``docs/results/heterogeneous.json``;
+``--out``), rewritten after every run; a run already there with the same settings is skipped
+unless ``--force``. Raw logs: ``outputs/convergence/<experiment>/<arm>/seed<N>/console.log``.
+Each run must be alone on the machine (wall times, tokens/s), one thread per rank; training
+time includes the validations.
 """
 
 from __future__ import annotations
@@ -107,7 +53,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 from datetime import datetime
@@ -115,6 +60,7 @@ from typing import Any, Iterable, Sequence
 
 from benchmarks.convergence import data, per_rank
 from benchmarks.convergence.per_rank import RANK_ARGS_ENV
+from benchmarks.harness import PREFIX, STEP, step_line, timestamp, torchrun, write_result
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
@@ -154,19 +100,12 @@ MANAGED = ("--training.dataset_path", "--acco.accumulation_steps", "--training.s
            "--job.config_file", "--metrics.disable_color_printing", "--experimental.custom_import",
            "--validation.enable", "--validation.freq", "--validation.steps")  # fmt: skip
 
-# "[default1]:[titan] 2026-11-21 10:41:02,903 - root - INFO - step:  1  loss:  8.13211
-#  grad_norm:  1.0413  memory: ...  tps: 1,044  tflops: ..."
-_PREFIX = r"^(?:\[default(?P<rank>\d+)\]:)?.*?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
-STEP_RE = re.compile(
-    _PREFIX + r".*?step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
-    r"\s+grad_norm:\s*(?P<grad_norm>-?[\d.]+|nan|inf).*?tps:\s*(?P<tps>[\d,]+)"
-)
-# "[default0]:[titan] 2026-11-21 10:41:09,120 - root - INFO - validate step: 50  loss:  5.1234
+# training lines: benchmarks.harness.STEP; "[default0]:[titan] 2026-11-21 10:41:09,120 - root - INFO - validate step: 50  loss:  5.1234
 #  memory:  0.80GiB(3.39%)  tps: 9,120" (torchtitan's MetricsProcessor.log_validation)
 HELDOUT_RE = re.compile(
-    _PREFIX + r".*?validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
+    PREFIX + r".*?validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
 )
-START_RE = re.compile(_PREFIX + r".*Training starts at step")
+START_RE = re.compile(PREFIX + r".*Training starts at step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +152,6 @@ class RunSpec:
 # ----------------------------------------------------------------------------- log parsing
 
 
-def _timestamp(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
 def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
     """Per rank, the logged steps and validations.
 
@@ -232,22 +167,21 @@ def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
     heldout: dict[int, dict[int, tuple[float, float]]] = {}
     starts: dict[int, float] = {}
     for line in text.splitlines():
-        match = STEP_RE.search(line)
-        if match:
-            rank = int(match["rank"] or 0)
-            row = (float(match["loss"]), float(match["grad_norm"]),
-                   float(match["tps"].replace(",", "")), _timestamp(match["ts"]))  # fmt: skip
-            per_rank.setdefault(rank, {})[int(match["step"])] = row
+        match = STEP.search(line)
+        if match and match["ts"]:
+            r = step_line(match)
+            per_rank.setdefault(r["rank"], {})[r["step"]] = (r["loss"], r["grad_norm"], r["tps"],
+                                                             r["ts"])  # fmt: skip
             continue
         match = HELDOUT_RE.search(line)
-        if match:
+        if match and match["ts"]:
             rank = int(match["rank"] or 0)
             heldout.setdefault(rank, {})[int(match["step"])] = (float(match["loss"]),
-                                                               _timestamp(match["ts"]))
+                                                               timestamp(match["ts"]))
             continue
         match = START_RE.search(line)
-        if match:
-            starts.setdefault(int(match["rank"] or 0), _timestamp(match["ts"]))
+        if match and match["ts"]:
+            starts.setdefault(int(match["rank"] or 0), timestamp(match["ts"]))
     parsed: dict[int, dict[str, list[float]]] = {}
     for rank in sorted(set(per_rank) | set(heldout)):
         rows = per_rank.get(rank, {})
@@ -423,63 +357,40 @@ def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Pat
     """torchrun + train_titan.py for ``spec`` (through ``per_rank.py`` where ranks differ);
     every run imports the slow_rank hooks."""
     script = pathlib.Path(per_rank.__file__) if spec.rank_args else per_rank.TRAIN_TITAN
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
+    return torchrun(
+        nproc, "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
         str(script), "--job.config_file", str(config_path),
         "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
         "--training.steps", str(steps_for(spec.mode, spec.updates)),
         "--debug.seed", str(spec.seed), "--experimental.custom_import", HOOKS_MODULE,
         *spec.overrides,
-    ]  # fmt: skip
+    )  # fmt: skip
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop torchrun and its ranks (their own process group): SIGTERM, then SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_every: int,
-            timeout: float | None) -> int:  # fmt: skip
-    """Run ``cmd``, copying its output to ``log_path``; echo rank 0's every Nth step line."""
+def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_every: int) -> int:
+    """Run ``cmd``, copying its output to ``log_path``; echo rank 0's every Nth step line and
+    its validations. Interrupted, it stops torchrun and its ranks (their own process group)."""
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 start_new_session=True)  # fmt: skip
-        watchdog = threading.Timer(timeout, _stop, (proc,)) if timeout else None
-        if watchdog:
-            watchdog.start()
         try:
-            assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                if print_every <= 0:
+                step, held_out = STEP.search(line), HELDOUT_RE.search(line)
+                if print_every <= 0 or not (step or held_out) or int((step or held_out)["rank"] or 0):
                     continue
-                match = STEP_RE.search(line)
-                if match and int(match["rank"] or 0) == 0:
-                    if int(match["step"]) % print_every == 0:
-                        text = line[line.index("step:") :].split("memory:")[0]
-                        print(f"    {text.strip()}  tps: {match['tps']}", flush=True)
-                    continue
-                match = HELDOUT_RE.search(line)
-                if match and int(match["rank"] or 0) == 0:
-                    print(f"    held-out after step {match['step']}: loss {match['loss']}",
+                if step and int(step["step"]) % print_every == 0:
+                    text = line[line.index("step:") :].split("memory:")[0]
+                    print(f"    {text.strip()}  tps: {step['tps']}", flush=True)
+                elif held_out:
+                    print(f"    held-out after step {held_out['step']}: loss {held_out['loss']}",
                           flush=True)  # fmt: skip
             return proc.wait()
         finally:
-            if watchdog:
-                watchdog.cancel()
-            if proc.poll() is None:  # interrupted: do not leave the ranks running
-                _stop(proc)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def summarize(record: dict[str, Any]) -> dict[str, float]:
@@ -573,7 +484,7 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
     return record
 
 
-def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str, str]:
+def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int = 1) -> dict[str, str]:
     """The variables this script sets for a run (on top of the current environment)."""
     env = {"OMP_NUM_THREADS": str(omp_threads), "LOG_RANK": "all"}  # each rank's tps
     if spec.experiment == "heterogeneous":
@@ -586,21 +497,21 @@ def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int) -> dict[str,
 
 def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     """Launch one run, parse it, return its record."""
-    config_path, config = load_config(spec.mode, args.config_template)
+    config_path, config = load_config(spec.mode)
     settings = batch_settings(config, spec.overrides, args.nproc)
     run_dir = pathlib.Path(args.workdir).resolve() / spec.key
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = build_command(spec, config_path, run_dir, args.nproc)
-    own_env = run_env(spec, run_dir, args.omp_threads)
+    own_env = run_env(spec, run_dir)
     env = {k: v for k, v in os.environ.items()
            if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV, RANK_ARGS_ENV)}
     env.update(own_env)
     shown = " ".join(f"{k}={v}" for k, v in own_env.items())
     (run_dir / "command.txt").write_text(f"{shown} {' '.join(cmd)}\n", encoding="utf-8")
     start = time.perf_counter()
-    returncode = _stream(cmd, env, run_dir / "console.log", args.print_every, args.run_timeout)
+    returncode = _stream(cmd, env, run_dir / "console.log", args.print_every)
     wall_s = time.perf_counter() - start
     parsed = parse_log((run_dir / "console.log").read_text(encoding="utf-8", errors="replace"))
     stats = read_stats(run_dir / "stats") if spec.experiment == "heterogeneous" else {}
@@ -615,20 +526,6 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- results file
-
-
-def load_results(path: pathlib.Path) -> dict[str, Any]:
-    if path.exists():
-        return json.loads(path.read_text(encoding="utf-8"))
-    return {"version": 1, "runs": {}}
-
-
-def save_results(path: pathlib.Path, results: dict[str, Any]) -> None:
-    """Write atomically: a kill while writing leaves the previous file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
@@ -662,7 +559,7 @@ def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
 def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, order: str,
              seed: int, arm: str) -> RunSpec:  # fmt: skip
     mode, extra = ARMS[arm] if args.heterogeneous else SCHEDULE_ARMS.get(arm, (arm, ()))
-    _, config = load_config(mode, args.config_template)
+    _, config = load_config(mode)
     rank_args: tuple[tuple[str, ...], ...] = ()
     if args.heterogeneous:
         log_freq = args.log_freq or steps_for(mode, args.updates)
@@ -703,70 +600,41 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]]:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.convergence.run",
-        description="Run ddp/acco/dpu x seeds through train_titan.py (2 CPU ranks) and record "
-        "training and held-out loss per token; --heterogeneous: rank 1 N times slower, "
-        "acco_until_ready vs ddp at equal tokens per update. torchtitan overrides for every "
-        "run go after '--'.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--updates", type=int, default=300,
-                        help="real optimizer updates per run (acco: 2x as many rounds)")
-    parser.add_argument("--modes", nargs="+", choices=[*MODES, *SCHEDULE_ARMS], default=list(MODES),
-                        help="convergence: acco.mode values (one TOML each), or the schedule "
-                        "arms of mode auto: " + ", ".join(SCHEDULE_ARMS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
-                        help="seeds: --debug.seed (model initialisation) and the data order")
-    parser.add_argument("--data-seed", type=int, default=None,
-                        help="one data order for every seed (the seeds then vary only the "
-                        "initialisation): with runs of one seed and several data seeds, the two "
-                        "sources of spread apart; such runs are summarised apart (plot.py)")
-    parser.add_argument("--heterogeneous", action="store_true",
-                        help="run the heterogeneous experiment (rank 1 slowed) instead")
-    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS),
-                        default=["acco_until_ready", "ddp"], help="heterogeneous arms")
-    parser.add_argument("--slow-factor", type=float, default=4.0,
-                        help="heterogeneous: rank 1's time per micro-batch / its own compute "
-                        "(it sleeps factor - 1 times its measured forward+backward)")
-    parser.add_argument("--ddp-microbatches-per-rank", type=int, default=5,
-                        help="heterogeneous: micro-batches per rank per update of the ddp arm; "
-                        "5 = the 1 slow + 4 fast per round x 2 rounds of acco_until_ready "
-                        "with --slow-factor 4 (equal tokens per update)")
-    parser.add_argument("--heldout-every", type=int, default=25,
-                        help="validate on stdlib_validation every N real updates (and at step "
-                        "1); --updates must be a multiple, so that the last update is validated; "
-                        "0: no validation")
-    parser.add_argument("--corpus", nargs="+", choices=data.CORPORA, default=["stdlib"],
-                        help="training and held-out text (benchmarks/convergence/data.py)")
-    parser.add_argument("--data-order", nargs="+", choices=data.ORDERS, default=["sequences"],
-                        help="sequences: chunks of one sequence each, shuffled by the seed "
-                        "(independent samples per micro-batch); documents: whole documents, "
-                        "shuffled by the seed, streamed and packed by torchtitan")
-    parser.add_argument("--heldout-steps", type=int, default=64,
-                        help="validation batches per rank (local_batch_size x seq_len of training)")
-    parser.add_argument("--control-mix", nargs="+", type=int, default=[8, 2],
-                        help="heterogeneous ddp_matched: micro-batches per update of each rank "
-                        "(the mix acco_until_ready measured: ~4 fast + 1 slow per round)")
-    parser.add_argument("--cap", type=int, default=2,
-                        help="heterogeneous acco_capped: [acco] max_microbatches_per_round")
-    parser.add_argument("--log-freq", type=int, default=0,
-                        help="heterogeneous: torchtitan metrics.log_freq; 0: first and last step "
-                        "only (each logged step all-reduces the loss, a sync of all ranks); the "
-                        "per-step losses come from slow_rank's per-micro-batch logs")
-    parser.add_argument("--batch-per-update", type=int, default=None,
-                        help="sequences per real update (acco: half per round); default: TOMLs")
-    parser.add_argument("--out", default=None, help="results JSON (relative to the repo); "
-                        f"default: {DEFAULT_OUT['convergence']}, with --heterogeneous "
-                        f"{DEFAULT_OUT['heterogeneous']}")
-    parser.add_argument("--workdir", default=DEFAULT_WORKDIR, help="logs and dump folders")
-    parser.add_argument("--config-template", default=CONFIG_TEMPLATE)
-    parser.add_argument("--nproc", type=int, default=2, help="processes (data-parallel ranks)")
-    parser.add_argument("--omp-threads", type=int, default=1)
-    parser.add_argument("--print-every", type=int, default=25, help="echo every Nth step line")
-    parser.add_argument("--run-timeout", type=float, default=None, help="seconds per run")
-    parser.add_argument("--force", action="store_true", help="rerun runs already in --out")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence.run",
+                                     description=__doc__.split("\n\n")[0] + " torchtitan "
+                                     "overrides for every run go after '--'.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--updates", type=int, default=300, help="real updates per run (acco: 2x the rounds)")
+    add("--modes", nargs="+", choices=[*MODES, *SCHEDULE_ARMS], default=list(MODES),
+        help="convergence: acco.mode values, or the schedule arms of mode auto")
+    add("--seeds", nargs="+", type=int, default=[0, 1, 2],
+        help="--debug.seed (model initialisation) and the data order")
+    add("--data-seed", type=int, default=None,
+        help="one data order for every seed: the two sources of spread apart (plot.py)")
+    add("--heterogeneous", action="store_true", help="rank 1 slowed, the arms of --arms")
+    add("--arms", nargs="+", choices=sorted(ARMS), default=["acco_until_ready", "ddp"])
+    add("--slow-factor", type=float, default=4.0,
+        help="rank 1's time per micro-batch / its own compute")
+    add("--ddp-microbatches-per-rank", type=int, default=5,
+        help="ddp arm, per rank and update: 5 = acco_until_ready's 1 slow + 4 fast per round")
+    add("--heldout-every", type=int, default=25,
+        help="validate every N real updates (a multiple of --updates) and at step 1; 0: never")
+    add("--corpus", nargs="+", choices=data.CORPORA, default=["stdlib"])
+    add("--data-order", nargs="+", choices=data.ORDERS, default=["sequences"])
+    add("--heldout-steps", type=int, default=64, help="validation batches per rank")
+    add("--control-mix", nargs="+", type=int, default=[8, 2],
+        help="ddp_matched: micro-batches per update of each rank")
+    add("--cap", type=int, default=2, help="acco_capped: [acco] max_microbatches_per_round")
+    add("--log-freq", type=int, default=0,
+        help="heterogeneous: metrics.log_freq; 0: first and last step only")
+    add("--batch-per-update", type=int, default=None,
+        help="sequences per real update (acco: half per round); default: the TOMLs'")
+    add("--out", default=None, help=f"results JSON; default: {DEFAULT_OUT}")
+    add("--workdir", default=DEFAULT_WORKDIR, help="logs and dump folders")
+    add("--nproc", type=int, default=2, help="processes (data-parallel ranks)")
+    add("--print-every", type=int, default=25, help="echo every Nth step line")
+    add("--force", action="store_true", help="rerun runs already in --out")
     own, overrides = split_overrides(argv)  # fmt: skip
     args = parser.parse_args(own)
     if args.updates < 1:
@@ -795,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = out if out.is_absolute() else REPO / out
     if not pathlib.Path(args.workdir).is_absolute():
         args.workdir = str(REPO / args.workdir)
-    results = load_results(out)
+    results = json.loads(out.read_text()) if out.exists() else {"version": 1, "runs": {}}
     specs = plan(args, overrides)
     failed = 0
     for i, spec in enumerate(specs, 1):
@@ -806,17 +674,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             raise SystemExit(f"{spec.key} is in {out} with other settings (updates/overrides/"
                              "slow factor): pass --force to replace it, or another --out")
-        if args.dry_run:
-            config_path, _ = load_config(spec.mode, args.config_template)
-            run_dir = pathlib.Path(args.workdir) / spec.key
-            env = " ".join(f"{k}={v}" for k, v in run_env(spec, run_dir, args.omp_threads).items())
-            print(env, " ".join(build_command(spec, config_path, run_dir, args.nproc)))
-            continue
         print(f"[{i}/{len(specs)}] {spec.key}: {steps_for(spec.mode, spec.updates)} steps",
               flush=True)  # fmt: skip
         record = run_one(spec, args)
         results["runs"][spec.key] = record
-        save_results(out, results)
+        write_result(out, results)
         s = record["summary"]
         last = record["loss"][-1] if record["loss"] else math.nan
         print(f"    rc={record['returncode']} complete={record['complete']} "
@@ -827,8 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not record["complete"]:
             failed += 1
             print(f"    FAILED: see {record['log']}", flush=True)
-    if not args.dry_run:
-        print(f"results: {out}")
+    print(f"results: {out}")
     return 1 if failed else 0
 
 

@@ -4,27 +4,16 @@ builds the law's arm from a link's figures (the netbed itself needs root: not ru
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import auto_sweep
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.harness import ROOT, result_lines, run, torchrun
 
 
 def _worker(argv: list[str]) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
+    (result,) = result_lines(run(torchrun(2, *argv), timeout_s=300, env={"OMP_NUM_THREADS": "1"}))
+    return result
 
 
 @pytest.mark.parametrize("arm", ["acco_fp8", "auto"])

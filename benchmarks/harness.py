@@ -1,0 +1,255 @@
+"""What every benchmark shares: how it launches ranks, how a rank reports, what a result file holds.
+
+One place for it, so that a result file always has the same header and is always written the
+same way, and a benchmark reads its workers and torchtitan's log as every other one does:
+
+* launching: :func:`run_ranks` (N gloo processes on loopback, each calling a function),
+  :func:`torchrun` (the command of a ``torchrun --standalone`` job), :func:`run` (a command,
+  its output, a failure raised with its tail), :func:`run_on_link` (two ranks on the netbed,
+  ``benchmarks/netbed.py``, which needs root);
+* reporting: a worker prints ``RESULT <json>`` (:func:`emit`), the launcher reads every such
+  line back (:func:`result_lines`);
+* torchtitan's log: :data:`STEP`, the one pattern of its ``step:`` lines, read by
+  :func:`step_lines`, and :func:`parse_steps`, the time per step from its ``tps``;
+* the result file: :func:`header` (date and machine) and :func:`write_result` (JSON, written
+  atomically: a kill while writing leaves the previous file); its figure, :func:`save_figure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import pickle
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+FIGURES = ROOT / "docs" / "figures"
+LOCAL_BATCH, SEQ_LEN = 4, 128  # the timing runs' micro-batch: 4 sequences of 128 tokens
+
+
+# ----------------------------------------------------------------------------- result files
+
+
+def machine() -> str:
+    """The CPU, its core count and the kernel: what a timing depends on."""
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+               platform.processor())  # fmt: skip
+    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}"
+
+
+def header() -> dict[str, str]:
+    """The first keys of a result file: when and where it was measured."""
+    return {"date": datetime.date.today().isoformat(), "machine": machine()}
+
+
+def write_result(path: str | os.PathLike, results: dict) -> pathlib.Path:
+    """``results`` as indented JSON at ``path``, atomically; a benchmark rewrites it after every
+    run, so that a later failure keeps what was measured."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files only (no display on the benchmark machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: pathlib.Path, dpi: int = 110) -> None:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- RESULT lines
+
+
+def emit(result: dict) -> None:
+    """A worker's report: one ``RESULT <json>`` line on stdout, among whatever else it logs."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def result_lines(output: str) -> list[dict]:
+    """Every ``RESULT`` line of ``output``, in order."""
+    return [json.loads(line[len("RESULT "):]) for line in output.splitlines()
+            if line.startswith("RESULT ")]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- torchtitan's log
+
+# "[default1]:[titan] 2026-11-21 10:41:02,903 - root - INFO - step:  1  loss:  8.13211
+#  grad_norm:  1.0413  memory:  0.80GiB(3.39%)  tps: 1,044  tflops: ..." (the torchrun prefix
+# "[default<rank>]:" with --tee; not a "validate step:" line)
+PREFIX = r"^(?:\[default(?P<rank>\d+)\]:)?(?:.*?(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}))?"
+STEP = re.compile(
+    PREFIX + r".*?(?<!validate )step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
+    r"(?:\s+grad_norm:\s*(?P<grad_norm>-?[\d.]+|nan|inf))?"
+    r".*?memory:\s*(?P<memory>[\d.]+)GiB.*?tps:\s*(?P<tps>[\d,]+)",
+    re.MULTILINE,
+)
+
+
+def timestamp(text: str) -> float:
+    """The UNIX time of a log line's ``2026-11-21 10:41:02,903``."""
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def step_line(match: re.Match) -> dict:
+    """One match of :data:`STEP` as numbers (``ts``: UNIX time, or None without a stamp)."""
+    grad_norm = match["grad_norm"]
+    return {"rank": int(match["rank"] or 0), "step": int(match["step"]),
+            "ts": timestamp(match["ts"]) if match["ts"] else None,
+            "loss": float(match["loss"]),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "memory_gib": float(match["memory"]), "tps": float(match["tps"].replace(",", ""))}  # fmt: skip
+
+
+def step_lines(output: str) -> list[dict]:
+    """Every training step line of ``output`` (:func:`step_line`)."""
+    return [step_line(match) for match in STEP.finditer(output)]
+
+
+def parse_steps(output: str, tokens_per_rank: int) -> dict:
+    """Median step time (s) over steps >= 3, every such time, and the peak memory (GiB) of the
+    steps, from torchtitan's per-step ``tps`` (tokens per rank and second)."""
+    rows = step_lines(output)
+    times = [tokens_per_rank / row["tps"] for row in rows if row["step"] >= 3]
+    if not times:
+        raise RuntimeError(f"no step lines in the output:\n{output[-3000:]}")
+    return {"round_s": statistics.median(times), "round_s_all": times,
+            "peak_rss_gib": max(row["memory_gib"] for row in rows)}  # fmt: skip
+
+
+def titan_args(config: str, extra: Sequence[str], steps: int, microbatches: int, dp: int,
+               dump: str, root: pathlib.Path = ROOT, local_batch: int = LOCAL_BATCH,
+               seq_len: int = SEQ_LEN) -> list[str]:  # fmt: skip
+    """One rank's command: ``root``'s (a checkout's) train_titan.py and job config,
+    ``microbatches`` micro-batches per rank and step."""
+    return [sys.executable, str(root / "train_titan.py"),
+            "--job.config_file", str(root / "torchtitan_configs" / config),
+            "--job.dump_folder", dump, "--metrics.disable_color_printing",
+            "--training.steps", str(steps), "--training.local_batch_size", str(local_batch),
+            "--training.seq_len", str(seq_len),
+            "--training.global_batch_size", str(local_batch * dp * microbatches), *extra]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def torchrun(nproc: int, *argv: str) -> list[str]:
+    """``torchrun --standalone`` with ``nproc`` ranks on this machine, running ``argv``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *argv]  # fmt: skip
+
+
+def run(cmd: Sequence[str], timeout_s: float = 900, env: dict | None = None,
+        log: pathlib.Path | None = None) -> str:  # fmt: skip
+    """Run ``cmd`` in the checkout with ``env`` added; its output (also written to ``log``). A
+    non-zero exit raises with the output's end."""
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
+                          env={**os.environ, **(env or {})}, check=False)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(output)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)[:300]} failed ({proc.returncode}):\n{output[-3000:]}")
+    return output
+
+
+def run_on_link(link, argv: Sequence[str], env: dict | None = None, timeout_s: float = 1800) -> str:
+    """Rank 0's output of ``argv`` run as two ranks on the netbed ``link``; a failure of either
+    rank raises with both outputs' ends."""
+    from benchmarks.netbed import run_two_ranks
+
+    status, out0, out1 = run_two_ranks(link, argv, env=env, timeout_s=timeout_s)
+    if status:
+        raise RuntimeError(f"{' '.join(argv)[:300]} at {link.rate} failed ({status}):\n"
+                           f"{out0[-3000:]}\n{out1[-2000:]}")  # fmt: skip
+    return out0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
+          orderly: bool) -> None:  # fmt: skip
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    from scaffolding.process_exit import finish
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        module, name = fn_path.rsplit(":", 1)
+        result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
+        pathlib.Path(outdir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        if orderly:  # nobody tears the group down while a peer's collectives may still drain
+            dist.barrier()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        raise
+    finish()  # scaffolding/process_exit.py: no abort at exit
+
+
+def run_ranks(fn_path: str, world_size: int, *args, may_die: tuple[int, ...] = (),
+              timeout_s: float = 900) -> list:  # fmt: skip
+    """``module:function(rank, world_size, *args)`` on ``world_size`` gloo processes over
+    loopback (the group is set up before the call); what each rank returned, ``None`` for a
+    rank of ``may_die`` that ended without a result (one that killed itself)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = [context.Process(target=_rank, args=(rank, world_size, port, fn_path, args,
+                                                     outdir, not may_die))
+                 for rank in range(world_size)]  # fmt: skip
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                raise TimeoutError(f"{fn_path} on {world_size} ranks ran past {timeout_s:.0f} s")
+        returned = []
+        for rank, proc in enumerate(procs):
+            path = pathlib.Path(outdir, f"rank{rank}.pkl")
+            if not path.exists() and rank not in may_die:
+                raise RuntimeError(f"{fn_path}: rank {rank} exited with {proc.exitcode}, no result")
+            returned.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+        return returned
