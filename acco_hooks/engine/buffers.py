@@ -206,7 +206,7 @@ class GroupBuffers:
 
 def build_shard(
     param_groups: list[dict[str, Any]], world_size: int, rank: int,
-    data_parallel_ranks: tuple[int, ...], reduce_dtype: torch.dtype, carry: bool,
+    data_parallel_ranks: tuple[int, ...], *, reduce_dtype: torch.dtype, carry: bool,
     wire_bytes: Callable[[int], int] | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
@@ -216,6 +216,15 @@ def build_shard(
 
     Takes no process group: a traceback through a refused optimizer argument must not keep the
     engine's groups alive.
+
+    Args:
+        param_groups, world_size, rank, data_parallel_ranks: what is laid out, over which ranks.
+        reduce_dtype: the communication buffer's dtype (the update round's format).
+        carry: hold ``carried``, the float32 shard of an estimate round sent in the reduce
+            dtype (its ΣG̃, which the update round adds).
+        wire_bytes: the bytes of ``n`` values in the widest narrower estimate format, or
+            ``None`` when no estimate travels narrower (no wire buffers).
+        optimizer_class, optimizer_kwargs, lr_scheduler: the shard optimizer and its scheduler.
 
     Returns:
         ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group.

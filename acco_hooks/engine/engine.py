@@ -229,9 +229,11 @@ class ACCOEngine:
             narrow = [WIRE_FORMATS[f] for f in formats if f != settings.reduce_format]
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
-                settings.reduce_torch_dtype, settings.reduce_format in formats,
-                (lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
-                optimizer_class, optimizer_kwargs, lr_scheduler,
+                reduce_dtype=settings.reduce_torch_dtype,
+                carry=settings.reduce_format in formats,
+                wire_bytes=(lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
+                optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs,
+                lr_scheduler=lr_scheduler,
             )  # fmt: skip
             groups = self._groups
             self._placement = ShardPlacement(
