@@ -101,7 +101,7 @@ class EngineOptimizersContainer(OptimizersContainer):
         model_parts: the model parts of this rank (several with pipeline parallelism).
         optimizer_class: ``torch.optim.Adam`` or ``AdamW``, stepped on the shard.
         optimizer_kwargs: its keyword arguments (``lr``, ``betas``, ...).
-        settings: the engine's settings (``acco_hooks.titan.config.engine_settings``).
+        settings: the engine's settings (what ``acco_hooks.titan.config.validate_acco`` built).
     """
 
     engine: ACCOEngine
@@ -240,7 +240,7 @@ class ACCOTrainerBase(Trainer):
         acco = self.titan_config.acco
         engine = self.optimizers.engine
         # The engine's round size was resolved from the config before torchtitan built
-        # anything (titan.config.engine_settings); torchtitan's own count must agree.
+        # anything (titan.config.validate_acco); torchtitan's own count must agree.
         expected = acco.accumulation_steps or self.gradient_accumulation_steps
         if engine.settings.accumulation_steps != expected:
             raise RuntimeError(
