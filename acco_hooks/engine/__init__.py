@@ -21,4 +21,5 @@ from acco_hooks.engine.settings import (
 )
 
 __all__ = ["ACCOCommunicationError", "ACCOEngine", "ACCOSettings", "EngineSettings", "MODES",
-           "Mode", "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError", "real_updates"]  # fmt: skip
+           "Mode", "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError",
+           "real_updates"]  # fmt: skip

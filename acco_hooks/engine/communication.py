@@ -68,9 +68,10 @@ from acco_hooks.engine.wire import (
     reduce_scatter_encoded,
 )
 
-__all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundResult",
-           "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
-           "build_engine_groups", "communicate", "RoundPlan", "reduce_scatter_accumulators", "release_communication"]  # fmt: skip
+__all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundPlan",
+           "RoundResult", "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
+           "build_engine_groups", "communicate", "reduce_scatter_accumulators",
+           "release_communication"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-__all__ = ["ACCOSettings", "ESTIMATE_DTYPES", "EngineSettings", "MODES", "Mode", "NONFINITE_POLICIES",
-           "REDUCE_DTYPES", "SettingError", "boolean", "check_accumulation_steps", "real_updates",
-           "with_own_fields"]  # fmt: skip
+__all__ = ["ACCOSettings", "ESTIMATE_DTYPES", "EngineSettings", "MODES", "Mode",
+           "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError", "boolean",
+           "check_accumulation_steps", "dtype_name", "real_updates", "with_own_fields"]  # fmt: skip
 
 
 
@@ -176,7 +176,7 @@ def _check_timeout(value: Any) -> Optional[str]:
     return f"must be a number of seconds between {low:g} and {high:g}, or None for the default"
 
 
-def _dtype_name(value: Any) -> Optional[str]:
+def dtype_name(value: Any) -> Optional[str]:
     """A dtype setting (a name, a ``torch.dtype`` or None) by its name, or None."""
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
@@ -441,9 +441,9 @@ class EngineSettings(ACCOSettings):
         self.check_round_size(self.accumulation_steps, spell or python_spelling, set_steps)
         # Converted once, here, to the forms the engine reads; nothing converts them again.
         self.mode = Mode(self.mode)
-        self.reduce_format: str = _dtype_name(self.reduce_dtype) or "float32"
+        self.reduce_format: str = dtype_name(self.reduce_dtype) or "float32"
         """reduce_dtype by its name (float32 for None): the update round's format."""
-        self.estimate_format: str = _dtype_name(self.estimate_dtype) or self.reduce_format
+        self.estimate_format: str = dtype_name(self.estimate_dtype) or self.reduce_format
         """estimate_dtype by its name (reduce_format for None): the estimate round's format
         in 'acco', and the widest 'auto' tries."""
 

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from acco_hooks.engine.collectives import all_gather
-from acco_hooks.engine.settings import ESTIMATE_DTYPES
+from acco_hooks.engine.settings import ESTIMATE_DTYPES, dtype_name
 
-__all__ = ["BLOCK", "WIRE_FORMATS", "WireFormat", "all_gather_difference", "backend_can_send", "gather_encoded",
-           "reduce_scatter_encoded"]  # fmt: skip
+__all__ = ["BLOCK", "WIRE_FORMATS", "WireFormat", "all_gather_difference", "backend_can_send",
+           "gather_encoded", "reduce_scatter_encoded"]  # fmt: skip
 
 BLOCK = 128  # elements per float8 scale: 4 bytes of scale per 128 bytes of values (3 %)
 _PIECE = BLOCK * 4096  # elements encoded or decoded at a time: bounds the temporaries
@@ -56,7 +56,7 @@ class WireFormat:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.name = str(dtype).removeprefix("torch.")  # as the settings spell it: "bfloat16"
+        self.name = dtype_name(dtype)  # as the settings spell it: "bfloat16"
         self.scaled = dtype.itemsize == 1  # float8: the values need a scale per block
 
     def __repr__(self) -> str:
