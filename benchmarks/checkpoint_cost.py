@@ -3,14 +3,10 @@ torchtitan's asynchronous DCP save (``[checkpoint] async_mode = "async"``).
 
     python -m benchmarks.checkpoint_cost            # ~8 min on 2 cores
 
-``train_titan.py`` with ``debug_cpu_acco.toml`` on 2 gloo ranks, 40 steps, once without
-checkpoints and once per (K, async_mode). Per run: the seconds per step from step 6 to the last
-(startup and the first steps excluded), so the cost per token at equal tokens per update is the
-ratio to the run without checkpoints; and the seconds the training loop stood still per save
-(torchtitan's "Finished saving the checkpoint (or staging if async is enabled) in X seconds").
-The runs alternate, ``--repeats`` times, so drifts of the machine hit every configuration alike.
-
-Writes ``docs/results/checkpoint_cost.json``.
+``debug_cpu_acco.toml`` on 2 gloo ranks, 40 steps, without checkpoints and once per (K,
+async_mode), alternated ``--repeats`` times: seconds per step from step 6 on against the run
+without checkpoints, and torchtitan's own "Finished saving ... in X seconds" per save
+(docs/multinode.md, "How often to checkpoint"). Writes ``docs/results/checkpoint_cost.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, ROOT, machine, run, step_lines, torchrun, write_result
+from benchmarks.harness import RESULTS, machine, run, step_lines, titan_args, torchrun, write_result
 
 RESULT_FILE = RESULTS / "checkpoint_cost.json"
 STEPS, FIRST_TIMED = 40, 6
@@ -35,11 +31,9 @@ def one_run(dump: Path, interval: int | None, async_mode: str) -> dict:
         "--checkpoint.enable", "--checkpoint.interval", str(interval),
         "--checkpoint.async_mode", async_mode, "--checkpoint.keep_latest_k", "2",
     ]  # fmt: skip
-    output = run(torchrun(2, str(ROOT / "train_titan.py"), "--job.config_file",
-                          str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
-                          "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
-                          "--training.steps", str(STEPS), *checkpoint),
-                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    # the config's own batch: 1 micro-batch of 4 x 128 tokens per rank and step
+    argv = titan_args("debug_cpu_acco.toml", checkpoint, STEPS, 1, 2, str(dump))
+    output = run(torchrun(2, *argv[1:]), env={"OMP_NUM_THREADS": "1"})  # [0]: the python
     when = {row["step"]: row["ts"] for row in step_lines(output)}
     seconds = (when[STEPS] - when[FIRST_TIMED]) / (STEPS - FIRST_TIMED)
     saves = [float(s) for s in SAVE.findall(output)]
@@ -60,9 +54,9 @@ def main() -> None:
         for interval, mode in configs:
             name = "none" if interval is None else f"K={interval} {mode}"
             with tempfile.TemporaryDirectory() as tmp:
-                run = one_run(Path(tmp), interval, mode)
-            runs.setdefault(name, []).append(run)
-            print(f"repeat {repeat} {name}: {json.dumps(run)}", flush=True)
+                result = one_run(Path(tmp), interval, mode)
+            runs.setdefault(name, []).append(result)
+            print(f"repeat {repeat} {name}: {json.dumps(result)}", flush=True)
     base = statistics.mean(r["s_per_step"] for r in runs["none"])
     summary = {
         name: {

@@ -3,20 +3,9 @@ updates are trained twice.
 
     python -m benchmarks.elastic_recovery            # ~5 min on 2 cores: 5 repeats
 
-Two "nodes" on this machine: two torchrun agents × 2 gloo ranks, one c10d rendezvous on
-loopback, running ``examples/elastic_train.py`` (a checkpoint every 4 updates). At a random
-moment after the first checkpoint, one agent and its workers are SIGKILLed (torchrun starts
-each worker in a session of its own: killing the agent alone kills no worker). The survivor's
-workers fail their next collective, its agent restarts them on 2 ranks, and they resume from
-the newest complete checkpoint, resharded 4 -> 2. Reported per repeat: the survivor's exit
-status, the seconds from the kill to the end of the first resumed ``step()``, the update the
-killed run had reached and the one it resumed from (their difference is trained again).
-
-The recovery time is mostly the agent's: noticing the failed workers (``--monitor-interval``),
-the rendezvous' ``last_call_timeout`` (10 s here: how long a round waits for more nodes once it
-has the minimum), and starting Python and torch in the new workers.
-
-Writes ``docs/results/elastic_recovery.json``.
+Two agents × 2 gloo ranks on loopback run ``examples/elastic_train.py``; at a random moment after
+the first checkpoint one agent and its workers are SIGKILLed, and the survivor resumes on 2 ranks
+(docs/multinode.md, "Measured recovery"). Writes ``docs/results/elastic_recovery.json``.
 """
 
 from __future__ import annotations
@@ -108,7 +97,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent and every worker below it, as a node that loses power."""
+    """SIGKILL an agent and every worker below it, as a node that loses power (torchrun starts
+    each worker in a session of its own: killing the agent alone kills no worker)."""
     for pid in [agent.pid, *descendants(agent.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -168,9 +158,8 @@ def main() -> None:
     runs = []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            run = one_recovery(Path(tmp), args.updates, rng.uniform(0.0, 6.0))
-        runs.append(run)
-        print(f"repeat {repeat}: {json.dumps(run)}", flush=True)
+            runs.append(one_recovery(Path(tmp), args.updates, rng.uniform(0.0, 6.0)))
+        print(f"repeat {repeat}: {json.dumps(runs[-1])}", flush=True)
     times = [r["kill_to_first_resumed_step_s"] for r in runs]
     summary = {
         "all_survivors_rc_0": all(r["survivor_rc"] == 0 for r in runs),

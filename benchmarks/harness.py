@@ -1,18 +1,12 @@
 """What every benchmark shares: how it launches ranks, how a rank reports, what a result file holds.
 
-One place for it, so that a result file always has the same header and is always written the
-same way, and a benchmark reads its workers and torchtitan's log as every other one does:
-
-* launching: :func:`run_ranks` (N gloo processes on loopback, each calling a function),
-  :func:`torchrun` (the command of a ``torchrun --standalone`` job), :func:`run` (a command,
-  its output, a failure raised with its tail), :func:`run_on_link` (two ranks on the netbed,
-  ``benchmarks/netbed.py``, which needs root);
-* reporting: a worker prints ``RESULT <json>`` (:func:`emit`), the launcher reads every such
-  line back (:func:`result_lines`);
-* torchtitan's log: :data:`STEP`, the one pattern of its ``step:`` lines, read by
-  :func:`step_lines`, and :func:`parse_steps`, the time per step from its ``tps``;
-* the result file: :func:`header` (date and machine) and :func:`write_result` (JSON, written
-  atomically: a kill while writing leaves the previous file); its figure, :func:`save_figure`.
+Launching: :func:`run_ranks` (gloo processes on loopback, each calling a function),
+:func:`torchrun`, :func:`launch` and :func:`run` (a command and its output), :func:`run_on_link`
+(two ranks on ``benchmarks/netbed.py``'s link, which needs root). Reporting: a worker prints
+``RESULT <json>`` (:func:`emit`, read back by :func:`result_lines`); torchtitan's ``step:`` lines
+are read by :func:`step_lines` and :func:`parse_steps`. Result files: :func:`header` (date and
+machine), :func:`write_result` (atomic: a kill while writing leaves the previous file),
+:func:`save_figure`.
 """
 
 from __future__ import annotations
@@ -125,7 +119,8 @@ def step_line(match: re.Match) -> dict:
             "ts": timestamp(match["ts"]) if match["ts"] else None,
             "loss": float(match["loss"]),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "memory_gib": float(match["memory"]), "tps": float(match["tps"].replace(",", ""))}  # fmt: skip
+            "memory_gib": float(match["memory"]),
+            "tps": float(match["tps"].replace(",", ""))}  # fmt: skip
 
 
 def step_lines(output: str) -> list[dict]:
@@ -154,7 +149,8 @@ def titan_args(config: str, extra: Sequence[str], steps: int, microbatches: int,
             "--job.dump_folder", dump, "--metrics.disable_color_printing",
             "--training.steps", str(steps), "--training.local_batch_size", str(local_batch),
             "--training.seq_len", str(seq_len),
-            "--training.global_batch_size", str(local_batch * dp * microbatches), *extra]  # fmt: skip
+            "--training.global_batch_size", str(local_batch * dp * microbatches),
+            *extra]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- launching
@@ -166,18 +162,28 @@ def torchrun(nproc: int, *argv: str) -> list[str]:
             f"--nproc_per_node={nproc}", *argv]  # fmt: skip
 
 
+def launch(cmd: Sequence[str], timeout_s: float = 900, env: dict | None = None,
+           **popen) -> tuple[int | str, str]:  # fmt: skip
+    """Run ``cmd`` in the checkout with ``env`` added: its exit status (``"timeout"`` if it ran
+    past ``timeout_s``) and its output, whatever the status."""
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, cwd=ROOT,
+                              timeout=timeout_s, env={**os.environ, **(env or {})}, check=False,
+                              **popen)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        return "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def run(cmd: Sequence[str], timeout_s: float = 900, env: dict | None = None,
         log: pathlib.Path | None = None) -> str:  # fmt: skip
-    """Run ``cmd`` in the checkout with ``env`` added; its output (also written to ``log``). A
-    non-zero exit raises with the output's end."""
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, cwd=ROOT, timeout=timeout_s,
-                          env={**os.environ, **(env or {})}, check=False)  # fmt: skip
-    output = proc.stdout + proc.stderr
+    """:func:`launch`'s output (also written to ``log``); a failure raises with its end."""
+    status, output = launch(cmd, timeout_s, env)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(output)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)[:300]} failed ({proc.returncode}):\n{output[-3000:]}")
+    if status != 0:
+        raise RuntimeError(f"{' '.join(cmd)[:300]} failed ({status}):\n{output[-3000:]}")
     return output
 
 
@@ -210,7 +216,8 @@ def _rank(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outd
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
     try:
         module, name = fn_path.rsplit(":", 1)
         result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
@@ -242,10 +249,10 @@ def run_ranks(fn_path: str, world_size: int, *args, may_die: tuple[int, ...] = (
         deadline = time.monotonic() + timeout_s
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
+        if any(proc.is_alive() for proc in procs):
+            for proc in procs:
                 proc.kill()
-                raise TimeoutError(f"{fn_path} on {world_size} ranks ran past {timeout_s:.0f} s")
+            raise TimeoutError(f"{fn_path} on {world_size} ranks ran past {timeout_s:.0f} s")
         returned = []
         for rank, proc in enumerate(procs):
             path = pathlib.Path(outdir, f"rank{rank}.pkl")

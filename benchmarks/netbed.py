@@ -1,18 +1,11 @@
-"""A bandwidth-limited two-host link on one machine, for 2-rank benchmarks.
+"""A bandwidth-limited two-host link on one machine, for 2-rank benchmarks (needs root).
 
-Two network namespaces joined by a veth pair, egress capped on both ends with ``tc tbf``
-(``netem`` is not available on these kernels, so there is no added latency). One rank runs in
-each namespace, pinned to its own core, with gloo bound to the veth. Needs root. Everything is
-removed on every exit path (normal end, exception, Ctrl-C, SIGTERM).
+Two network namespaces joined by a veth pair, egress capped on both ends with ``tc tbf`` (no
+``netem`` on these kernels: no added latency); one rank per namespace, pinned to its own core,
+with the torchrun variables set, so ``dist.init_process_group("gloo")`` works unchanged.
+Everything is removed on every exit path (end, exception, Ctrl-C, SIGTERM).
 
     sudo python -m benchmarks.netbed --rate 200mbit -- python my_2rank_script.py
-
-runs the command twice, as rank 0 in host A and rank 1 in host B, with RANK, WORLD_SIZE=2,
-LOCAL_RANK=0, MASTER_ADDR/MASTER_PORT and GLOO_SOCKET_IFNAME set (the usual torchrun variables,
-so ``dist.init_process_group("gloo")`` works unchanged).
-
-The recipe and its measured link figures come from the workplace's shared netbed notes: the
-tbf bucket must be at least 256 KiB, or tbf splits every packet and costs a core.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Link", "two_host_link", "run_two_ranks"]
+__all__ = ["Link", "run_two_ranks", "two_host_link"]
 
 _NET = "10.213.78"
 
@@ -59,7 +52,8 @@ class Link:
                 _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", ifname, "root",
                     check=False)  # fmt: skip
                 continue
-            burst = max(256 * 1024, _rate_bits(rate) // 8 // 250)  # >= 4 ms of traffic
+            # >= 4 ms of traffic, and >= 256 KiB: a smaller bucket splits every packet (a core)
+            burst = max(256 * 1024, _rate_bits(rate) // 8 // 250)
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", ifname, "root",
                 "tbf", "rate", rate, "burst", str(burst), "latency", "50ms")  # fmt: skip
         self.rate = rate
@@ -69,10 +63,7 @@ class Link:
 def two_host_link(rate: str = "none") -> Iterator[Link]:
     """Create the testbed, yield it, and remove it whatever happens."""
     if os.geteuid() != 0:
-        raise SystemExit(
-            "netbed: needs root (it creates network namespaces and tc qdiscs); run the benchmark "
-            "as root, e.g. with sudo"
-        )
+        raise SystemExit("netbed: needs root (network namespaces, tc qdiscs): run it with sudo")
     tag = os.getpid()
     link = Link(ns=(f"accoA_{tag}", f"accoB_{tag}"), ifname=(f"acA{tag}", f"acB{tag}"),
                 ip=(f"{_NET}.1", f"{_NET}.2"))  # fmt: skip
@@ -107,21 +98,16 @@ def two_host_link(rate: str = "none") -> Iterator[Link]:
             signal.signal(sig, handler)
 
 
-def run_two_ranks(
-    link: Link, argv: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 900,
-    port: int = 29621,
-) -> tuple[int, str, str]:
-    """Run ``argv`` as rank 0 on host A (core 0) and rank 1 on host B (core 1).
-
-    Returns:
-        (exit status: the first non-zero of the two, or 0; rank 0's output; rank 1's output)
-    """
+def run_two_ranks(link: Link, argv: Sequence[str], env: dict[str, str] | None = None,
+                  timeout_s: float = 900) -> tuple[int, str, str]:  # fmt: skip
+    """Run ``argv`` as rank 0 on host A (core 0) and rank 1 on host B (core 1): the first
+    non-zero exit status of the two (or 0), rank 0's output, rank 1's output."""
     procs = []
     for rank in (0, 1):
         rank_env = {
             **os.environ, **(env or {}),
             "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "MASTER_ADDR": link.ip[0], "MASTER_PORT": str(port),
+            "MASTER_ADDR": link.ip[0], "MASTER_PORT": "29621",
             "GLOO_SOCKET_IFNAME": link.ifname[rank], "OMP_NUM_THREADS": "1",
         }  # fmt: skip
         cmd = ["ip", "netns", "exec", link.ns[rank], "taskset", "-c", str(rank), *argv]
@@ -141,9 +127,10 @@ def run_two_ranks(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--rate", default="none", help="egress cap of each host: 1gbit, 200mbit, none")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command of each rank")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    parser.add_argument("--rate", default="none", help="egress cap of each host: 200mbit, none")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then each rank's command")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -2,16 +2,10 @@
 
     python -m benchmarks.peer_death            # ~10 s on 2 cores: 3 runs of 2 processes
 
-The scenario of ``tests/engine/test_faults.py::test_killed_rank_makes_the_survivor_fail_clearly``:
-a tiny model (two linear layers, as in ``tests/scenario.py``) trains in ``mode="acco"`` on 2
-gloo ranks over loopback; rank 1 writes the wall-clock time and SIGKILLs itself before round 5, with round 4's
-communication in flight. Rank 0 notes the wall-clock time at which ``ACCOCommunicationError``
-reaches its training loop. The detection time is the difference (same machine, same clock).
-It includes at most one micro-batch of the tiny model's compute: the survivor sees the error
-at its next ``step()``. The engine's ``timeout=`` (30 s here) plays no part: the dead peer's
-sockets close.
-
-Writes ``docs/results/peer_death.json``.
+The scenario of ``tests/engine/test_faults.py::test_killed_rank_makes_the_survivor_fail_clearly``
+(:func:`killed_peer_run`); the detection time runs from the SIGKILL to ``ACCOCommunicationError``
+in the survivor's loop, on the same clock, so it includes at most one micro-batch of compute
+(docs/reliability.md). Writes ``docs/results/peer_death.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -26,17 +20,16 @@ import time
 
 import torch
 
-from benchmarks.harness import RESULTS, ROOT, header, run_ranks, write_result
+from benchmarks.harness import RESULTS, header, run_ranks, write_result
 
-RESULT_FILE = RESULTS / "peer_death.json"
 KILL_BEFORE_ROUND = 5
 
 
 def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
-    """One rank of the scenario; rank 0 returns when and how the error reached it.
-
-    ``tests/engine/test_faults.py`` runs it too, for the error's message.
-    """
+    """One rank: a tiny model trains in ``mode="acco"``; rank 1 notes the time and SIGKILLs
+    itself before round 5, with round 4's communication in flight; rank 0 returns when and how
+    the error reached it (the engine's ``timeout=`` plays no part: the dead peer's sockets
+    close). ``tests/engine/test_faults.py`` runs it too, for the error's message."""
     from acco_hooks import ACCOCommunicationError, ACCOOptimizer
 
     torch.manual_seed(1234)
@@ -57,9 +50,10 @@ def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(RESULTS / "peer_death.json"))
+    args = p.parse_args()
     runs = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as stamp_dir:
@@ -76,12 +70,12 @@ def main() -> None:
         "detection_s": detection, "detection_s_median": statistics.median(detection),
         "runs": runs,
     }  # fmt: skip
-    write_result(RESULT_FILE, results)
+    out = write_result(args.out, results)
     print(f"SIGKILL of rank 1 -> ACCOCommunicationError on rank 0, {args.repeats} runs (gloo):")
     for run in runs:
         print(f"  {run['detection_s'] * 1e3:7.1f} ms (raised in round {run['round']}): "
               f"{run['message'].splitlines()[0][:90]}")  # fmt: skip
-    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
