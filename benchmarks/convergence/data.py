@@ -1,34 +1,22 @@
 """The data of the convergence runs: a corpus, in the order a seed draws, and a held-out set.
 
-Why this module exists
-    torchtitan streams each rank's slice of a jsonl dataset document by document and packs
-    consecutive ``seq_len + 1`` tokens into a sequence. With whole source files as documents
-    (~26k tokens each on average) a micro-batch is four consecutive chunks of one file, and a
-    rank sees a handful of files per hundred updates: samples within an update are far from
-    independent, and with ``accumulate_until_ready`` most of every update comes from the fast
-    rank's current file. Real pre-training data is shuffled at the sequence level. So by default
-    (``order="sequences"``) the training set here is the corpus cut into chunks that encode to
-    exactly one sequence each (``seq_len - 1`` tokens, plus the BOS and EOS torchtitan adds), in
-    an order drawn from the run's seed. ``order="documents"`` keeps whole documents, in an
-    order drawn from the seed: the document stream of the earlier runs, as a control.
+torchtitan streams a jsonl dataset document by document and packs consecutive tokens into
+sequences, so with whole source files as documents a micro-batch is four chunks of one file and
+the samples of an update are far from independent (``docs/results.md`` section 4, which this
+module's data reproduces). By default (``order="sequences"``) the training set is the corpus cut
+into chunks that encode to exactly one sequence (``seq_len - 1`` tokens, plus torchtitan's BOS
+and EOS), shuffled by the run's seed; ``order="documents"`` shuffles whole documents, the
+document stream as a control. The held-out set is the validation documents cut the same way and
+shuffled with a fixed seed: every run of a corpus and ``seq_len`` scores the same sequences.
 
-    The held-out set is the corpus's validation documents cut the same way and shuffled with a
-    fixed seed (0), whatever the run's seed and order: every run of a corpus and ``seq_len``
-    scores the same sequences, drawn from all validation documents (the first held-out batches
-    of a document stream are one or two files).
-
-Corpora (nothing is downloaded)
-    ``stdlib``: the Python standard library's sources, ``scaffolding.stdlib_data``'s dataset
-    (every 20th file held out). ``torch``: the ``.py`` files of the installed torch package, in
-    sorted path order, every 20th held out; its content depends on the torch version, which the
-    build records. Both use the embedded corpus's tokenizer (``outputs/stdlib/tokenizer``).
-
-Every build goes to ``outputs/convergence_data/<corpus>/<order>-seed<S>-len<L>/`` as
-``train.jsonl`` and ``validation.jsonl`` (``--training.dataset_path`` of the run), written
-atomically, with its parameters in ``build.json``. Assumption: a chunk cut at a token boundary
-re-encodes to the same number of tokens; measured on the stdlib validation split at 63 tokens,
-5 of 1284 chunks do not (~0.4 %), which shifts the packing of the sequences after them by a
-token or two.
+Corpora, nothing downloaded: ``stdlib``, the Python standard library's sources
+(``scaffolding.stdlib_data``, every 20th file held out); ``torch``, the installed torch
+package's ``.py`` files in sorted order, every 20th held out (the build records the torch
+version). Both use the stdlib corpus's tokenizer. A build goes to
+``outputs/convergence_data/<corpus>/<order>-seed<S>-len<L>/`` (``train.jsonl``,
+``validation.jsonl``, its parameters in ``build.json``), written atomically. A chunk cut at a
+token boundary nearly always re-encodes to the same count: 5 of 1284 stdlib validation chunks
+at 63 tokens do not, which shifts the packing after them by a token or two.
 """
 
 from __future__ import annotations
@@ -54,9 +42,9 @@ _BUILD = "build.json"
 def corpus_documents(corpus: str) -> tuple[list[str], list[str]]:
     """``(training documents, validation documents)`` of ``corpus``, in their source order."""
     if corpus == "stdlib":
-        from scaffolding.stdlib_data import DEFAULT_DATASET_DIR, build_stdlib_dataset
+        from scaffolding import stdlib_data
 
-        source = build_stdlib_dataset(REPO / DEFAULT_DATASET_DIR)
+        source = stdlib_data.build_stdlib_dataset(REPO / stdlib_data.DEFAULT_DATASET_DIR)
         return tuple(  # type: ignore[return-value]
             [json.loads(line)["text"] for line in (source / name).read_text("utf-8").splitlines()]
             for name in ("train.jsonl", "validation.jsonl")
@@ -76,11 +64,11 @@ def corpus_documents(corpus: str) -> tuple[list[str], list[str]]:
 def _tokenizer():
     from tokenizers import Tokenizer
 
-    from scaffolding.stdlib_data import DEFAULT_DATASET_DIR, DEFAULT_TOKENIZER_DIR
-    from scaffolding.stdlib_data import ensure_stdlib_assets
+    from scaffolding import stdlib_data
 
-    ensure_stdlib_assets(REPO / DEFAULT_DATASET_DIR, REPO / DEFAULT_TOKENIZER_DIR)
-    return Tokenizer.from_file(str(REPO / DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+    tokenizer_dir = REPO / stdlib_data.DEFAULT_TOKENIZER_DIR
+    stdlib_data.ensure_stdlib_assets(REPO / stdlib_data.DEFAULT_DATASET_DIR, tokenizer_dir)
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
 def sequence_chunks(texts: Iterable[str], text_tokens: int) -> list[str]:
@@ -151,9 +139,3 @@ def describe(path: pathlib.Path) -> dict:
             info[name.split(".")[0] + "_documents"] = sum(1 for _ in f)
     return info
 
-
-if __name__ == "__main__":  # python -m benchmarks.convergence.data stdlib sequences 0 64
-    import sys
-
-    corpus_, order_, seed_, seq_len_ = sys.argv[1:5]
-    print(describe(prepare(corpus_, order_, int(seed_), int(seq_len_))))

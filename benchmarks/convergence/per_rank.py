@@ -1,16 +1,12 @@
 """``train_titan.py`` with extra command-line arguments for this rank only.
 
-torchrun gives every rank the same arguments. The heterogeneous control arm runs ``ddp`` with a
-different number of micro-batches per rank and round (e.g. 8 on the fast rank, 2 on the slow
-one: the mix ``accumulate_until_ready`` produced), which the engine accepts: each rank ends its
-round after its own ``accumulation_steps`` and the averaged gradient weighs every micro-batch
-by its tokens. This launcher appends ``ACCO_BENCH_RANK_ARGS[RANK]`` (a JSON object of argument
-lists keyed by global rank) to the arguments and runs ``train_titan.py`` as ``__main__``::
-
-    ACCO_BENCH_RANK_ARGS='{"0": ["--acco.accumulation_steps", "8"],
-                           "1": ["--acco.accumulation_steps", "2"]}' \\
-    torchrun --standalone --nproc_per_node 2 benchmarks/convergence/per_rank.py \\
-        --job.config_file torchtitan_configs/debug_cpu_ddp.toml
+torchrun gives every rank the same arguments; the heterogeneous control arm ``ddp_matched``
+(``docs/results.md`` section 5) runs ``ddp`` with each rank's own ``accumulation_steps`` (8 on
+the fast rank, 2 on the slow one), which the engine accepts: the averaged gradient weighs every
+micro-batch by its tokens. ``run.py`` launches this file in place of ``train_titan.py`` with
+``ACCO_BENCH_RANK_ARGS='{"0": ["--acco.accumulation_steps", "8"], "1": [...]}'`` (argument lists
+by global rank); it appends this rank's to the arguments and runs ``train_titan.py`` as
+``__main__``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Plot and summarise the results of ``benchmarks/convergence/run.py``.
+"""Figures and summaries of the results files of ``benchmarks/convergence/run.py``.
 
     python -m benchmarks.convergence.plot  # the default results files, figures in docs/figures
 
-One figure per experiment and data (``convergence_iid.png``, ``convergence_torch-iid.png``,
-``heterogeneous_iid.png``, ``heterogeneous_documents.png``): for convergence, the training loss
-vs tokens (mean over seeds and min-max band, after a trailing moving average over
-``--smooth-tokens``), the held-out loss vs tokens (every seed, and mean ± sample std) and the
-paired held-out gap to ddp (same seed); for heterogeneous, the held-out loss vs tokens and vs
-training time, tokens/s per arm and seed, and the micro-batches each rank ran per round.
-
-Printed, and written into each results file as its top-level ``"summary"``, keyed by the data
-(``iid``: sequence-shuffled stdlib, ``documents``, ``torch-iid``, ...): per convergence mode
-the held-out loss after the final update and its paired gap to ddp, and the training loss over
-the last ``--tail`` of steps; per heterogeneous arm tokens/s and its ratio to ddp (of the
-training steps alone, ``run.training_tokens_per_s``, and with the validations), micro-batches
-per round per rank, the held-out gap at equal tokens (both curves interpolated at the fewer of
-the two final token counts) and the time to reach held-out losses. ``heldout_gap_pct`` and
-``tokens_per_s_ratio`` at the top are ``acco_until_ready``'s; ``spread``, the runs of
-``--data-seed``: the spread over initialisations and over data orders apart.
-
-Only runs marked ``complete`` count. Training-loss bands put the seeds on the shortest run's
-token grid (linear interpolation); held-out points of one mode are matched by step. A results
-file without held-out data still gives the training-loss panels and tables.
+One figure per experiment and data, ``<out-dir>/<experiment>_<data>.png``; the data is named
+``iid`` (sequence-shuffled stdlib), ``documents``, ``torch-iid``, ... The tables it prints go
+into each results file as its top-level ``"summary"``, keyed by the data, and ``spread`` from
+the runs of ``--data-seed``. What the panels and numbers mean: ``docs/results.md`` sections 4
+and 5. Only runs marked ``complete`` count; a file without held-out data (an older one) still
+gives the training-loss panels and tables.
 """
 
 from __future__ import annotations
@@ -31,7 +17,8 @@ import json
 import math
 import pathlib
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +55,8 @@ def data_name(record: dict[str, Any]) -> str:
 
 
 def group_runs(runs: dict[str, dict[str, Any]], experiment: str, data: str | None = None) -> Runs:
-    """Complete runs of ``experiment`` (on ``data``, if given), grouped by arm, in a stable
-    order."""
+    """Complete runs of ``experiment`` (on ``data``, if given) but those of ``--data-seed``,
+    grouped by arm, in a stable order."""
     grouped: Runs = {}
     for record in runs.values():
         if (record.get("experiment") == experiment and record.get("complete") and record["loss"]
@@ -117,21 +104,17 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
     return (cumsum[idx] - cumsum[lo]) / (idx - lo)
 
 
-def window_steps(record: dict[str, Any], smooth_tokens: int) -> int:
-    """Steps spanning ``smooth_tokens`` tokens in ``record`` (its mean tokens per step)."""
-    if smooth_tokens <= 0 or not record["tokens"]:
-        return 1
-    per_step = record["tokens"][-1] / len(record["tokens"])
-    return max(1, round(smooth_tokens / per_step))
-
-
 def band(records: list[dict[str, Any]], x_key: str, smooth_tokens: int
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """x, mean, min, max over seeds of the smoothed loss, on the shortest run's x grid."""
+    """x, mean, min, max over seeds of the loss smoothed over ``smooth_tokens`` tokens (each
+    run's mean tokens per step), on the shortest run's x grid."""
     curves = []
     for record in records:
-        y = smooth(record["loss"], window_steps(record, smooth_tokens))
-        curves.append((np.asarray(record[x_key], dtype=float), y))
+        window = 1
+        if smooth_tokens > 0 and record["tokens"]:
+            per_step = record["tokens"][-1] / len(record["tokens"])
+            window = max(1, round(smooth_tokens / per_step))
+        curves.append((np.asarray(record[x_key], dtype=float), smooth(record["loss"], window)))
     grid = min((x for x, _ in curves), key=lambda x: x[-1])
     ys = np.stack([np.interp(grid, x, y) for x, y in curves])
     return grid, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0)
@@ -154,13 +137,13 @@ def heldout_mean(records: list[dict[str, Any]]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """Tokens, mean and sample std of the held-out loss over seeds, at the steps all share."""
     shared = set.intersection(*(set(r["heldout_step"]) for r in records))
+    if not shared:
+        return np.array([]), np.array([]), np.array([])
     rows = []
     for record in records:
         by_step = dict(zip(record["heldout_step"],
                            zip(record["heldout_tokens"], record["heldout_loss"])))  # fmt: skip
         rows.append([by_step[s] for s in sorted(shared)])
-    if not shared:
-        return np.array([]), np.array([]), np.array([])
     arr = np.asarray(rows, dtype=float)  # seeds x steps x (tokens, loss)
     std = arr[:, :, 1].std(axis=0, ddof=1) if len(records) > 1 else np.zeros(len(shared))
     return arr[:, :, 0].mean(axis=0), arr[:, :, 1].mean(axis=0), std
@@ -182,6 +165,19 @@ def gap_at(x_ref: np.ndarray, y_ref: np.ndarray, x: np.ndarray, y: np.ndarray,
 
 def by_seed(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {r["seed"]: r for r in records}
+
+
+def first_crossing(x: np.ndarray, loss: np.ndarray, level: float) -> float:
+    """Where a held-out curve first reaches ``level`` (linear between validations), or NaN."""
+    below = np.flatnonzero(loss <= level)
+    if not len(below) or below[0] == 0:
+        return math.nan
+    i = below[0]
+    fraction = (loss[i - 1] - level) / (loss[i - 1] - loss[i])
+    return float(x[i - 1] + fraction * (x[i] - x[i - 1]))
+
+
+# ----------------------------------------------------------------------------- summaries
 
 
 def final_table(grouped: Runs, tail: float) -> list[dict[str, Any]]:
@@ -211,40 +207,42 @@ def heldout_table(grouped: Runs) -> list[dict[str, Any]]:
                 for seed in final if seed in ddp and ddp[seed].get("heldout_loss")}  # fmt: skip
         mean, std = mean_std(list(final.values()))
         gap_mean, gap_std = mean_std(list(gaps.values()))
-        last = records[0]
+        nan = math.isnan(ddp_mean)
         rows.append({
-            "arm": arm, "seeds": sorted(final), "updates": last["heldout_updates"][-1],
-            "tokens": last["heldout_tokens"][-1], "per_seed": {str(s): v for s, v in final.items()},
-            "mean": mean, "std": std,
+            "arm": arm, "seeds": sorted(final), "updates": records[0]["heldout_updates"][-1],
+            "tokens": records[0]["heldout_tokens"][-1],
+            "per_seed": {str(s): v for s, v in final.items()}, "mean": mean, "std": std,
             "paired_gap_to_ddp": {str(s): v for s, v in gaps.items()},
             "paired_gap_mean": gap_mean, "paired_gap_std": gap_std,
-            "paired_gap_pct": 100 * gap_mean / ddp_mean if ddp_mean == ddp_mean else math.nan,
-            "paired_gap_pct_std": 100 * gap_std / ddp_mean if ddp_mean == ddp_mean else math.nan,
+            "paired_gap_pct": math.nan if nan else 100 * gap_mean / ddp_mean,
+            "paired_gap_pct_std": math.nan if nan else 100 * gap_std / ddp_mean,
         })  # fmt: skip
     return rows
 
 
+def _mean_of(records: list[dict[str, Any]], key: str) -> float:
+    """The mean over runs of one number of their summaries (NaN where one lacks it)."""
+    return float(np.mean([r["summary"].get(key, math.nan) for r in records]))
+
+
 def hetero_table(grouped: Runs) -> list[dict[str, Any]]:
-    """Per arm: tokens/s per seed and mean ± std, train time, micro-batches per round per rank."""
+    """Per arm: tokens/s per seed and mean ± std, train time, micro-batches per round per rank
+    (means over seeds of the runs' summaries)."""
     rows = []
     for arm, records in grouped.items():
-        summaries = [r["summary"] for r in records]
         ranks = sorted(records[0].get("microbatches", {}), key=int)
-
-        def avg(key: str) -> float:
-            return float(np.mean([s.get(key, math.nan) for s in summaries]))
-
         tps = {str(r["seed"]): r["summary"].get("tokens_per_s", math.nan) for r in records}
         tps_mean, tps_std = mean_std(list(tps.values()))
         rows.append({
             "arm": arm, "seeds": [r["seed"] for r in records],
             "slow_factor": records[0].get("slow_factor", math.nan),
             "nominal_per_round": records[0].get("microbatches_per_round_nominal"),
-            "updates": records[0]["updates"], "train_s": avg("train_s"), "tokens": avg("tokens"),
+            "updates": records[0]["updates"], "train_s": _mean_of(records, "train_s"),
+            "tokens": _mean_of(records, "tokens"),
             "tokens_per_s": tps_mean, "tokens_per_s_std": tps_std, "tokens_per_s_per_seed": tps,
-            "rank_tps": {rk: avg(f"tokens_per_s_rank{rk}") for rk in ranks},
-            "microbatches": {rk: avg(f"microbatches_rank{rk}") for rk in ranks},
-            "per_step": {rk: avg(f"microbatches_per_step_rank{rk}") for rk in ranks},
+            "rank_tps": {rk: _mean_of(records, f"tokens_per_s_rank{rk}") for rk in ranks},
+            "microbatches": {rk: _mean_of(records, f"microbatches_rank{rk}") for rk in ranks},
+            "per_step": {rk: _mean_of(records, f"microbatches_per_step_rank{rk}") for rk in ranks},
         })  # fmt: skip
     return rows
 
@@ -286,16 +284,6 @@ def hetero_comparison(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
     return out
 
 
-def first_crossing(x: np.ndarray, loss: np.ndarray, level: float) -> float:
-    """Where a held-out curve first reaches ``level`` (linear between validations), or NaN."""
-    below = np.flatnonzero(loss <= level)
-    if not len(below) or below[0] == 0:
-        return math.nan
-    i = below[0]
-    fraction = (loss[i - 1] - level) / (loss[i - 1] - loss[i])
-    return float(x[i - 1] + fraction * (x[i] - x[i - 1]))
-
-
 def time_to_heldout(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
     """Speed at equal loss: training time and tokens for each arm to reach held-out losses.
 
@@ -308,9 +296,9 @@ def time_to_heldout(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
     if not seeds or not all(r.get("heldout_loss") for r in runs):
         return {}
     reached = max(min(r["heldout_loss"]) for r in runs)
-    levels = [round(math.ceil(reached * 10) / 10 + 0.1 * i, 1) for i in range(4)]
     out: dict[str, Any] = {"arm": arm, "levels": {}}
-    for level in levels:
+    for i in range(4):
+        level = round(math.ceil(reached * 10) / 10 + 0.1 * i, 1)
         row: dict[str, Any] = {"per_seed": {}}
         for seed in seeds:
             times, tokens = [], []
@@ -323,8 +311,8 @@ def time_to_heldout(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
                                           "speedup": times[1] / times[0],
                                           "tokens_ratio": tokens[0] / tokens[1]}  # fmt: skip
         for key in ("speedup", "tokens_ratio"):
-            row[key + "_mean"], row[key + "_std"] = mean_std(
-                [v[key] for v in row["per_seed"].values()])
+            values = [v[key] for v in row["per_seed"].values()]
+            row[key + "_mean"], row[key + "_std"] = mean_std(values)
         out["levels"][f"{level:.1f}"] = row
     return out
 
@@ -332,31 +320,6 @@ def time_to_heldout(grouped: Runs, arm: str = HETERO_ARM) -> dict[str, Any]:
 def convergence_summary(grouped: Runs, tail: float) -> dict[str, Any]:
     return {"heldout_final_update": heldout_table(grouped),
             "train_loss_final": final_table(grouped, tail), "train_loss_tail": tail}
-
-
-def spread_summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The two sources of seed-to-seed spread apart, per arm and data: the held-out loss after
-    the final update over initialisations (one data order) and over data orders (one
-    initialisation), mean ± sample std. From the runs of ``--data-seed`` (and the ordinary run
-    whose seed is that data seed: the same run)."""
-    out: dict[str, Any] = {}
-    complete = [r for r in runs.values() if r.get("complete") and r.get("heldout_loss")]
-    for record in complete:
-        if record.get("data_seed") is None:
-            continue
-        name = f"{data_name(record)}/{record['arm']}"
-        row = out.setdefault(name, {"init": {}, "data": {}})
-        # by initialisation at data seed d; by data order at initialisation s
-        row["init"].setdefault(str(record["data_seed"]), {})[str(record["seed"])] = (
-            record["heldout_loss"][-1])
-        row["data"].setdefault(str(record["seed"]), {})[str(record["data_seed"])] = (
-            record["heldout_loss"][-1])
-    for row in out.values():
-        for kind in ("init", "data"):
-            row[kind] = {fixed: {"per_seed": values, "mean": mean_std(list(values.values()))[0],
-                                 "std": mean_std(list(values.values()))[1]}
-                         for fixed, values in row[kind].items() if len(values) > 1}  # fmt: skip
-    return out
 
 
 def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
@@ -375,6 +338,32 @@ def heterogeneous_summary(grouped: Runs) -> dict[str, Any]:
         "arms": hetero_table(grouped), "vs_ddp": main, "arms_vs_ddp": versus,
         "time_to_heldout": time_to_heldout(grouped),
     }  # fmt: skip
+
+
+def spread_summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two sources of seed-to-seed spread apart, per arm and data: the held-out loss after
+    the final update over initialisations (one data order) and over data orders (one
+    initialisation), mean ± sample std. From the runs of ``--data-seed`` (and the ordinary run
+    whose seed is that data seed: the same run)."""
+    out: dict[str, Any] = {}
+    for record in runs.values():
+        if not (record.get("complete") and record.get("heldout_loss")
+                and record.get("data_seed") is not None):  # fmt: skip
+            continue
+        row = out.setdefault(f"{data_name(record)}/{record['arm']}", {"init": {}, "data": {}})
+        seed, data_seed = str(record["seed"]), str(record["data_seed"])
+        final = record["heldout_loss"][-1]
+        row["init"].setdefault(data_seed, {})[seed] = final  # initialisations at one data order
+        row["data"].setdefault(seed, {})[data_seed] = final  # data orders at one initialisation
+    for row in out.values():
+        for kind in ("init", "data"):
+            spreads = {}
+            for fixed, values in row[kind].items():
+                if len(values) > 1:
+                    mean, std = mean_std(list(values.values()))
+                    spreads[fixed] = {"per_seed": values, "mean": mean, "std": std}
+            row[kind] = spreads
+    return out
 
 
 # ----------------------------------------------------------------------------- printing
@@ -406,11 +395,10 @@ def print_heldout_table(rows: list[dict[str, Any]]) -> None:
               f"  {per_seed}")  # fmt: skip
 
 
-def print_hetero_table(rows: list[dict[str, Any]], comparisons: dict[str, dict[str, Any]]
-                       ) -> None:  # fmt: skip
+def print_hetero_table(summary: dict[str, Any]) -> None:
     print("heterogeneous: tokens/s = actual tokens of all ranks / training time (mean ± std "
           "over seeds); micro-batches per rank: total (per round)")  # fmt: skip
-    for r in rows:
+    for r in summary["arms"]:
         ranks = " ".join(
             f"rank{rk}: {r['microbatches'][rk]:.0f} ({r['per_step'][rk]:.2f}/step, "
             f"{r['rank_tps'][rk]:.0f} tok/s)" for rk in r["microbatches"]
@@ -418,38 +406,37 @@ def print_hetero_table(rows: list[dict[str, Any]], comparisons: dict[str, dict[s
         print(f"  {r['arm']:<18} slow x{r['slow_factor']:g} seeds={len(r['seeds'])} "
               f"train={r['train_s']:.1f}s tokens={r['tokens']:,.0f} "
               f"tokens/s={r['tokens_per_s']:.0f} ± {r['tokens_per_s_std']:.0f}  {ranks}")
-    for comparison in comparisons.values():
-        print_comparison(comparison)
-
-
-def print_comparison(comparison: dict[str, Any]) -> None:
-    arm = comparison["arm"]
-    if not comparison["per_seed"]:
-        return
-    per_seed = " ".join(f"seed{s}: {v['tokens_per_s_ratio']:.2f}"
-                        for s, v in comparison["per_seed"].items())  # fmt: skip
-    print(f"  tokens/s {arm} / ddp: {comparison['tokens_per_s_ratio_mean']:.2f} ± "
-          f"{comparison['tokens_per_s_ratio_std']:.2f}  ({per_seed}); training steps only: "
-          f"{comparison['tokens_per_s_training_ratio_mean']:.2f} ± "
-          f"{comparison['tokens_per_s_training_ratio_std']:.2f}")
-    if not math.isnan(comparison["gap_at_equal_tokens_mean"]):
-        per_seed = " ".join(
-            f"seed{s}: {v['gap_at_equal_tokens']:+.4f} at {v['equal_tokens']:,.0f}"
-            for s, v in comparison["per_seed"].items() if "gap_at_equal_tokens" in v
-        )  # fmt: skip
-        print(f"  held-out {arm} - ddp at equal tokens: "
-              f"{comparison['gap_at_equal_tokens_mean']:+.4f} ± "
-              f"{comparison['gap_at_equal_tokens_std']:.4f} ({comparison['gap_pct_mean']:+.2f} ± "
-              f"{comparison['gap_pct_std']:.2f}% of ddp's)  ({per_seed}); after the final "
-              f"update: {comparison['gap_final_update_mean']:+.4f} ± "
-              f"{comparison['gap_final_update_std']:.4f}")  # fmt: skip
-
-
-def print_time_to_heldout(comparison: dict[str, Any]) -> None:
-    for level, row in comparison.get("levels", {}).items():
-        print(f"  to held-out {level}: ddp time / {comparison['arm']} time = "
-              f"{row['speedup_mean']:.2f} ± {row['speedup_std']:.2f}; {comparison['arm']} needs "
+    for c in summary["arms_vs_ddp"].values():
+        if not c["per_seed"]:
+            continue
+        arm, per_seed = c["arm"], c["per_seed"]
+        ratios = " ".join(f"seed{s}: {v['tokens_per_s_ratio']:.2f}" for s, v in per_seed.items())
+        print(f"  tokens/s {arm} / ddp: {c['tokens_per_s_ratio_mean']:.2f} ± "
+              f"{c['tokens_per_s_ratio_std']:.2f}  ({ratios}); training steps only: "
+              f"{c['tokens_per_s_training_ratio_mean']:.2f} ± "
+              f"{c['tokens_per_s_training_ratio_std']:.2f}")
+        if math.isnan(c["gap_at_equal_tokens_mean"]):
+            continue
+        gaps = " ".join(f"seed{s}: {v['gap_at_equal_tokens']:+.4f} at {v['equal_tokens']:,.0f}"
+                        for s, v in per_seed.items() if "gap_at_equal_tokens" in v)  # fmt: skip
+        print(f"  held-out {arm} - ddp at equal tokens: {c['gap_at_equal_tokens_mean']:+.4f} ± "
+              f"{c['gap_at_equal_tokens_std']:.4f} ({c['gap_pct_mean']:+.2f} ± "
+              f"{c['gap_pct_std']:.2f}% of ddp's)  ({gaps}); after the final update: "
+              f"{c['gap_final_update_mean']:+.4f} ± {c['gap_final_update_std']:.4f}")
+    speed = summary["time_to_heldout"]
+    for level, row in speed.get("levels", {}).items():
+        print(f"  to held-out {level}: ddp time / {speed['arm']} time = "
+              f"{row['speedup_mean']:.2f} ± {row['speedup_std']:.2f}; {speed['arm']} needs "
               f"{row['tokens_ratio_mean']:.2f} ± {row['tokens_ratio_std']:.2f}x ddp's tokens")
+
+
+def print_spread(spread: dict[str, Any]) -> None:
+    for name, row in spread.items():
+        for kind, label in (("init", "initialisations at data seed"),
+                            ("data", "data orders at initialisation")):  # fmt: skip
+            for fixed, values in row[kind].items():
+                print(f"spread of {name}'s final held-out loss over {label} {fixed}: "
+                      f"{values['mean']:.4f} ± {values['std']:.4f} ({len(values['per_seed'])})")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -478,7 +465,28 @@ def _plot_heldout_seeds(ax: plt.Axes, grouped: Runs, x_key: str, scale: float) -
                     label=f"{arm}, seeds: {len(records)}" if i == 0 else None)  # fmt: skip
 
 
+def _plot_mean_std(ax: plt.Axes, x: np.ndarray, mean: np.ndarray, std: np.ndarray, arm: str,
+                   label: str) -> None:  # fmt: skip
+    ax.errorbar(x / 1e6, mean, yerr=std, color=COLORS.get(arm), lw=1.6, capsize=3, marker="o",
+                ms=3, label=label)  # fmt: skip
+
+
+def _bars(ax: plt.Axes, groups: list[str], series: dict[str, list[float]], fmt: str,
+          colors: dict[str, str | None]) -> None:  # fmt: skip
+    """One bar per series in each group, side by side, each labelled with its value."""
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        bars = ax.bar(np.arange(len(groups)) + i * width, values, width, color=colors.get(label),
+                      label=label)  # fmt: skip
+        ax.bar_label(bars, fmt=fmt, fontsize=8)
+    ax.set_xticks(np.arange(len(groups)) + width * (len(series) - 1) / 2)
+    ax.set_xticklabels(groups)
+    ax.legend(fontsize=8)
+
+
 def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
+    """Training loss vs tokens (mean and min-max band over seeds); with held-out data, the
+    held-out loss (every seed, mean ± std) and its paired gap to ddp (same seed)."""
     heldout = has_heldout(grouped)  # an older results file has the training loss alone
     fig, axes = plt.subplots(1, 3 if heldout else 1, figsize=(18 if heldout else 6, 4.8),
                              squeeze=False)  # fmt: skip
@@ -489,13 +497,11 @@ def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> No
     axes[0].legend(title="line: mean, band: min–max over seeds", fontsize=8)
     if heldout:
         for arm, records in grouped.items():
-            x, mean, std = heldout_mean(records)
-            color = COLORS.get(arm)
             for record in records:
                 xs, ys = heldout_curve(record)
-                axes[1].plot(xs / 1e6, ys, color=color, lw=0.8, alpha=0.45)
-            axes[1].errorbar(x / 1e6, mean, yerr=std, color=color, lw=1.6, capsize=3,
-                             marker="o", ms=3, label=f"{arm} (mean ± std, {len(records)} seeds)")
+                axes[1].plot(xs / 1e6, ys, color=COLORS.get(arm), lw=0.8, alpha=0.45)
+            label = f"{arm} (mean ± std, {len(records)} seeds)"
+            _plot_mean_std(axes[1], *heldout_mean(records), arm, label)
         axes[1].set_ylabel("held-out loss (stdlib_validation)")
         axes[1].set_title("held-out loss: thin lines = seeds", fontsize=10)
         axes[1].legend(fontsize=8)
@@ -503,21 +509,18 @@ def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> No
         for arm, records in grouped.items():
             if arm == "ddp":
                 continue
-            gaps = []
-            for record in records:
-                if record["seed"] not in ddp:
-                    continue
-                xd, yd = heldout_curve(ddp[record["seed"]])
-                x, gap = gap_at(xd, yd, *heldout_curve(record), exact=True)
+            gaps = []  # per seed: {tokens: held-out loss - ddp's at the same seed and tokens}
+            for record in (r for r in records if r["seed"] in ddp):
+                x, gap = gap_at(*heldout_curve(ddp[record["seed"]]), *heldout_curve(record),
+                                exact=True)  # fmt: skip
                 axes[2].plot(x / 1e6, gap, color=COLORS.get(arm), lw=0.8, alpha=0.45, marker=".")
                 gaps.append(dict(zip(x.tolist(), gap.tolist())))
             shared = sorted(set.intersection(*(set(g) for g in gaps))) if gaps else []
             if shared:
                 values = np.asarray([[g[t] for t in shared] for g in gaps])
                 std = values.std(axis=0, ddof=1) if len(gaps) > 1 else np.zeros(len(shared))
-                axes[2].errorbar(np.asarray(shared) / 1e6, values.mean(axis=0), yerr=std,
-                                 color=COLORS.get(arm), lw=1.6, capsize=3, marker="o", ms=3,
-                                 label=f"{arm} − ddp (mean ± std, {len(gaps)} seeds)")
+                label = f"{arm} − ddp (mean ± std, {len(gaps)} seeds)"
+                _plot_mean_std(axes[2], np.asarray(shared), values.mean(axis=0), std, arm, label)
         axes[2].axhline(0.0, color=COLORS["ddp"], lw=1, ls="--")
         axes[2].set_ylabel("held-out loss − ddp's, same seed")
         axes[2].set_title("paired gap to ddp: thin lines = seeds", fontsize=10)
@@ -530,7 +533,8 @@ def plot_convergence(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> No
     save_figure(fig, out, dpi=120)
 
 
-def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> None:
+def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int,
+                       summary: dict[str, Any]) -> None:  # fmt: skip
     """Held-out (or, without it, training) loss vs tokens and time; tokens/s; micro-batches."""
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     (ax_tokens, ax_time), (ax_tps, ax_mb) = axes
@@ -548,39 +552,26 @@ def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> 
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    comparison = hetero_comparison(grouped)
+    comparison, rows = summary["vs_ddp"], summary["arms"]
     gap = comparison["gap_at_equal_tokens_mean"]
     if not math.isnan(gap):
         ax_tokens.set_title(f"{HETERO_ARM} − ddp at equal tokens: {gap:+.4f} ± "
                             f"{comparison['gap_at_equal_tokens_std']:.4f}", fontsize=10)
-    rows = hetero_table(grouped)
     seeds = sorted({s for r in rows for s in r["tokens_per_s_per_seed"]}, key=int)
-    width = 0.8 / max(len(rows), 1)
-    for i, r in enumerate(rows):
-        values = [r["tokens_per_s_per_seed"].get(s, 0.0) for s in seeds]
-        bars = ax_tps.bar(np.arange(len(seeds)) + i * width, values, width,
-                          color=COLORS.get(r["arm"]), label=r["arm"])  # fmt: skip
-        ax_tps.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax_tps.set_xticks(np.arange(len(seeds)) + width * (len(rows) - 1) / 2)
-    ax_tps.set_xticklabels([f"seed {s}" for s in seeds])
+    _bars(ax_tps, [f"seed {s}" for s in seeds],
+          {r["arm"]: [r["tokens_per_s_per_seed"].get(s, 0.0) for s in seeds] for r in rows},
+          "%.0f", COLORS)  # fmt: skip
     ax_tps.set_ylabel("tokens/s, all ranks")
-    ax_tps.legend(fontsize=8)
     if comparison["per_seed"]:
         factor = float(rows[0]["slow_factor"])
         ax_tps.set_title(f"{HETERO_ARM} / ddp: {comparison['tokens_per_s_ratio_mean']:.2f}× ± "
                          f"{comparison['tokens_per_s_ratio_std']:.2f} (compute-bound ceiling "
                          f"(factor + 1) / 2 = {(factor + 1) / 2:.2f}×)", fontsize=10)  # fmt: skip
     ranks = sorted({rk for r in rows for rk in r["per_step"]}, key=int)
-    width = 0.8 / max(len(ranks), 1)
-    for i, rk in enumerate(ranks):
-        values = [r["per_step"].get(rk, 0.0) for r in rows]
-        bars = ax_mb.bar(np.arange(len(rows)) + i * width, values, width, label=f"rank {rk}")
-        ax_mb.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax_mb.set_xticks(np.arange(len(rows)) + width * (len(ranks) - 1) / 2)
-    ax_mb.set_xticklabels([f"{r['arm']}\n({r['nominal_per_round']} nominal per rank)"
-                           for r in rows])  # fmt: skip
+    _bars(ax_mb, [f"{r['arm']}\n({r['nominal_per_round']} nominal per rank)" for r in rows],
+          {f"rank {rk}": [r["per_step"].get(rk, 0.0) for r in rows] for rk in ranks},
+          "%.2f", {})  # fmt: skip
     ax_mb.set_ylabel("micro-batches per step (round), mean over seeds")
-    ax_mb.legend(fontsize=8)
     slow = "/".join(f"{r['slow_factor']:g}" for r in rows[:1])
     updates = "/".join(map(str, sorted({r["updates"] for r in rows})))
     fig.suptitle(f"rank 1 {slow}× slower per micro-batch, {updates} real updates per arm, "
@@ -589,11 +580,6 @@ def plot_heterogeneous(grouped: Runs, out: pathlib.Path, smooth_tokens: int) -> 
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def _resolve(path: str) -> pathlib.Path:
-    p = pathlib.Path(path)
-    return p if p.is_absolute() else REPO / p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -609,9 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-write-summary", action="store_true",
                         help="print only; do not write the 'summary' key into the results files")
     args = parser.parse_args(argv)
-    out_dir = _resolve(args.out_dir)
-    files = {path: read_results(path) for path in map(_resolve, args.results) if path.exists()}
-    for missing in (p for p in map(_resolve, args.results) if p not in files):
+    out_dir = REPO / args.out_dir  # paths relative to the checkout; an absolute one replaces REPO
+    paths = [REPO / path for path in args.results]
+    files = {path: read_results(path) for path in paths if path.exists()}
+    for missing in (p for p in paths if p not in files):
         print(f"skipped {missing}: no such file", file=sys.stderr)
     summaries: dict[pathlib.Path, dict[str, Any]] = {path: {} for path in files}
     done = 0
@@ -636,21 +623,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print_heldout_table(summary["heldout_final_update"])
                 print_final_table("convergence", summary["train_loss_final"], args.tail)
             else:
-                plot_heterogeneous(grouped, png, args.smooth_tokens)
                 summary = heterogeneous_summary(grouped)
-                print_hetero_table(summary["arms"], summary["arms_vs_ddp"])
-                print_time_to_heldout(summary["time_to_heldout"])
+                plot_heterogeneous(grouped, png, args.smooth_tokens, summary)
+                print_hetero_table(summary)
             for path in sources:  # a file holding both experiments keys by experiment too
                 both = len({r.get("experiment") for r in files[path].get("runs", {}).values()})
                 summaries[path][f"{experiment}/{data}" if both > 1 else data] = summary
-    spread = spread_summary({k: v for results in files.values()
-                             for k, v in results.get("runs", {}).items()})  # fmt: skip
-    for name, row in spread.items():
-        for kind, label in (("init", "initialisations at data seed"),
-                            ("data", "data orders at initialisation")):  # fmt: skip
-            for fixed, values in row[kind].items():
-                print(f"spread of {name}'s final held-out loss over {label} {fixed}: "
-                      f"{values['mean']:.4f} ± {values['std']:.4f} ({len(values['per_seed'])})")
+    print_spread(spread_summary({k: v for results in files.values()
+                                 for k, v in results.get("runs", {}).items()}))  # fmt: skip
     for path, results in files.items():
         mine = spread_summary(results.get("runs", {}))
         if mine:

@@ -1,30 +1,13 @@
 """Convergence of ACCO vs DPU vs DDP per token, and ACCO with one rank 4x slower (torchtitan, CPU).
 
-What each experiment runs and why is in ``docs/results.md`` (sections 4 and 5); in short:
+Every run is ``train_titan.py`` on 2 gloo CPU ranks with
+``torchtitan_configs/debug_cpu_<mode>.toml``, ``--updates`` real optimizer updates (``acco``:
+two rounds of half the batch each, so the tokens per update match), validated on a fixed
+held-out set every ``--heldout-every`` updates; ``--heterogeneous`` slows global rank 1 down
+(``slow_rank.py``) and runs the arms of ``--arms``. The data: ``data.py``. What each
+experiment runs, why, and what it found: ``docs/results.md`` sections 4 and 5.
 
-* Convergence (default): per mode (``--modes``: ``ddp``, ``acco``, ``dpu``, or a schedule arm
-  of mode auto) and seed, ``train_titan.py`` on 2 gloo CPU ranks with
-  ``torchtitan_configs/debug_cpu_<mode>.toml``, ``--updates`` real optimizer updates each
-  (``2 x updates`` rounds for ``acco``, whose two rounds use half the batch each, so x =
-  tokens is comparable; ``--batch-per-update B`` gives acco B/2 per round, the others B).
-* Heterogeneous (``--heterogeneous``): global rank 1 is ``--slow-factor`` times slower
-  (``slow_rank.py``); the arms (``--arms``) ``acco_until_ready``, ``ddp``
-  (``--ddp-microbatches-per-rank`` per rank and update), ``ddp_matched`` (each rank its own
-  ``--control-mix`` micro-batches per update, through ``per_rank.py``) and ``acco_capped``
-  (``--cap`` micro-batches per round at most). Per-step loss, tokens, time and micro-batches
-  come from every rank's per-micro-batch log (``slow_rank.py``); torchtitan logs only the
-  first and last step (``--log-freq``), since each logged step all-reduces and puts the ranks
-  back in step.
-
-Data: ``--corpus`` cut into one-sequence chunks shuffled by the seed (``--data-order
-sequences``) or whole documents (``documents``), ``data.py``; the seed also sets the model
-initialisation (``--debug.seed``). Held-out loss in every run: torchtitan's validator on the
-corpus's validation split at step 1 and every ``--heldout-every`` real updates (a multiple of
-``--updates``: torchtitan does not validate at the last step otherwise), ``--heldout-steps``
-batches per rank, the same batches every time (``slow_rank.py`` rewinds them). ``ACCOTrainer``
-validates the real parameters θ.
-
-Reproduce (from the repository root, nothing else running)::
+Reproduce (from the repository root, nothing else running: wall times count)::
 
     python -m benchmarks.convergence.run --updates 200 --seeds 0 1 2 --corpus stdlib torch \
         -- --training.seq_len 64
@@ -32,18 +15,18 @@ Reproduce (from the repository root, nothing else running)::
         --arms acco_until_ready ddp ddp_matched acco_capped -- --training.seq_len 64
     python -m benchmarks.convergence.plot
 
-Extra torchtitan overrides go after ``--``, for every run. Results go to
-``docs/results/convergence_heldout.json`` (heterogeneous: ``docs/results/heterogeneous.json``;
-``--out``), rewritten after every run; a run already there with the same settings is skipped
-unless ``--force``. Raw logs: ``outputs/convergence/<experiment>/<arm>/seed<N>/console.log``.
-Each run must be alone on the machine (wall times, tokens/s), one thread per rank; training
-time includes the validations.
+torchtitan overrides after ``--`` go to every run. Results go to
+``docs/results/convergence_heldout.json`` (``--heterogeneous``:
+``docs/results/heterogeneous.json``; ``--out``), rewritten after every run; a complete run
+already there with the same settings is skipped unless ``--force``. Raw logs:
+``outputs/convergence/<experiment>/<data>/<arm>/seed<N>/console.log``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -55,8 +38,9 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from benchmarks.convergence import data, per_rank
 from benchmarks.convergence.per_rank import RANK_ARGS_ENV
@@ -66,17 +50,17 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
 CONFIG_TEMPLATE = "torchtitan_configs/debug_cpu_{mode}.toml"
 DEFAULT_OUT = {"convergence": "docs/results/convergence_heldout.json",
-               "heterogeneous": "docs/results/heterogeneous.json"}
+               "heterogeneous": "docs/results/heterogeneous.json"}  # fmt: skip
 DEFAULT_WORKDIR = "outputs/convergence"
 HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # slow rank, micro-batch logs, fixed held-out
 SLOW_FACTOR_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_STATS_DIR"
 HELDOUT_DATASET = "stdlib_validation"
+UNTIL_READY = ("--acco.accumulate_until_ready",)  # a tyro flag: no value
 # arm -> (acco.mode, extra overrides) for --heterogeneous
 ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "acco_until_ready": ("acco", ("--acco.accumulate_until_ready",)),  # a tyro flag: no value
-    # + --acco.max_microbatches_per_round (--cap)
-    "acco_capped": ("acco", ("--acco.accumulate_until_ready",)),
-    "dpu_until_ready": ("dpu", ("--acco.accumulate_until_ready",)),
+    "acco_until_ready": ("acco", UNTIL_READY),
+    "acco_capped": ("acco", UNTIL_READY),  # + --acco.max_microbatches_per_round (--cap)
+    "dpu_until_ready": ("dpu", UNTIL_READY),
     "acco": ("acco", ("--acco.no_accumulate_until_ready",)),
     "dpu": ("dpu", ("--acco.no_accumulate_until_ready",)),
     "ddp": ("ddp", ()),  # --ddp-microbatches-per-rank on every rank
@@ -86,22 +70,24 @@ ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
 # gate): the estimate round in bfloat16 or float8, and the most uneven split auto tries, 3 + 1
 # of an update's 4 micro-batches per rank (run the gate with --training.local_batch_size 2:
 # 2 + 2 per round in "acco", 4 per update in "ddp").
+SPLIT = ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps", "1")
+BF16 = ("--acco.estimate_dtype", "bfloat16")
+FP8 = ("--acco.estimate_dtype", "float8_e4m3fn")
 SCHEDULE_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "acco_bf16": ("acco", ("--acco.estimate_dtype", "bfloat16")),
-    "acco_fp8": ("acco", ("--acco.estimate_dtype", "float8_e4m3fn")),
-    "acco_split": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps", "1")),
-    "acco_split_bf16": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps",
-                                 "1", "--acco.estimate_dtype", "bfloat16")),
-    "acco_split_fp8": ("acco", ("--acco.estimate_microbatches", "3", "--acco.accumulation_steps",
-                                "1", "--acco.estimate_dtype", "float8_e4m3fn")),
-}  # fmt: skip
+    "acco_bf16": ("acco", BF16),
+    "acco_fp8": ("acco", FP8),
+    "acco_split": ("acco", SPLIT),
+    "acco_split_bf16": ("acco", SPLIT + BF16),
+    "acco_split_fp8": ("acco", SPLIT + FP8),
+}
 MANAGED = ("--training.dataset_path", "--acco.accumulation_steps", "--training.steps",
            "--debug.seed", "--job.dump_folder",
            "--job.config_file", "--metrics.disable_color_printing", "--experimental.custom_import",
            "--validation.enable", "--validation.freq", "--validation.steps")  # fmt: skip
 
-# training lines: benchmarks.harness.STEP; "[default0]:[titan] 2026-11-21 10:41:09,120 - root - INFO - validate step: 50  loss:  5.1234
-#  memory:  0.80GiB(3.39%)  tps: 9,120" (torchtitan's MetricsProcessor.log_validation)
+# training lines: benchmarks.harness.STEP; validations, torchtitan's log_validation:
+# "[default0]:[titan] 2026-11-21 10:41:09,120 - root - INFO - validate step: 50  loss:  5.1234
+#  memory:  0.80GiB(3.39%)  tps: 9,120"
 HELDOUT_RE = re.compile(
     PREFIX + r".*?validate step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>-?[\d.]+|nan|inf)"
 )
@@ -123,7 +109,8 @@ class BatchSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """One training run: an experiment, an arm (the mode, or a heterogeneous arm) and a seed."""
+    """One training run: an experiment, an arm (the mode, or a heterogeneous arm) and a seed.
+    Its fields open the run's record in the results file."""
 
     experiment: str  # "convergence" or "heterogeneous"
     arm: str
@@ -148,52 +135,41 @@ class RunSpec:
         fixed = "" if self.data_seed is None else f"-data{self.data_seed}"
         return f"{self.experiment}/{self.data}/{self.arm}/seed{self.seed}{fixed}"
 
+    @property
+    def steps(self) -> int:
+        return steps_for(self.mode, self.updates)
+
 
 # ----------------------------------------------------------------------------- log parsing
 
 
 def parse_log(text: str) -> dict[int, dict[str, list[float]]]:
-    """Per rank, the logged steps and validations.
-
-    Returns ``{rank: {"step", "loss", "grad_norm", "tps", "ts", "heldout_step",
-    "heldout_loss", "heldout_ts"}}``: training lines, then torchtitan's "validate step" lines
-    (the held-out loss, already averaged over all ranks by the validator). Lines come from
-    ``torchrun --tee 3`` (prefixed ``[default<local rank>]:``) or, without a prefix, are all
-    counted as rank 0. A step logged twice by one rank keeps the last line. ``ts`` is the UNIX
-    time of the line; ``start`` (a one-element list, if found) the time of torchtitan's
-    "Training starts" line.
-    """
-    per_rank: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    """Per rank (``[default<rank>]:`` of ``torchrun --tee 3``; no prefix: rank 0), the lines
+    of the training steps (``step``, ``loss``, ``grad_norm``, ``tps``, ``ts``: UNIX time; a step
+    logged twice keeps its last line), of the validations (``heldout_step``, ``heldout_loss``,
+    already averaged over the ranks, ``heldout_ts``) and ``start``, the time of "Training
+    starts" (a one-element list, if logged)."""
+    steps: dict[int, dict[int, dict]] = {}
     heldout: dict[int, dict[int, tuple[float, float]]] = {}
     starts: dict[int, float] = {}
     for line in text.splitlines():
-        match = STEP.search(line)
-        if match and match["ts"]:
-            r = step_line(match)
-            per_rank.setdefault(r["rank"], {})[r["step"]] = (r["loss"], r["grad_norm"], r["tps"],
-                                                             r["ts"])  # fmt: skip
-            continue
-        match = HELDOUT_RE.search(line)
-        if match and match["ts"]:
-            rank = int(match["rank"] or 0)
-            heldout.setdefault(rank, {})[int(match["step"])] = (float(match["loss"]),
-                                                               timestamp(match["ts"]))
-            continue
-        match = START_RE.search(line)
-        if match and match["ts"]:
+        if (match := STEP.search(line)) and match["ts"]:
+            row = step_line(match)
+            steps.setdefault(row["rank"], {})[row["step"]] = row
+        elif (match := HELDOUT_RE.search(line)) and match["ts"]:
+            validation = (float(match["loss"]), timestamp(match["ts"]))
+            heldout.setdefault(int(match["rank"] or 0), {})[int(match["step"])] = validation
+        elif (match := START_RE.search(line)) and match["ts"]:
             starts.setdefault(int(match["rank"] or 0), timestamp(match["ts"]))
     parsed: dict[int, dict[str, list[float]]] = {}
-    for rank in sorted(set(per_rank) | set(heldout)):
-        rows = per_rank.get(rank, {})
-        steps = sorted(rows)
-        columns = list(zip(*(rows[s] for s in steps))) or [[], [], [], []]
-        parsed[rank] = {"step": steps, "loss": list(columns[0]), "grad_norm": list(columns[1]),
-                        "tps": list(columns[2]), "ts": list(columns[3])}  # fmt: skip
-        validations = heldout.get(rank, {})
-        heldout_steps = sorted(validations)
-        parsed[rank]["heldout_step"] = heldout_steps
-        parsed[rank]["heldout_loss"] = [validations[s][0] for s in heldout_steps]
-        parsed[rank]["heldout_ts"] = [validations[s][1] for s in heldout_steps]
+    for rank in sorted(set(steps) | set(heldout)):
+        rows = [row for _, row in sorted(steps.get(rank, {}).items())]
+        validations = sorted(heldout.get(rank, {}).items())
+        parsed[rank] = {key: [row[key] for row in rows]
+                        for key in ("step", "loss", "grad_norm", "tps", "ts")}  # fmt: skip
+        parsed[rank]["heldout_step"] = [step for step, _ in validations]
+        parsed[rank]["heldout_loss"] = [loss for _, (loss, _) in validations]
+        parsed[rank]["heldout_ts"] = [ts for _, (_, ts) in validations]
         if rank in starts:
             parsed[rank]["start"] = [starts[rank]]
     return parsed
@@ -224,15 +200,13 @@ def read_stats(stats_dir: pathlib.Path) -> dict[int, dict[int, StepStats]]:
     """The slow_rank module's logs: {rank: {step: StepStats}}."""
     stats: dict[int, dict[int, StepStats]] = {}
     for path in sorted(stats_dir.glob("microbatches_rank*.jsonl")):
-        rank = int(path.stem.removeprefix("microbatches_rank"))
-        per_step: dict[int, StepStats] = {}
+        per_step = stats[int(path.stem.removeprefix("microbatches_rank"))] = {}
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
             per_step.setdefault(int(row["step"]), StepStats()).add(row)
-        stats[rank] = per_step
     return stats
 
 
@@ -304,8 +278,8 @@ def batch_settings(config: dict[str, Any], overrides: Sequence[str], dp: int) ->
     return BatchSettings(global_, local, pick("seq_len", 2048))
 
 
-def load_config(mode: str, template: str = CONFIG_TEMPLATE) -> tuple[pathlib.Path, dict]:
-    path = REPO / template.format(mode=mode)
+def load_config(mode: str) -> tuple[pathlib.Path, dict]:
+    path = REPO / CONFIG_TEMPLATE.format(mode=mode)
     with open(path, "rb") as f:
         return path, tomllib.load(f)
 
@@ -325,28 +299,60 @@ def mode_overrides(mode: str, batch_per_update: int | None) -> tuple[str, ...]:
     return ("--training.global_batch_size", str(size))
 
 
-def microbatch_overrides(microbatches_per_rank: int, settings: BatchSettings,
-                         nproc: int) -> tuple[str, ...]:  # fmt: skip
-    """``--training.global_batch_size`` for ``microbatches_per_rank`` micro-batches per round."""
-    size = microbatches_per_rank * settings.local_batch_size * nproc
-    return ("--training.global_batch_size", str(size))
+def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
+    """The runs asked for, in the order they run (corpus, data order, seed, then arm: a partial
+    result holds whole comparisons)."""
+    arms = args.arms if args.heterogeneous else args.modes
+    runs = itertools.product(args.corpus, args.data_order, args.seeds, arms)
+    return [plan_one(args, overrides, *run) for run in runs]
 
 
-def heldout_overrides(mode: str, every: int, steps: int, settings: BatchSettings
-                      ) -> tuple[str, ...]:  # fmt: skip
-    """torchtitan validation on ``stdlib_validation`` every ``every`` real updates.
+def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, order: str,
+             seed: int, arm: str) -> RunSpec:  # fmt: skip
+    """One run's settings: its arm's overrides, its batch, its validations and its data.
 
-    ``validation.freq`` counts steps, so it is ``2 x every`` for acco. Each validation runs
-    ``steps`` batches per rank of the training ``local_batch_size`` x ``seq_len`` (the
-    slow_rank hooks make them the same batches every time). torchtitan validates at step 1 and
-    at every multiple of ``freq``; not at the last step unless it is a multiple.
+    Convergence: each mode's TOML batch (or ``--batch-per-update``). Heterogeneous: ``ddp``
+    runs ``--ddp-microbatches-per-rank`` micro-batches per rank per update, ``ddp_matched``
+    each rank's count of ``--control-mix``, every other arm the minimum of one per rank per
+    round (``accumulate_until_ready`` adds the fast rank's extra ones, ``acco_capped`` at most
+    ``--cap`` per round).
     """
-    if every <= 0:
-        return ()
-    return ("--validation.enable", "--validation.dataset", HELDOUT_DATASET,
-            "--validation.freq", str(steps_for(mode, every)), "--validation.steps", str(steps),
-            "--validation.local_batch_size", str(settings.local_batch_size),
-            "--validation.seq_len", str(settings.seq_len))  # fmt: skip
+    mode, extra = ARMS[arm] if args.heterogeneous else SCHEDULE_ARMS.get(arm, (arm, ()))
+    _, config = load_config(mode)
+    rank_args: tuple[tuple[str, ...], ...] = ()
+    if args.heterogeneous:
+        # Each logged step all-reduces the loss and puts the ranks back in step: by default only
+        # the first and the last; the per-step curves come from slow_rank's micro-batch logs.
+        log_freq = args.log_freq or steps_for(mode, args.updates)
+        per_rank = args.ddp_microbatches_per_rank if arm == "ddp" else 1
+        local = batch_settings(config, overrides, args.nproc).local_batch_size
+        extra += ("--metrics.log_freq", str(log_freq),
+                  "--training.global_batch_size", str(per_rank * local * args.nproc))  # fmt: skip
+        if arm == "acco_capped":
+            extra += ("--acco.max_microbatches_per_round", str(args.cap))
+        if arm == "ddp_matched":
+            rank_args = tuple(("--acco.accumulation_steps", str(n)) for n in args.control_mix)
+    else:
+        extra += mode_overrides(mode, args.batch_per_update)
+    settings = batch_settings(config, extra + overrides, args.nproc)
+    heldout: tuple[str, ...] = ()
+    if args.heldout_every:
+        # validation.freq counts steps (two per acco update); the validation batches have the
+        # training shape; torchtitan validates at step 1 and at every multiple of freq
+        heldout = ("--validation.enable", "--validation.dataset", HELDOUT_DATASET,
+                   "--validation.freq", str(steps_for(mode, args.heldout_every)),
+                   "--validation.steps", str(args.heldout_steps),
+                   "--validation.local_batch_size", str(settings.local_batch_size),
+                   "--validation.seq_len", str(settings.seq_len))  # fmt: skip
+    data_seed = seed if args.data_seed is None else args.data_seed
+    dataset = data.prepare(corpus, order, data_seed, settings.seq_len)
+    return RunSpec(
+        "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed, args.updates,
+        extra + heldout + ("--training.dataset_path", str(dataset.relative_to(REPO))) + overrides,
+        corpus=corpus, data_order=order, rank_args=rank_args, data_seed=args.data_seed,
+        heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
+        slow_factor=args.slow_factor if args.heterogeneous else 1.0,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- running
@@ -361,10 +367,21 @@ def build_command(spec: RunSpec, config_path: pathlib.Path, run_dir: pathlib.Pat
         nproc, "--log-dir", str(run_dir / "torchrun"), "--tee", "3",
         str(script), "--job.config_file", str(config_path),
         "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
-        "--training.steps", str(steps_for(spec.mode, spec.updates)),
+        "--training.steps", str(spec.steps),
         "--debug.seed", str(spec.seed), "--experimental.custom_import", HOOKS_MODULE,
         *spec.overrides,
     )  # fmt: skip
+
+
+def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int = 1) -> dict[str, str]:
+    """The variables this script sets for a run (on top of the current environment)."""
+    env = {"OMP_NUM_THREADS": str(omp_threads), "LOG_RANK": "all"}  # each rank's tps
+    if spec.experiment == "heterogeneous":
+        env[SLOW_FACTOR_ENV] = f"{spec.slow_factor:g}"
+        env[STATS_DIR_ENV] = str(run_dir / "stats")
+    if spec.rank_args:
+        env[RANK_ARGS_ENV] = json.dumps({str(r): list(a) for r, a in enumerate(spec.rank_args)})
+    return env
 
 
 def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_every: int) -> int:
@@ -378,7 +395,8 @@ def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_e
             for line in proc.stdout:
                 log.write(line)
                 step, held_out = STEP.search(line), HELDOUT_RE.search(line)
-                if print_every <= 0 or not (step or held_out) or int((step or held_out)["rank"] or 0):
+                shown = step or held_out
+                if print_every <= 0 or not shown or int(shown["rank"] or 0):
                     continue
                 if step and int(step["step"]) % print_every == 0:
                     text = line[line.index("step:") :].split("memory:")[0]
@@ -394,11 +412,8 @@ def _stream(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, print_e
 
 
 def summarize(record: dict[str, Any]) -> dict[str, float]:
-    """Throughput of a run: global tokens/s over the training time (from training start).
-
-    The training time includes the validations (a few forward passes every ``heldout_every``
-    updates). ``heldout_loss_final``: the held-out loss after the last update.
-    """
+    """Throughput of a run: global tokens/s over the training time (from training start), which
+    includes the validations. ``heldout_loss_final``: the held-out loss after the last update."""
     tokens, time_s = record["tokens"], record["time_s"]
     if not tokens or not time_s or time_s[-1] <= 0:
         return {}
@@ -428,9 +443,8 @@ def summarize(record: dict[str, Any]) -> dict[str, float]:
 
 def training_tokens_per_s(record: dict[str, Any]) -> float:
     """Tokens/s of the training steps alone: the step after each validation is left out (its
-    time holds the validation, and in ACCO the wait for the update in flight that a validation
-    forces). The validations are the benchmark's instrument: 64 batches per rank each, every
-    ``--heldout-every`` updates, a cost a run's own validation schedule decides."""
+    time holds the validation and, in ACCO, the wait for the update in flight that a
+    validation forces): the validations are the benchmark's instrument, not the training."""
     steps, time_s, tokens = record["step"], record["time_s"], record["tokens"]
     after = {s + 1 for s in record.get("heldout_step", [])}
     seconds = sum(time_s[i] - time_s[i - 1] for i in range(1, len(steps)) if steps[i] not in after)
@@ -452,10 +466,9 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
     ranks = sorted(parsed)
     main = parsed[ranks[0]] if ranks else {"step": [], "loss": [], "ts": []}
     t0 = main.get("start", main["ts"][:1] or [None])[0]
-    expected = steps_for(spec.mode, spec.updates)
     record: dict[str, Any] = {
         **dataclasses.asdict(spec), "overrides": list(spec.overrides),
-        "steps": expected, "global_batch_size": settings.global_batch_size,
+        "steps": spec.steps, "global_batch_size": settings.global_batch_size,
         "local_batch_size": settings.local_batch_size, "seq_len": settings.seq_len,
         "tokens_per_step": settings.tokens_per_step, "returncode": returncode,
         "wall_s": wall_s, "step": main["step"], "loss": main["loss"],
@@ -478,21 +491,10 @@ def make_record(spec: RunSpec, settings: BatchSettings, parsed: dict, stats: dic
         "heldout_loss": main.get("heldout_loss", []),
         "heldout_time_s": [round(t - (t0 or 0.0), 3) for t in main.get("heldout_ts", [])],
     })  # fmt: skip
-    record["complete"] = (returncode == 0 and record["step"][-1:] == [expected]
-                          and (spec.heldout_every <= 0 or heldout_steps[-1:] == [expected]))
+    record["complete"] = (returncode == 0 and record["step"][-1:] == [spec.steps]
+                          and (spec.heldout_every <= 0 or heldout_steps[-1:] == [spec.steps]))
     record["summary"] = summarize(record)
     return record
-
-
-def run_env(spec: RunSpec, run_dir: pathlib.Path, omp_threads: int = 1) -> dict[str, str]:
-    """The variables this script sets for a run (on top of the current environment)."""
-    env = {"OMP_NUM_THREADS": str(omp_threads), "LOG_RANK": "all"}  # each rank's tps
-    if spec.experiment == "heterogeneous":
-        env[SLOW_FACTOR_ENV] = f"{spec.slow_factor:g}"
-        env[STATS_DIR_ENV] = str(run_dir / "stats")
-    if spec.rank_args:
-        env[RANK_ARGS_ENV] = json.dumps({str(r): list(a) for r, a in enumerate(spec.rank_args)})
-    return env
 
 
 def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -506,7 +508,7 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     cmd = build_command(spec, config_path, run_dir, args.nproc)
     own_env = run_env(spec, run_dir)
     env = {k: v for k, v in os.environ.items()
-           if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV, RANK_ARGS_ENV)}
+           if k not in (SLOW_FACTOR_ENV, STATS_DIR_ENV, RANK_ARGS_ENV)}  # fmt: skip
     env.update(own_env)
     shown = " ".join(f"{k}={v}" for k, v in own_env.items())
     (run_dir / "command.txt").write_text(f"{shown} {' '.join(cmd)}\n", encoding="utf-8")
@@ -520,12 +522,12 @@ def run_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         settings.local_batch_size * args.nproc)
     record["command"] = cmd
     record["log"] = str(run_dir / "console.log")
-    record["dataset"] = data.describe(REPO / override_value(spec.overrides,
-                                                            "--training.dataset_path"))
+    dataset = override_value(spec.overrides, "--training.dataset_path")
+    record["dataset"] = data.describe(REPO / dataset)
     return record
 
 
-# ----------------------------------------------------------------------------- results file
+# ----------------------------------------------------------------------------- main
 
 
 def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
@@ -534,56 +536,6 @@ def same_settings(record: dict[str, Any], spec: RunSpec) -> bool:
             and record.get("overrides") == list(spec.overrides)
             and [list(a) for a in record.get("rank_args", [])] == [list(a) for a in spec.rank_args]
             and float(record.get("slow_factor", 1.0)) == spec.slow_factor)  # fmt: skip
-
-
-def plan(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[RunSpec]:
-    """The runs asked for, in the order they run (corpus, data order, seed, then arm: a partial
-    result holds whole comparisons).
-
-    Convergence: each mode's TOML batch (or ``--batch-per-update``). Heterogeneous: ``ddp``
-    runs ``--ddp-microbatches-per-rank`` micro-batches per rank per update, ``ddp_matched``
-    each rank's count of ``--control-mix``, every other arm the minimum of one per rank per
-    round (``accumulate_until_ready`` adds the fast rank's extra ones, ``acco_capped`` at most
-    ``--cap`` per round). Every run validates every ``--heldout-every`` real updates. The seed
-    sets the initialisation (``--debug.seed``) and the order of the training data.
-    """
-    specs = []
-    for corpus in args.corpus:
-        for order in args.data_order:
-            for seed in args.seeds:
-                for arm in args.arms if args.heterogeneous else args.modes:
-                    specs.append(plan_one(args, overrides, corpus, order, seed, arm))
-    return specs
-
-
-def plan_one(args: argparse.Namespace, overrides: tuple[str, ...], corpus: str, order: str,
-             seed: int, arm: str) -> RunSpec:  # fmt: skip
-    mode, extra = ARMS[arm] if args.heterogeneous else SCHEDULE_ARMS.get(arm, (arm, ()))
-    _, config = load_config(mode)
-    rank_args: tuple[tuple[str, ...], ...] = ()
-    if args.heterogeneous:
-        log_freq = args.log_freq or steps_for(mode, args.updates)
-        per_rank = args.ddp_microbatches_per_rank if arm == "ddp" else 1
-        settings = batch_settings(config, overrides, args.nproc)
-        extra += ("--metrics.log_freq", str(log_freq),
-                  *microbatch_overrides(per_rank, settings, args.nproc))  # fmt: skip
-        if arm == "acco_capped":
-            extra += ("--acco.max_microbatches_per_round", str(args.cap))
-        if arm == "ddp_matched":
-            rank_args = tuple(("--acco.accumulation_steps", str(n)) for n in args.control_mix)
-    else:
-        extra += mode_overrides(mode, args.batch_per_update)
-    settings = batch_settings(config, extra + overrides, args.nproc)
-    heldout = heldout_overrides(mode, args.heldout_every, args.heldout_steps, settings)
-    data_seed = seed if args.data_seed is None else args.data_seed
-    dataset = data.prepare(corpus, order, data_seed, settings.seq_len)
-    return RunSpec(
-        "heterogeneous" if args.heterogeneous else "convergence", arm, mode, seed, args.updates,
-        extra + heldout + ("--training.dataset_path", str(dataset.relative_to(REPO))) + overrides,
-        corpus=corpus, data_order=order, rank_args=rank_args, data_seed=args.data_seed,
-        heldout_every=args.heldout_every, heldout_steps=args.heldout_steps,
-        slow_factor=args.slow_factor if args.heterogeneous else 1.0,
-    )  # fmt: skip
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
@@ -635,7 +587,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
     add("--nproc", type=int, default=2, help="processes (data-parallel ranks)")
     add("--print-every", type=int, default=25, help="echo every Nth step line")
     add("--force", action="store_true", help="rerun runs already in --out")
-    own, overrides = split_overrides(argv)  # fmt: skip
+    own, overrides = split_overrides(argv)
     args = parser.parse_args(own)
     if args.updates < 1:
         parser.error("--updates must be >= 1")
@@ -659,10 +611,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, tuple[str, ...]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    out = pathlib.Path(args.out)
-    out = out if out.is_absolute() else REPO / out
-    if not pathlib.Path(args.workdir).is_absolute():
-        args.workdir = str(REPO / args.workdir)
+    # relative to the checkout (an absolute path replaces REPO in the join)
+    out = REPO / args.out
+    args.workdir = str(REPO / args.workdir)
     results = json.loads(out.read_text()) if out.exists() else {"version": 1, "runs": {}}
     specs = plan(args, overrides)
     failed = 0
@@ -674,8 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             raise SystemExit(f"{spec.key} is in {out} with other settings (updates/overrides/"
                              "slow factor): pass --force to replace it, or another --out")
-        print(f"[{i}/{len(specs)}] {spec.key}: {steps_for(spec.mode, spec.updates)} steps",
-              flush=True)  # fmt: skip
+        print(f"[{i}/{len(specs)}] {spec.key}: {spec.steps} steps", flush=True)
         record = run_one(spec, args)
         results["runs"][spec.key] = record
         write_result(out, results)

@@ -1,58 +1,34 @@
 """Benchmark hooks for torchtitan runs: a slow rank, per-micro-batch logs, a fixed held-out set.
 
-What it does, once per process, when torchtitan imports it (``--experimental.custom_import``):
+``benchmarks/convergence/run.py`` makes every rank import it (``--experimental.custom_import``);
+``docs/results.md`` section 5 uses all three:
 
-* Slow rank: torchtitan's ``Trainer.forward_backward_step`` (which ``ACCOTrainer`` inherits and
-  calls once per micro-batch) is wrapped so that on the slow global rank
-  (``ACCO_BENCH_SLOW_RANK``, default 1) each micro-batch takes ``ACCO_BENCH_SLOW_FACTOR`` times
-  its own compute (default 1: nobody is slowed), a simulated device ``factor`` times slower:
-  the rank times each forward+backward and then sleeps ``(factor - 1)`` x its fastest one so
-  far. The fastest, not the current one: on a CPU testbed the compute of a micro-batch that
-  runs while the rank's own communication thread (and the other rank) use the cores is
-  slower, and multiplying that contention by ``factor - 1`` made the slow rank ~9x, not 4x,
-  slower than the fast one in acco rounds (measured: 0.17 s vs 0.08 s of compute at
-  seq_len 64). Validation runs the model directly, not ``forward_backward_step``, so it is
-  never slowed.
-* Micro-batch log: on every rank, when ``ACCO_BENCH_STATS_DIR`` is set, each micro-batch
-  appends one JSON line to ``<dir>/microbatches_rank<R>.jsonl``::
+* Slow rank: on global rank ``ACCO_BENCH_SLOW_RANK`` (default 1) each micro-batch of
+  ``Trainer.forward_backward_step`` (which ``ACCOTrainer`` inherits) takes
+  ``ACCO_BENCH_SLOW_FACTOR`` times its compute (default 1: nobody is slowed): the rank sleeps
+  ``factor - 1`` times its fastest forward+backward so far. The fastest, not the current one:
+  on a CPU testbed a micro-batch that shares the cores with the communication thread (and the
+  other rank) is slower, and multiplying that contention made the slow rank ~9x, not 4x, slower
+  in acco rounds (0.17 s vs 0.08 s of compute at seq_len 64). Validation is never slowed.
+* Micro-batch log: with ``ACCO_BENCH_STATS_DIR`` set, each micro-batch of every rank appends
+  ``{"step", "tokens", "valid", "loss_sum", "compute_s", "sleep_s", "t"}`` to
+  ``<dir>/microbatches_rank<R>.jsonl`` (line buffered: a killed run keeps what it did).
+  ``tokens`` = ``labels.numel()`` (torchtitan's ``ntokens_seen``), ``valid`` the tokens in the
+  loss, ``loss_sum`` the token-summed loss (``null`` without a plain loss: a PP stage without
+  the last layer, a TP DTensor), ``t`` the end time, after the sleep. Summing ``loss_sum`` and
+  ``valid`` over the ranks gives each step's global loss without a collective, so a run can
+  log rarely: torchtitan's logged steps all-reduce the loss, which puts the ranks back in step.
+* Fixed held-out set: torchtitan's ``Validator.validate`` reads on from where the previous
+  validation stopped, which would mix model progress with text difficulty. Here every
+  validation rewinds the validation dataset to its state at the first one: every validation
+  of a run (and of every run with the same data, batch, seq_len and ranks) scores the same
+  batches.
 
-      {"step": S, "tokens": T, "valid": V, "loss_sum": L, "compute_s": C, "sleep_s": Z,
-       "t": UNIX_TIME}
-
-  ``T`` = ``labels.numel()`` (as torchtitan counts ``ntokens_seen``), ``V`` the tokens that
-  count in the loss, ``L`` the micro-batch's token-summed loss (the returned loss times the
-  ``global_valid_tokens`` it was divided by; ``null`` where there is no loss, e.g. a PP stage
-  without the last layer or a TP DTensor loss), ``C`` the measured forward+backward seconds,
-  ``Z`` the slow-down slept after it, ``t`` when the micro-batch ended (after the sleep). Summing
-  ``L`` and ``V`` over the ranks of a step gives the step's global average loss without any
-  collective, so a run can log rarely (``--metrics.log_freq``): torchtitan's per-step logging
-  all-reduces the loss, which puts every rank back in step at every logged step. The file is
-  line buffered: a killed run keeps what it did.
-* Fixed held-out set: torchtitan's ``Validator.validate`` reads its data loader on from where
-  the previous validation stopped, so each validation would score different text and the
-  held-out curve would mix model progress with text difficulty. Here every validation rewinds
-  the validation dataset to the state it had at the first one: all validations of a run (and
-  of every run with the same data, batch, seq_len and ranks) score the same
-  ``validation.steps`` batches, and a held-out curve can be compared point by point and
-  interpolated.
-
-Reproduce (what ``python -m benchmarks.convergence.run --heterogeneous`` launches, abridged)::
-
-    ACCO_BENCH_SLOW_FACTOR=4 ACCO_BENCH_STATS_DIR=/tmp/stats OMP_NUM_THREADS=1 \\
-    torchrun --standalone --nproc_per_node 2 train_titan.py \\
-        --job.config_file torchtitan_configs/debug_cpu_acco.toml --acco.accumulate_until_ready \\
-        --metrics.log_freq 600 --training.steps 600 \\
-        --validation.enable --validation.dataset stdlib_validation --validation.freq 50 \\
-        --validation.steps 8 --validation.local_batch_size 4 --validation.seq_len 128 \\
-        --experimental.custom_import benchmarks.convergence.slow_rank
-
-Assumptions: torchtitan imports ``--experimental.custom_import`` inside ``Trainer.__init__`` of
-every rank (torchtitan 0.2.2), before it builds the validator and before the first training
-step; the training loop calls ``self.forward_backward_step(input_dict=..., labels=...,
-global_valid_tokens=...)`` once per micro-batch and ``self.step`` is the current step (one
-ACCO round for ``ACCOTrainer``); the validator's ``validation_dataloader.dataset`` has
-``state_dict()``/``load_state_dict()`` (torchtitan's ``HuggingFaceTextDataset``). The global
-rank is read from the ``RANK`` variable torchrun sets.
+Assumptions (torchtitan 0.2.2): ``Trainer.__init__`` imports the module on every rank before it
+builds the validator; the loop calls ``self.forward_backward_step(input_dict=..., labels=...,
+global_valid_tokens=...)`` once per micro-batch, with ``self.step`` the current step (an ACCO
+round); the validation dataset has ``state_dict()``/``load_state_dict()``. The global rank is
+torchrun's ``RANK``.
 """
 
 from __future__ import annotations
@@ -64,7 +40,8 @@ import math
 import os
 import pathlib
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -72,7 +49,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import Validator
 from torchtitan.train import Trainer
 
-__all__ = ["SLOW_FACTOR_ENV", "SLOW_RANK_ENV", "STATS_DIR_ENV", "install", "stats_path"]
+__all__ = ["SLOW_FACTOR_ENV", "SLOW_RANK_ENV", "STATS_DIR_ENV", "install"]
 
 SLOW_FACTOR_ENV = "ACCO_BENCH_SLOW_FACTOR"
 SLOW_RANK_ENV = "ACCO_BENCH_SLOW_RANK"
@@ -81,17 +58,14 @@ _PATCHED = "_acco_bench_slow_rank_patched"
 _HELDOUT_START = "_acco_bench_heldout_start"
 
 
-def stats_path(stats_dir: str | os.PathLike, rank: int) -> pathlib.Path:
-    """The micro-batch log of ``rank`` under ``stats_dir``."""
-    return pathlib.Path(stats_dir) / f"microbatches_rank{rank}.jsonl"
-
-
 def _open_stats(rank: int) -> TextIO | None:
+    """This rank's micro-batch log (run.py reads it), or None without ``ACCO_BENCH_STATS_DIR``."""
     stats_dir = os.environ.get(STATS_DIR_ENV)
     if not stats_dir:
         return None
     os.makedirs(stats_dir, exist_ok=True)
-    return open(stats_path(stats_dir, rank), "a", buffering=1, encoding="utf-8")
+    path = pathlib.Path(stats_dir) / f"microbatches_rank{rank}.jsonl"
+    return open(path, "a", buffering=1, encoding="utf-8")
 
 
 def _loss_sum(loss: Any, scale: Any) -> float | None:
