@@ -4,31 +4,10 @@
     python -m benchmarks.auto_sweep --plot-only            # redraw from the JSON
     python -m benchmarks.auto_sweep --paired 6 --updates 40   # no cap: ddp, auto, acco alternated
 
-2 gloo ranks on the two-host netbed (``benchmarks.netbed``), one core each, a 1.05M-parameter
-MLP through the public API (``ACCOOptimizer``, fused AdamW), 20 micro-batches per real update in
-every arm, so tokens per update are equal and the ratio of update times is the per-token
-speedup:
-
-* ``ddp``: synchronous ZeRO-1, one round of 20;
-* ``acco``: the paper's schedule, 10 + 10, float32 estimate;
-* ``acco_bf16`` / ``acco_fp8``: 10 + 10 with the estimate round in bfloat16 / float8;
-* ``law``: the schedule (split and estimate format) that the generalized law prices fastest
-  for the c and C measured by this link's ``ddp`` run (``acco_hooks.engine.schedule.best_schedule``,
-  the candidates ``auto`` has);
-* ``auto``: ``mode="auto"``, which measures and decides on its own. ``speedup`` is its steady
-  state (the updates after its decision); ``speedup_whole_run`` counts every update from the
-  third on, its synchronous measurements and trials included.
-
-``--compute real``: each micro-batch is a forward and backward of the MLP. ``--compute sleep``:
-each is a sleep of the compute time measured in the real mode, plus the addition of a fixed
-gradient: the core is free while the "device" computes, as on a GPU, so the schedule's own
-efficiency shows apart from this machine's contention between compute and the communication
-thread. Each arm runs ``--repeats`` times, the arms interleaved; per run the median update
-time over its timed updates, and ``speedup`` = the same repeat's ddp median ÷ the arm's.
-``law_speedup``: the generalized law's figure for the arm's schedule, from ddp's c and C and
-the estimate format's share of the bytes (α).
-
-Writes ``docs/results/auto_sweep.json`` and ``docs/figures/auto_sweep.png``.
+2 ranks on the netbed, the MLP of ``benchmarks.round_overhead``, 20 micro-batches per update in
+every arm (:func:`arm_settings`), so the ratio of update times is the per-token speedup. What
+it shows: docs/when_acco_helps.md, "Measured: every schedule and auto on six links". Writes
+``docs/results/auto_sweep.json`` and ``docs/figures/auto_sweep.png``.
 """
 
 from __future__ import annotations
@@ -39,19 +18,18 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
-from benchmarks.harness import (
-    FIGURES, RESULTS, ROOT, emit, header, pyplot, result_lines, run_on_link, save_figure,
-    write_result,
-)  # fmt: skip
+from benchmarks import harness
+from benchmarks.harness import ROOT, emit, header, result_lines, run_on_link, write_result
+from benchmarks.round_overhead import BATCH, WIDTH, microbatch, mlp
 
-RESULT_FILE = RESULTS / "auto_sweep.json"
-FIGURE = FIGURES / "auto_sweep.png"
+RESULT_FILE = harness.RESULTS / "auto_sweep.json"
+FIGURE = harness.FIGURES / "auto_sweep.png"
 # The issue's links, and 300mbit: C between one and two rounds' compute (K = 10 micro-batches)
 RATES = ("none", "1gbit", "300mbit", "200mbit", "100mbit", "50mbit")
 MICROBATCHES = 20  # per real update, every arm
-WIDTH, BATCH = 724, 256  # two 724x724 layers: 1.05M parameters; ~9 ms per micro-batch here
 ARMS = ("ddp", "acco", "acco_bf16", "acco_fp8", "law", "auto")
 
 
@@ -78,34 +56,24 @@ def worker(args: argparse.Namespace) -> None:
 def train(settings: dict, args: argparse.Namespace) -> dict:
     """``args.updates`` real updates of the MLP under ``settings``; the update times."""
     import torch
-    from torch import nn
 
     from acco_hooks import ACCOOptimizer
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    model, x, fixed = mlp()
+    steps = settings.pop("accumulation_steps")
     opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True,
-                        accumulation_steps=settings.pop("accumulation_steps"), **settings)  # fmt: skip
+                        accumulation_steps=steps, **settings)  # fmt: skip
     engine = opt.engine
-    x = torch.randn(BATCH, WIDTH)
-    fixed = [torch.full_like(p, 1e-3) for p in model.parameters()]
     boundaries, compute, schedules = [], [], []
     while engine.updates_launched < args.updates:
-        start = time.perf_counter()
-        if args.compute == "real":
-            model(x).pow(2).mean().backward()
-        else:  # the device computes; the core is free
-            time.sleep(args.microbatch_s)
-            for p, g in zip(model.parameters(), fixed):
-                engine.accumulate_grad(p, g)
-        compute.append(time.perf_counter() - start)
+        compute.append(microbatch(model, x, fixed, engine, args))
         launched = engine.updates_launched
         opt.step()
         if engine.updates_launched != launched:  # an update's micro-batches are all in
             boundaries.append(time.perf_counter())
             schedules.append(list(engine.schedule))
     opt.flush()
-    update_s = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    update_s = [b - a for a, b in pairwise(boundaries)]
     result = {
         "update_s": update_s, "median_update_s": statistics.median(update_s[-args.timed:]),
         "mean_update_s_from_3rd": statistics.fmean(update_s[1:]),
@@ -118,6 +86,17 @@ def train(settings: dict, args: argparse.Namespace) -> dict:
     return result
 
 
+def launch(link, settings, compute: str, microbatch_s: float, updates: int,
+           args: argparse.Namespace, timeout_s: float = 900) -> list[dict]:  # fmt: skip
+    """Both ranks of :func:`worker` on ``link``: rank 0's results."""
+    argv = [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
+            json.dumps(settings), "--compute", compute, "--microbatch-s", str(microbatch_s),
+            "--updates", str(updates), "--timed", str(args.timed),
+            "--paired", str(args.paired)]  # fmt: skip
+    out = run_on_link(link, argv, env={"PYTHONPATH": str(ROOT)}, timeout_s=timeout_s)
+    return result_lines(out)
+
+
 def paired(args: argparse.Namespace) -> dict:
     """``--paired N``: ddp and auto (and the paper's acco) in the same two processes on the
     uncapped netbed, alternated N times: what separate launches add to the noise (±4 % here)
@@ -125,26 +104,15 @@ def paired(args: argparse.Namespace) -> dict:
     from benchmarks.netbed import two_host_link
 
     arms = [arm_settings(name, None) for name in ("ddp", "auto", "acco")]
-    results: dict = {**header(), "link": "netbed, no cap", "updates": args.updates, "timed": args.timed,
-                     "alternations": args.paired, "runs": {}}  # fmt: skip
+    results: dict = {**header(), "link": "netbed, no cap", "updates": args.updates,
+                     "timed": args.timed, "alternations": args.paired, "runs": {}}  # fmt: skip
     with two_host_link() as link:
         for compute in args.compute:
-            runs = result_lines(run_on_link(link, worker_argv(arms, compute, args.microbatch_s,
-                                                              args.updates, args.timed, args.paired),
-                                            env={"PYTHONPATH": str(ROOT)}, timeout_s=3000))  # fmt: skip
+            runs = launch(link, arms, compute, args.microbatch_s, args.updates, args, 3000)
             by_mode: dict[str, list] = {}
             for run in runs:
                 by_mode.setdefault(run["settings"]["mode"], []).append(run)
-            ddp = statistics.median(r["median_update_s"] for r in by_mode["ddp"])
-            summary = {
-                mode: {"speedup_per_run": [ddp / r["median_update_s"] for r in rs],
-                       "speedup": ddp / statistics.median(r["median_update_s"] for r in rs),
-                       "speedup_whole_run": statistics.median(
-                           d["mean_update_s_from_3rd"] for d in by_mode["ddp"]) / statistics.median(
-                           r["mean_update_s_from_3rd"] for r in rs),
-                       "final_schedules": [r["final_schedule"] for r in rs]}
-                for mode, rs in by_mode.items()
-            }  # fmt: skip
+            summary = {mode: paired_summary(by_mode["ddp"], rs) for mode, rs in by_mode.items()}
             results["runs"][compute] = {"runs": runs, "summary": summary}
             print(compute, {m: (round(v["speedup"], 3), [round(x, 3) for x in v["speedup_per_run"]])
                             for m, v in summary.items()}, flush=True)  # fmt: skip
@@ -152,25 +120,43 @@ def paired(args: argparse.Namespace) -> dict:
     return results
 
 
+def paired_summary(ddp: list[dict], runs: list[dict]) -> dict:
+    """One arm's speedups over ddp's runs of the same processes."""
+
+    def median(runs: list[dict], key: str) -> float:
+        return statistics.median(run[key] for run in runs)
+
+    return {
+        "speedup_per_run": [median(ddp, "median_update_s") / r["median_update_s"] for r in runs],
+        "speedup": median(ddp, "median_update_s") / median(runs, "median_update_s"),
+        "speedup_whole_run": (median(ddp, "mean_update_s_from_3rd")
+                              / median(runs, "mean_update_s_from_3rd")),
+        "final_schedules": [r["final_schedule"] for r in runs],
+    }  # fmt: skip
+
+
 def arm_settings(name: str, ddp: dict | None) -> dict | None:
-    """An arm's ``ACCOOptimizer`` settings; ``law`` needs this link's ``ddp`` figures."""
-    half = MICROBATCHES // 2
-    if name == "ddp":
-        return dict(mode="ddp", accumulation_steps=MICROBATCHES)
-    if name == "auto":
-        return dict(mode="auto", accumulation_steps=MICROBATCHES)
+    """An arm's ``ACCOOptimizer`` settings; ``law`` needs this link's ``ddp`` figures.
+
+    ``ddp``: synchronous ZeRO-1; ``acco``: the paper's 10 + 10, and ``acco_bf16`` / ``acco_fp8``
+    with the estimate round in bfloat16 / float8; ``law``: the schedule the generalized law
+    prices fastest for ddp's c and C (None when that is ddp itself); ``auto``: ``mode="auto"``.
+    """
+    if name in ("ddp", "auto"):
+        return {"mode": name, "accumulation_steps": MICROBATCHES}
     if name.startswith("acco"):
         dtype = {"acco": None, "acco_bf16": "bfloat16", "acco_fp8": "float8_e4m3fn"}[name]
-        return dict(mode="acco", accumulation_steps=half, estimate_dtype=dtype)
+        return {"mode": "acco", "accumulation_steps": MICROBATCHES // 2, "estimate_dtype": dtype}
     best = law_best(ddp)
     if best.synchronous:  # nothing to hide: the law's pick is ddp itself
         return None
-    return dict(mode="acco", accumulation_steps=best.update_microbatches,
-                estimate_microbatches=best.estimate_microbatches,
-                estimate_dtype=best.estimate_dtype)  # fmt: skip
+    return {"mode": "acco", "accumulation_steps": best.update_microbatches,
+            "estimate_microbatches": best.estimate_microbatches,
+            "estimate_dtype": best.estimate_dtype}  # fmt: skip
 
 
 def law_best(ddp: dict):
+    """``best_schedule`` among ``auto``'s candidates, for ddp's c, C and each format's α."""
     from acco_hooks.engine.schedule import best_schedule, candidate_schedules
 
     c, comm, fractions = ddp["per_microbatch_s"], ddp["comm_s"], ddp["fractions"]
@@ -189,25 +175,18 @@ def law_speedup(ddp: dict, schedule: list) -> float:
     return (MICROBATCHES * c + comm) / schedule_seconds(c, comm, schedule, alpha * comm)
 
 
-def worker_argv(settings, compute: str, microbatch_s: float, updates: int, timed: int,
-                paired: int = 0) -> list[str]:  # fmt: skip
-    """The command of one rank of :func:`worker`."""
-    return [sys.executable, "-m", "benchmarks.auto_sweep", "--worker", "--settings",
-            json.dumps(settings), "--compute", compute, "--microbatch-s", str(microbatch_s),
-            "--updates", str(updates), "--timed", str(timed), "--paired", str(paired)]  # fmt: skip
-
-
-def run_arm(link, settings: dict, compute: str, microbatch_s: float, updates: int,
-            timed: int) -> dict:  # fmt: skip
-    out = run_on_link(link, worker_argv(settings, compute, microbatch_s, updates, timed),
-                      env={"PYTHONPATH": str(ROOT)}, timeout_s=900)  # fmt: skip
-    return {**result_lines(out)[-1], "settings": settings}
+def fractions(runs: dict) -> dict[str, float]:
+    """α of each estimate format, as the engine computed it (the acco arms report theirs)."""
+    found = {"float32": 1.0}
+    for run in runs.values():
+        found.update(run.get("estimate_fractions") or {})
+    return found
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import two_host_link
-
     import torch
+
+    from benchmarks.netbed import two_host_link
 
     results: dict = {
         **header(), "torch": torch.__version__,
@@ -219,62 +198,54 @@ def measure(args: argparse.Namespace) -> dict:
         results = json.loads(args.out.read_text())
     with two_host_link() as link:
         for compute in args.compute:
+            # sleep as long as a real micro-batch took, once the real runs measured it
             microbatch_s = results.get("real_microbatch_s", args.microbatch_s)
             for rate in args.rates:
                 key = f"{compute}/{rate}"
                 if key in results["runs"]:
                     continue
                 link.set_rate(rate)
-                repeats: list[dict] = []
-                for _ in range(args.repeats):
-                    runs: dict = {}
-                    ddp = run_arm(link, arm_settings("ddp", None), compute, microbatch_s,
-                                  args.updates, args.timed)  # fmt: skip
-                    ddp["comm_s"] = ddp["advisor"].get("comm_per_round_s", 0.0)
-                    runs["ddp"] = ddp
-                    if compute == "real" and rate == "none" and "real_microbatch_s" not in results:
-                        results["real_microbatch_s"] = ddp["per_microbatch_s"]
-                    for name in [a for a in ARMS[1:] if a in args.arms]:
-                        settings = arm_settings(name, {**ddp, "fractions": _fractions(runs)})
-                        if settings is None:
-                            continue
-                        updates = args.auto_updates if name == "auto" else args.updates
-                        runs[name] = run_arm(link, settings, compute, microbatch_s, updates,
-                                             args.timed)  # fmt: skip
-                    figures = {**ddp, "fractions": _fractions(runs)}
-                    for name, run in runs.items():
-                        run["speedup"] = ddp["median_update_s"] / run["median_update_s"]
-                        run["law_speedup"] = law_speedup(figures, run["final_schedule"])
-                    auto = runs.get("auto", {})
-                    if auto:
-                        auto["speedup_whole_run"] = (ddp["mean_update_s_from_3rd"]
-                                                     / auto["mean_update_s_from_3rd"])  # fmt: skip
-                        auto["law_best_speedup"] = law_speedup(figures, list(law_best(figures)))
-                    repeats.append(runs)
-                    print(f"{key}: c={ddp['per_microbatch_s']*1e3:.1f}ms C={ddp['comm_s']*1e3:.0f}ms "
-                          + " ".join(f"{n}={r['speedup']:.2f}(law {r['law_speedup']:.2f})"
-                                     for n, r in runs.items())
-                          + (f" auto_whole={auto['speedup_whole_run']:.2f}" if auto else ""),
-                          flush=True)  # fmt: skip
-                results["runs"][key] = repeats
+                results["runs"][key] = [repeat(link, key, compute, microbatch_s, results, args)
+                                        for _ in range(args.repeats)]  # fmt: skip
                 write_result(args.out, results)
     return results
 
 
-def _fractions(runs: dict) -> dict[str, float]:
-    """α of each estimate format, as the engine computed it (the acco arms report theirs)."""
-    fractions = {"float32": 1.0}
+def repeat(link, key: str, compute: str, microbatch_s: float, results: dict,
+           args: argparse.Namespace) -> dict:  # fmt: skip
+    """Every arm once, ddp first (the law's arm needs its figures); their speedups."""
+    ddp = launch(link, arm_settings("ddp", None), compute, microbatch_s, args.updates, args)[-1]
+    ddp["comm_s"] = ddp["advisor"].get("comm_per_round_s", 0.0)
+    runs = {"ddp": ddp}
+    if key == "real/none" and "real_microbatch_s" not in results:
+        results["real_microbatch_s"] = ddp["per_microbatch_s"]
+    for name in ARMS[1:]:
+        settings = arm_settings(name, {**ddp, "fractions": fractions(runs)})
+        if settings is not None:
+            updates = args.auto_updates if name == "auto" else args.updates
+            runs[name] = launch(link, settings, compute, microbatch_s, updates, args)[-1]
+    figures = {**ddp, "fractions": fractions(runs)}
     for run in runs.values():
-        fractions.update(run.get("estimate_fractions") or {})
-    return fractions
+        run["speedup"] = ddp["median_update_s"] / run["median_update_s"]
+        run["law_speedup"] = law_speedup(figures, run["final_schedule"])
+    auto = runs.get("auto", {})
+    if auto:
+        auto["speedup_whole_run"] = ddp["mean_update_s_from_3rd"] / auto["mean_update_s_from_3rd"]
+        auto["law_best_speedup"] = law_speedup(figures, list(law_best(figures)))
+    shown = " ".join(f"{n}={r['speedup']:.2f}(law {r['law_speedup']:.2f})" for n, r in runs.items())
+    if auto:
+        shown += f" auto_whole={auto['speedup_whole_run']:.2f}"
+    print(f"{key}: c={ddp['per_microbatch_s']*1e3:.1f}ms C={ddp['comm_s']*1e3:.0f}ms {shown}",
+          flush=True)  # fmt: skip
+    return runs
 
 
 def plot(results: dict) -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     computes = [c for c in ("real", "sleep") if any(k.startswith(c + "/") for k in results["runs"])]
     fig, axes = plt.subplots(1, len(computes), figsize=(6.5 * len(computes), 4.8), squeeze=False)
-    markers = {"acco": "o", "acco_bf16": "s", "acco_fp8": "D", "law": "^", "auto": "*"}
-    colors = {"acco": "C0", "acco_bf16": "C1", "acco_fp8": "C2", "law": "C3", "auto": "C4"}
+    styles = {"acco": ("o", "C0"), "acco_bf16": ("s", "C1"), "acco_fp8": ("D", "C2"),
+              "law": ("^", "C3"), "auto": ("*", "C4")}  # fmt: skip
     for ax, compute in zip(axes[0], computes):
         for key, repeats in results["runs"].items():
             if not key.startswith(compute + "/"):
@@ -282,14 +253,15 @@ def plot(results: dict) -> None:
             for index, runs in enumerate(repeats):
                 ddp = runs["ddp"]
                 ratio = ddp["comm_s"] / (ddp["per_microbatch_s"] * MICROBATCHES / 2)
-                for name, marker in markers.items():
+                for name, (marker, color) in styles.items():
                     if name not in runs:
                         continue
                     first = key.endswith("/none") and index == 0
-                    ax.scatter(ratio, runs[name]["speedup"], marker=marker, color=colors[name],
-                               label=name if first else None, s=70 if name == "auto" else 40)  # fmt: skip
+                    ax.scatter(ratio, runs[name]["speedup"], marker=marker, color=color,
+                               label=name if first else None,
+                               s=70 if name == "auto" else 40)  # fmt: skip
                     ax.scatter(ratio, runs[name]["law_speedup"], marker=marker, facecolors="none",
-                               edgecolors=colors[name], s=40, alpha=0.6)  # fmt: skip
+                               edgecolors=color, s=40, alpha=0.6)  # fmt: skip
             ax.annotate(key.split("/")[1], (ratio, 0.55), fontsize=8, ha="center")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(1.5, color="gray", lw=0.5, ls=":")
@@ -299,7 +271,7 @@ def plot(results: dict) -> None:
         ax.set_ylabel("per-token speedup over synchronous ZeRO-1")
         ax.set_title(f"compute: {compute} (filled: measured, every repeat; hollow: the law)")
         ax.legend(fontsize=8, loc="upper right")
-    save_figure(fig, FIGURE, dpi=120)
+    harness.save_figure(fig, FIGURE, dpi=120)
 
 
 def main() -> None:
@@ -316,13 +288,11 @@ def main() -> None:
                         help="real updates of the auto arm (it decides within ~25)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=8, help="last updates timed per arm")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every arm per link")
-    parser.add_argument("--arms", nargs="+", choices=ARMS[1:], default=list(ARMS[1:]),
-                        help="arms besides ddp (which every link runs)")
     parser.add_argument("--out", type=Path, default=RESULT_FILE, help="results JSON")
     parser.add_argument("--resume", action="store_true", help="keep the links already measured")
     parser.add_argument("--paired", type=int, default=0,
-                        help="alternate ddp, auto and acco this many times in the same processes "
-                        "on the uncapped link (writes --out; default docs/results/auto_no_cap.json)")
+                        help="alternate ddp, auto and acco this many times in one pair of "
+                        "processes, no cap (default --out: docs/results/auto_no_cap.json)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     if args.worker:

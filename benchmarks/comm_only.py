@@ -1,14 +1,9 @@
 """Communication-only round time of the ACCO engine on torchtitan's llama3 debug model.
 
-One rank per host (run it under ``benchmarks.netbed``): no forward or backward, only what a
-round end costs the network and the shard: reduce-scatter of the gradient buffer, the AdamW step
-of the 1/N fp32 shard, all-gather of the new parameters. ``mode="ddp"`` makes every round end
-wait for its own communication, so the time of ``microbatch_done`` is that cost.
-Prints one ``RESULT`` line (``benchmarks.harness``): {"comm_s": [...], "memory_bytes": {...},
-"params": N}. ``memory_bytes``
-is ``ACCOEngine.memory_bytes()`` of this ``mode="ddp"`` engine after the rounds: the same
-accounting as the ``ddp`` row of ``benchmarks.memory`` (no carried shard, which only ``acco``
-holds).
+Run as two ranks on the netbed (``benchmarks.throughput`` does): no forward or backward, only
+what a ``mode="ddp"`` round end costs (reduce-scatter, the AdamW step of the 1/N shard,
+all-gather), waited for. Prints one ``RESULT`` line: {"comm_s": [...], "memory_bytes": ...,
+"params": N}, ``memory_bytes`` being ``ACCOEngine.memory_bytes()`` after the rounds.
 """
 
 from __future__ import annotations
@@ -28,11 +23,10 @@ from scaffolding.process_exit import finish
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--flavor", default="debugmodel")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = Transformer(llama3_args[args.flavor])
+    model = Transformer(llama3_args["debugmodel"])
     with torch.no_grad():  # torchtitan initialises in place
         model.init_weights()
     engine = ACCOEngine(model.named_parameters(), torch.optim.AdamW, mode="ddp", lr=1e-4)

@@ -3,18 +3,10 @@
     sudo python -m benchmarks.law_sweep                   # ~20 min on 2 cores
     python -m benchmarks.law_sweep --plot-only            # redraw from the JSON
 
-Per token at equal tokens per optimizer update: ACCO with k micro-batches per round (an update
-spans two rounds, 2k micro-batches) against the engine's synchronous ZeRO-1 (``mode = "ddp"``)
-with 2k micro-batches per update. Measured S = T_ddp(2k) / (2 · T_acco(k)), round times from
-torchtitan's own per-step log (``benchmarks.throughput``), on the two-host netbed. The link cap
-sets C, one round's communication (``benchmarks.comm_only``); K is the compute of k
-micro-batches in one process without communication. The law (``acco_hooks.engine.advisor``):
-S = (2K + C) / (2·max(K, C)). Each cap runs ``--repeats`` times (acco and ddp alternated); the
-figure shows every run and the mean with its standard deviation. The engine's own prediction
-(the ``acco advisor:`` line of each acco run, measured on its own rounds) is recorded next to
-the measurement.
-
-Writes ``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``.
+acco with k micro-batches per round against the engine's ``ddp`` with 2k per update, torchtitan
+runs on the netbed as in ``benchmarks.throughput``, each cap ``--repeats`` times, next to the
+law and the engine's own ``acco advisor:`` prediction (docs/results.md, section 0). Writes
+``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``.
 """
 
 from __future__ import annotations
@@ -24,33 +16,21 @@ import json
 import re
 import statistics
 
-from benchmarks.harness import FIGURES, RESULTS, header, pyplot, save_figure, write_result
-from benchmarks.throughput import (
-    LOCAL_BATCH,
-    MODEL,
-    SEQ_LEN,
-    comm_only_s,
-    compute_only_round_s,
-    main_args,
-    titan_on_link,
-)  # fmt: skip
+from benchmarks import throughput
+from benchmarks.harness import FIGURES, LOCAL_BATCH, RESULTS, SEQ_LEN, header, pyplot, save_figure
+from benchmarks.throughput import MODEL, comm_only_s, compute_only_round_s, titan_on_link
 
 RESULT_FILE = RESULTS / "law_sweep.json"
 FIGURE = FIGURES / "law_sweep.png"
 ADVISOR = re.compile(r"acco advisor: compute_per_round=([\d.]+)s comm_per_round=([\d.]+)s "
-                     r"predicted_speedup=([\d.]+) round=([\d.]+)s ideal_speedup=([\d.]+)")  # fmt: skip
+                     r"predicted_speedup=([\d.]+) round=([\d.]+)s "
+                     r"ideal_speedup=([\d.]+)")  # fmt: skip
 ADVISOR_KEYS = ("compute_per_round_s", "comm_per_round_s", "predicted_speedup", "round_s",
                 "ideal_speedup")  # fmt: skip
 
 
-def law(compute_s: float, comm_s: float) -> float:
-    from acco_hooks.engine.advisor import predicted_speedup
-
-    return predicted_speedup(compute_s, comm_s)
-
-
 def measure(args: argparse.Namespace) -> dict:
-    from benchmarks.netbed import two_host_link
+    from acco_hooks.engine.advisor import predicted_speedup
 
     k = args.microbatches
     results: dict = {
@@ -58,46 +38,44 @@ def measure(args: argparse.Namespace) -> dict:
         "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
         "repeats": args.repeats, "rates": {},
     }  # fmt: skip
-    compute = compute_only_round_s(args.rounds, k)
-    results["compute_K_s"] = compute
+    compute = results["compute_K_s"] = compute_only_round_s(args.rounds, k)
     print(f"K (compute of {k} micro-batches): {compute:.3f} s", flush=True)
 
-    with two_host_link() as link:
-        for rate in args.rates:
-            link.set_rate(rate)
-            comm = statistics.median(comm_only_s(link)["comm_s"])
-            row: dict = {"comm_C_s": comm, "C_over_K": comm / compute, "law_S": law(compute, comm),
-                         "acco_round_s": [], "ddp_round_s": [], "measured_S": [],
-                         "advisor": []}  # fmt: skip
-            for repeat in range(args.repeats):
-                times = {}
-                for mode, micro in (("acco", k), ("ddp", 2 * k)):
-                    steps, out = titan_on_link(link, mode, args.rounds, micro, f"/tmp/acco_law/{mode}")
-                    times[mode] = steps["round_s"]
-                    if mode == "acco" and (found := ADVISOR.search(out)):
-                        row["advisor"].append(dict(zip(ADVISOR_KEYS, map(float, found.groups()))))
-                row["acco_round_s"].append(times["acco"])
-                row["ddp_round_s"].append(times["ddp"])
-                row["measured_S"].append(times["ddp"] / (2 * times["acco"]))
-                print(f"{rate:>8} run {repeat}: acco(k={k}) {times['acco']:.3f} s/round, "
-                      f"ddp(2k) {times['ddp']:.3f} s/update -> S={row['measured_S'][-1]:.3f} "
-                      f"(law {row['law_S']:.3f} at C/K={row['C_over_K']:.2f})", flush=True)  # fmt: skip
-            row["measured_S_mean"] = statistics.fmean(row["measured_S"])
-            row["measured_S_std"] = statistics.stdev(row["measured_S"]) if args.repeats > 1 else 0.0
-            row["of_law"] = row["measured_S_mean"] / row["law_S"]
-            # The advisor's prediction (made inside the acco run) against the S measured with it
-            row["advisor_error"] = [a["predicted_speedup"] / measured - 1
-                                    for a, measured in zip(row["advisor"], row["measured_S"])]  # fmt: skip
-            results["rates"][rate] = row
-            write_result(RESULT_FILE, results)
-    return results
+    def row_at(link, rate: str) -> dict:
+        comm = statistics.median(comm_only_s(link)["comm_s"])
+        row: dict = {"comm_C_s": comm, "C_over_K": comm / compute,
+                     "law_S": predicted_speedup(compute, comm),
+                     "acco_round_s": [], "ddp_round_s": [], "measured_S": [],
+                     "advisor": []}  # fmt: skip
+        for repeat in range(args.repeats):
+            times = {}
+            for mode, micro in (("acco", k), ("ddp", 2 * k)):
+                steps, out = titan_on_link(link, mode, args.rounds, micro, f"/tmp/acco_law/{mode}")
+                times[mode] = steps["round_s"]
+                if mode == "acco" and (found := ADVISOR.search(out)):
+                    row["advisor"].append(dict(zip(ADVISOR_KEYS, map(float, found.groups()))))
+            row["acco_round_s"].append(times["acco"])
+            row["ddp_round_s"].append(times["ddp"])
+            row["measured_S"].append(times["ddp"] / (2 * times["acco"]))
+            print(f"{rate:>8} run {repeat}: acco(k={k}) {times['acco']:.3f} s/round, "
+                  f"ddp(2k) {times['ddp']:.3f} s/update -> S={row['measured_S'][-1]:.3f} "
+                  f"(law {row['law_S']:.3f} at C/K={row['C_over_K']:.2f})", flush=True)  # fmt: skip
+        row["measured_S_mean"] = statistics.fmean(row["measured_S"])
+        row["measured_S_std"] = statistics.stdev(row["measured_S"]) if args.repeats > 1 else 0.0
+        row["of_law"] = row["measured_S_mean"] / row["law_S"]
+        # The advisor's prediction (made inside the acco run) against the S measured with it
+        pairs = zip(row["advisor"], row["measured_S"])
+        row["advisor_error"] = [a["predicted_speedup"] / measured - 1 for a, measured in pairs]
+        return row
+
+    return throughput.over_caps(args.rates, results, RESULT_FILE, row_at)
 
 
 def plot(results: dict) -> None:
     plt = pyplot()
     rows = sorted(results["rates"].items(), key=lambda item: item[1]["C_over_K"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    grid = [i / 100 for i in range(0, 501)]
+    grid = [i / 100 for i in range(501)]
     ax.plot(grid, [(2 + x) / (2 * max(1.0, x)) for x in grid], "k-", linewidth=1,
             label="law (2K + C) / (2 max(K, C))")  # fmt: skip
     for rate, row in rows:
@@ -118,15 +96,18 @@ def plot(results: dict) -> None:
 
 
 def main() -> None:
-    args = main_args(__doc__, "1400mbit,670mbit,340mbit,170mbit,85mbit",
-                     "tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4")  # fmt: skip
+    parser = throughput.netbed_parser(__doc__, "1400mbit,670mbit,340mbit,170mbit,85mbit",
+                           "tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4", repeats=3)
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
     results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
     for rate, row in results["rates"].items():
         advised = [a["predicted_speedup"] for a in row["advisor"]]
         worst = max((abs(e) for e in row.get("advisor_error", [])), default=float("nan"))
+        advisor = statistics.fmean(advised) if advised else float("nan")
         print(f"{rate:>9}: C/K={row['C_over_K']:.2f} law S={row['law_S']:.3f} measured "
-              f"{row['measured_S_mean']:.3f} ± {row['measured_S_std']:.3f} ({row['of_law']:.0%} of "
-              f"the law); advisor {statistics.fmean(advised) if advised else float('nan'):.3f} "
+              f"{row['measured_S_mean']:.3f} ± {row['measured_S_std']:.3f} "
+              f"({row['of_law']:.0%} of the law); advisor {advisor:.3f} "
               f"(worst run {worst:.1%} off; target within 10 %)")  # fmt: skip
     plot(results)
 

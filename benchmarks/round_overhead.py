@@ -3,20 +3,10 @@
     git worktree add /tmp/before 567055e                 # the engine before mode="auto"
     sudo python -m benchmarks.round_overhead --before /tmp/before   # ~10 min
 
-2 gloo ranks on the netbed with no cap (``benchmarks.netbed``: one namespace and one core per
-rank), the 1.05M-parameter MLP of ``benchmarks.auto_sweep``, 10 micro-batches per ACCO round
-and 20 per synchronous update, every arm's checkout imported through ``PYTHONPATH``:
-
-* ``acco_before`` / ``ddp_before``: the checkout given as ``--before``, its shard stepped by
-  foreach AdamW (what the issue measured);
-* ``acco_foreach``, ``acco``, ``acco_bf16``, ``acco_fp8``, ``ddp``: this checkout, foreach
-  then fused AdamW, and the estimate round in float32, bfloat16, float8.
-
-Per round (round end to round end, from round 3 on): its time, the compute inside it (forward
-and backward, or the sleep of ``--compute sleep``), and their difference, the round's fixed
-cost: the main thread's bookkeeping at the round end, and on a shared core the communication
-thread's own CPU time (copies, ring additions, the shard step or Peek, gloo's TCP). Medians per
-run; the arms interleaved, ``--repeats`` times. Writes ``docs/results/round_overhead.json``.
+2 ranks on the uncapped netbed, the MLP below, each arm importing its checkout's acco_hooks
+through ``PYTHONPATH``; per round, its time, the compute in it and their difference (the fixed
+cost), the arms interleaved ``--repeats`` times. What it shows: docs/results.md, section 8.
+Writes ``docs/results/round_overhead.json``.
 """
 
 from __future__ import annotations
@@ -32,18 +22,43 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_FILE = ROOT / "docs" / "results" / "round_overhead.json"
-WIDTH, BATCH, UPDATE = 724, 256, 20
-ARMS = {  # name: (checkout, settings)
-    "ddp_before": ("before", dict(mode="ddp", accumulation_steps=UPDATE, foreach=True)),
-    "acco_before": ("before", dict(mode="acco", accumulation_steps=UPDATE // 2, foreach=True)),
-    "ddp": ("after", dict(mode="ddp", accumulation_steps=UPDATE, fused=True)),
-    "acco_foreach": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, foreach=True)),
-    "acco": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True)),
-    "acco_bf16": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True,
-                                estimate_dtype="bfloat16")),
-    "acco_fp8": ("after", dict(mode="acco", accumulation_steps=UPDATE // 2, fused=True,
-                               estimate_dtype="float8_e4m3fn")),
+WIDTH, BATCH, UPDATE = 724, 256, 20  # two 724x724 layers: 1.05M parameters
+HALF = UPDATE // 2
+ARMS = {  # name: (checkout, settings); before: foreach AdamW (what the issue measured)
+    "ddp_before": ("before", {"mode": "ddp", "accumulation_steps": UPDATE, "foreach": True}),
+    "acco_before": ("before", {"mode": "acco", "accumulation_steps": HALF, "foreach": True}),
+    "ddp": ("after", {"mode": "ddp", "accumulation_steps": UPDATE, "fused": True}),
+    "acco_foreach": ("after", {"mode": "acco", "accumulation_steps": HALF, "foreach": True}),
+    "acco": ("after", {"mode": "acco", "accumulation_steps": HALF, "fused": True}),
+    "acco_bf16": ("after", {"mode": "acco", "accumulation_steps": HALF, "fused": True,
+                            "estimate_dtype": "bfloat16"}),
+    "acco_fp8": ("after", {"mode": "acco", "accumulation_steps": HALF, "fused": True,
+                           "estimate_dtype": "float8_e4m3fn"}),
 }  # fmt: skip
+
+
+def mlp():
+    """The MLP (seeded), its input, and the fixed gradient that ``--compute sleep`` adds."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    fixed = [torch.full_like(p, 1e-3) for p in model.parameters()]
+    return model, torch.randn(BATCH, WIDTH), fixed
+
+
+def microbatch(model, x, fixed, engine, args: argparse.Namespace) -> float:
+    """One micro-batch, its compute time: forward and backward (``real``), or a sleep while the
+    core is free, as when a GPU computes, and a fixed gradient (``sleep``)."""
+    start = time.perf_counter()
+    if args.compute == "real":
+        model(x).pow(2).mean().backward()
+    else:
+        time.sleep(args.microbatch_s)
+        for p, g in zip(model.parameters(), fixed):
+            engine.accumulate_grad(p, g)
+    return time.perf_counter() - start
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -51,27 +66,16 @@ def worker(args: argparse.Namespace) -> None:
     the path (``step()`` returns whether a round ended, in every version)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     from acco_hooks import ACCOOptimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    model, x, fixed = mlp()
     opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, **json.loads(args.settings))
-    x = torch.randn(BATCH, WIDTH)
-    fixed = [torch.full_like(p, 1e-3) for p in model.parameters()]
     rounds, computed, last = [], 0.0, time.perf_counter()
     while len(rounds) < args.rounds:
-        start = time.perf_counter()
-        if args.compute == "real":
-            model(x).pow(2).mean().backward()
-        else:
-            time.sleep(args.microbatch_s)
-            for p, g in zip(model.parameters(), fixed):
-                opt.engine.accumulate_grad(p, g)
-        computed += time.perf_counter() - start
+        computed += microbatch(model, x, fixed, opt.engine, args)
         if opt.step():
             now = time.perf_counter()
             rounds.append((now - last, computed))
@@ -124,15 +128,13 @@ def measure(args: argparse.Namespace) -> dict:
                     print(f"{compute} {name}: {runs[name][-1]}", flush=True)
             summary = {}
             for name, repeats in runs.items():
-                rounds_per_update = 1 if name.startswith("ddp") else 2
-                summary[name] = {
-                    key: statistics.median(r[key] for r in repeats)
-                    for key in ("round_s", "compute_s", "overhead_s")
-                }  # fmt: skip
-                summary[name]["update_s"] = summary[name]["round_s"] * rounds_per_update
-            for name in summary:
+                figures = {key: statistics.median(r[key] for r in repeats)
+                           for key in ("round_s", "compute_s", "overhead_s")}  # fmt: skip
+                figures["update_s"] = figures["round_s"] * (1 if name.startswith("ddp") else 2)
+                summary[name] = figures
+            for name, figures in summary.items():
                 ddp = summary["ddp_before" if name.endswith("_before") else "ddp"]
-                summary[name]["speedup_vs_ddp"] = ddp["update_s"] / summary[name]["update_s"]
+                figures["speedup_vs_ddp"] = ddp["update_s"] / figures["update_s"]
             results["runs"][compute] = {"runs": runs, "summary": summary}
             write_result(RESULT_FILE, results)
     return results
@@ -143,7 +145,8 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--before", default=None, help="the checkout to compare against")
-    parser.add_argument("--compute", nargs="+", default=["real", "sleep"], choices=["real", "sleep"])
+    parser.add_argument("--compute", nargs="+", default=["real", "sleep"],
+                        choices=["real", "sleep"])  # fmt: skip
     parser.add_argument("--microbatch-s", type=float, default=0.009,
                         help="--compute sleep: seconds per micro-batch")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=24, help="rounds per run (2 untimed)")
@@ -158,8 +161,9 @@ def main() -> None:
     for compute, result in measure(args)["runs"].items():
         for name, figures in result["summary"].items():
             print(f"{compute:5s} {name:13s} round {figures['round_s'] * 1e3:6.1f} ms, compute "
-                  f"{figures['compute_s'] * 1e3:6.1f} ms, fixed cost {figures['overhead_s'] * 1e3:5.1f}"
-                  f" ms per round; per token {figures['speedup_vs_ddp']:.3f}x its ddp")  # fmt: skip
+                  f"{figures['compute_s'] * 1e3:6.1f} ms, fixed cost "
+                  f"{figures['overhead_s'] * 1e3:5.1f} ms per round; per token "
+                  f"{figures['speedup_vs_ddp']:.3f}x its ddp")  # fmt: skip
     print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
 
 

@@ -16,21 +16,14 @@ delta > 0 is the part of the shorter side that the overlap does not hide. With P
 a rank communicates, B its share of the link, eta the link efficiency and alpha the fixed cost
 of a round end.
 
-Fit, on the law sweep (2 ranks, debug model, ``docs/results/law_sweep.json``): eta and alpha by
-linear least squares of the communication-only time C against the line-rate time at the 5 caps;
-delta by least squares over every ACCO run (5 caps x the repeats) of
-T_acco - max(K, C) = delta * min(K, C), i.e. delta = sum(x y) / sum(x^2). The residuals of both
-fits are written next to them.
-
-Prediction for Llama-3 8B on H100 nodes: tensor parallel inside a node (NVLink), ACCO across
-nodes, one data-parallel rank per node and TP rank. For each link (per node) and node count, the
-speedup at the config's k (``torchtitan_configs/llama3_8b_acco.toml``) and at the k that
-maximises S (the peak is at K = C for any delta < 1/2: k* is floor or ceil of C / t_microbatch).
-Writes docs/results/scaling.json and docs/figures/scaling.png.
+Fit, on docs/results/law_sweep.json: eta and alpha from the comm-only C per cap, delta from
+every ACCO run; applied to Llama-3 8B on H100 nodes at the config's k and at the best k k*
+(docs/results.md, section 3). Writes docs/results/scaling.json and docs/figures/scaling.png.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
@@ -87,9 +80,8 @@ def fit(sweep: dict) -> dict:
     xs = [wire_seconds(TESTBED["ranks"], TESTBED["params"], wire, rate_bits(r)) for r, _ in rates]
     cs = [row["comm_C_s"] for _, row in rates]
     mean_x, mean_c = sum(xs) / len(xs), sum(cs) / len(cs)
-    slope = sum((x - mean_x) * (c - mean_c) for x, c in zip(xs, cs)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
+    covariance = sum((x - mean_x) * (c - mean_c) for x, c in zip(xs, cs))
+    slope = covariance / sum((x - mean_x) ** 2 for x in xs)
     alpha = mean_c - slope * mean_x
     comm_residuals = [c - (alpha + slope * x) for x, c in zip(xs, cs)]
 
@@ -103,34 +95,26 @@ def fit(sweep: dict) -> dict:
     delta_residuals = [y - delta * x for x, y in zip(x_d, y_d)]
     constant = sum(y_d) / len(y_d)  # the other shape: a fixed cost per round, for comparison
 
-    ddp_residuals = [
-        t - (2 * row.get("compute_K_s", compute) + row["comm_C_s"])
-        for _, row in rates
-        for t in row["ddp_round_s"]
-    ]
+    ddp_residuals = [t - (2 * row.get("compute_K_s", compute) + row["comm_C_s"])
+                     for _, row in rates for t in row["ddp_round_s"]]  # fmt: skip
     return {
-        "source": str(LAW_SWEEP.relative_to(ROOT)),
-        "testbed": sweep.get("machine", ""),
-        "testbed_wire": TESTBED,
-        "compute_K_s": compute,
-        "k": sweep.get("k"),
-        "eta": 1 / slope,
-        "alpha_s": alpha,
+        "source": str(LAW_SWEEP.relative_to(ROOT)), "testbed": sweep.get("machine", ""),
+        "testbed_wire": TESTBED, "compute_K_s": compute, "k": sweep.get("k"),
+        "eta": 1 / slope, "alpha_s": alpha,
         "comm_fit": {"caps": [r for r, _ in rates], "line_rate_s": xs, "measured_C_s": cs,
                      "residual_s": comm_residuals, "residual_rms_s": _rms(comm_residuals),
-                     "residual_max_abs_s": max(map(abs, comm_residuals))},  # fmt: skip
+                     "residual_max_abs_s": max(map(abs, comm_residuals))},
         "delta": delta,
         "delta_fit": {"runs": len(runs), "model": "T_acco - max(K, C) = delta * min(K, C)",
                       "residual_rms_s": _rms(delta_residuals),
                       "residual_max_abs_s": max(map(abs, delta_residuals)),
-                      "residual_s": delta_residuals,
-                      "constant_overhead_s": constant,
+                      "residual_s": delta_residuals, "constant_overhead_s": constant,
                       "constant_overhead_residual_rms_s": _rms([y - constant for y in y_d])},
         "ddp_check": {"model": "T_ddp(2k) - (2K + C), not fitted",
                       "residual_mean_s": sum(ddp_residuals) / len(ddp_residuals),
                       "residual_rms_s": _rms(ddp_residuals),
-                      "residual_max_abs_s": max(map(abs, ddp_residuals))},  # fmt: skip
-    }
+                      "residual_max_abs_s": max(map(abs, ddp_residuals))},
+    }  # fmt: skip
 
 
 def setup(config: pathlib.Path = CONFIG) -> dict:
@@ -138,25 +122,19 @@ def setup(config: pathlib.Path = CONFIG) -> dict:
     cfg = tomllib.loads(config.read_text())
     training, par, acco = cfg["training"], cfg["parallelism"], cfg["acco"]
     tp = par["tensor_parallel_degree"]
-    gpus = H100["gpus_per_node"]
     # torchtitan's get_dense_model_nparams_and_flops: 6 (P - embedding) + 12 L d T.
-    flops_per_token = 6 * (LLAMA3_8B["params"] - LLAMA3_8B["embedding_params"]) + (
-        12 * LLAMA3_8B["layers"] * LLAMA3_8B["dim"] * training["seq_len"]
-    )
+    flops_per_token = (6 * (LLAMA3_8B["params"] - LLAMA3_8B["embedding_params"])
+                       + 12 * LLAMA3_8B["layers"] * LLAMA3_8B["dim"] * training["seq_len"])
     tokens = training["local_batch_size"] * training["seq_len"]  # per node (one rank per TP group)
     microbatch_s = tokens * flops_per_token / (tp * H100["peak_flops"] * H100["mfu"])
     return {
-        "config": str(config.relative_to(ROOT)),
-        "tensor_parallel": tp,
-        "gpus_per_node": gpus,
-        "params_per_gpu": LLAMA3_8B["params"] / tp,
+        "config": str(config.relative_to(ROOT)), "tensor_parallel": tp,
+        "gpus_per_node": H100["gpus_per_node"], "params_per_gpu": LLAMA3_8B["params"] / tp,
         "reduce_bytes": BYTES[acco.get("reduce_dtype", "float32")],
         "gather_bytes": BYTES[training.get("dtype", "float32")],
-        "k": acco["accumulation_steps"],
-        "tokens_per_microbatch_per_node": tokens,
-        "flops_per_token": flops_per_token,
-        "microbatch_s": microbatch_s,
-    }
+        "k": acco["accumulation_steps"], "tokens_per_microbatch_per_node": tokens,
+        "flops_per_token": flops_per_token, "microbatch_s": microbatch_s,
+    }  # fmt: skip
 
 
 def speedup(compute_s: float, comm_s: float, delta: float) -> float:
@@ -219,22 +197,19 @@ def plot(fitted: dict, run: dict) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("link bandwidth per node, Gbit/s (log scale)")
-        ax.set_title(
-            "k* micro-batches per round, k* ≈ C / t_microbatch (best k)" if at_best
-            else f"k = {run['k']} micro-batches per round (llama3_8b_acco.toml)",
-            fontsize=9,
-        )  # fmt: skip
+        ax.set_title("k* micro-batches per round, k* ≈ C / t_microbatch (best k)" if at_best
+                     else f"k = {run['k']} micro-batches per round (llama3_8b_acco.toml)",
+                     fontsize=9)  # fmt: skip
     axes[0].set_ylabel("per-token speedup S, ACCO(k) / sync ZeRO-1(2k)")
     axes[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(
-        "Llama-3 8B, TP 8 in a node, ACCO across nodes, H100 at 40 % MFU — MODEL, not a "
-        "measurement; fitted on a 2-core CPU testbed (docs/results/scaling.json)",
-        fontsize=9,
-    )
+    fig.suptitle("Llama-3 8B, TP 8 in a node, ACCO across nodes, H100 at 40 % MFU — MODEL, not a "
+                 "measurement; fitted on a 2-core CPU testbed (docs/results/scaling.json)",
+                 fontsize=9)  # fmt: skip
     save_figure(fig, FIGURE)
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     fitted = fit(json.loads(LAW_SWEEP.read_text()))
     run = setup()
     cf, df = fitted["comm_fit"], fitted["delta_fit"]
@@ -258,24 +233,25 @@ def main() -> None:
               f"{r['S_fitted_delta']:>6.3f} {r['k_star']:>4} {r['S_ideal_at_k_star']:>6.3f} "
               f"{r['S_fitted_delta_at_k_star']:>7.3f}")  # fmt: skip
     assumptions = [
-        "A MODEL, not a measurement: eta, alpha and delta come from a 2-core CPU testbed (gloo, "
-        "tbf-capped veth); nothing here ran on an H100.",
-        f"Llama-3 8B, {LLAMA3_8B['params']} parameters, TP {run['tensor_parallel']} inside a node "
-        f"(NVLink), ACCO across nodes: {run['params_per_gpu']:.4g} parameters per GPU on the wire.",
-        f"bytes on the wire per parameter: reduce {run['reduce_bytes']} + gather "
-        f"{run['gather_bytes']} (bf16 both ways, {run['config']}).",
+        ("A MODEL, not a measurement: eta, alpha and delta come from a 2-core CPU testbed (gloo, "
+         "tbf-capped veth); nothing here ran on an H100."),
+        (f"Llama-3 8B, {LLAMA3_8B['params']} parameters, TP {run['tensor_parallel']} inside a "
+         f"node (NVLink), ACCO across nodes: {run['params_per_gpu']:.4g} parameters per GPU on "
+         "the wire."),
+        (f"bytes on the wire per parameter: reduce {run['reduce_bytes']} + gather "
+         f"{run['gather_bytes']} (bf16 both ways, {run['config']})."),
         "each node's link bandwidth shared evenly by its 8 GPUs (8 x 400G IB: one NIC per GPU).",
-        f"a micro-batch is {run['tokens_per_microbatch_per_node']} tokens per node "
-        f"(local_batch_size x seq_len); k = {run['k']} micro-batches per ACCO round "
-        "([acco] accumulation_steps); the ZeRO-1 baseline uses 2k per update (equal tokens).",
-        f"989 TFLOP/s dense bf16 per GPU at 40 % MFU; torchtitan's FLOPs per token "
-        f"6 (P - embedding) + 12 L d T = {run['flops_per_token']:.4g}.",
-        "alpha (fixed cost of a round end) is the testbed's; on GPUs the shard step is faster, "
-        "and NCCL over IB/RoCE has its own efficiency: eta is the testbed's too.",
-        "delta = 0 is the ideal overlap (the law); fitted delta is the CPU testbed's, where "
-        "compute and communication share a core: pessimistic for GPUs.",
-        "raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
-        "update); whether the larger batch converges as well is not modelled.",
+        (f"a micro-batch is {run['tokens_per_microbatch_per_node']} tokens per node "
+         f"(local_batch_size x seq_len); k = {run['k']} micro-batches per ACCO round "
+         "([acco] accumulation_steps); the ZeRO-1 baseline uses 2k per update (equal tokens)."),
+        (f"989 TFLOP/s dense bf16 per GPU at 40 % MFU; torchtitan's FLOPs per token "
+         f"6 (P - embedding) + 12 L d T = {run['flops_per_token']:.4g}."),
+        ("alpha (fixed cost of a round end) is the testbed's; on GPUs the shard step is faster, "
+         "and NCCL over IB/RoCE has its own efficiency: eta is the testbed's too."),
+        ("delta = 0 is the ideal overlap (the law); fitted delta is the CPU testbed's, where "
+         "compute and communication share a core: pessimistic for GPUs."),
+        ("raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
+         "update); whether the larger batch converges as well is not modelled."),
     ]
     write_result(OUT, {"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted, "setup": run,
                        "assumptions": assumptions, "rows": rows})  # fmt: skip

@@ -3,35 +3,10 @@
     sudo python -m benchmarks.throughput                  # ~20 min on 2 cores
     python -m benchmarks.throughput --plot-only           # redraw from the JSON
 
-Two ranks, one per network namespace and per core, joined by a veth pair capped with tbf
-(``benchmarks/netbed.py``). Every run trains torchtitan's llama3 debug model (6.2M parameters)
-through ``train_titan.py`` on the embedded data, local batch 4 x 128 tokens per micro-batch.
-
-**Per token, at equal tokens per optimizer update.** An ACCO update spans two rounds of k
-micro-batches per rank (``--microbatches``); every other arm makes one update of 2k
-micro-batches per rank in one step:
-
-- ``acco`` (k per round; its update time is two rounds), and ``dpu`` (2k per round: the
-  delayed update spans one round);
-- ``ddp``: the engine's synchronous ZeRO-1, the same collectives as acco, waited for;
-- ``titan_ddp``: torchtitan's own DDP with its gradient accumulation, which all-reduces every
-  micro-batch;
-- ``titan_ddp_no_sync``: the same DDP, synchronising only the update's last micro-batch
-  (``no_sync`` accumulation, ``benchmarks/titan_no_sync.py``), as a hand-written loop does;
-- ``titan_fsdp``: torchtitan's FSDP2 (reduce-scatter per micro-batch, all-gather per forward
-  and backward).
-
-The time per update is the median over steps >= 3 of torchtitan's own per-step time (tokens
-per rank / its ``tps``), times two for acco. Arms that communicate every micro-batch are run
-only at the caps in ``--per-microbatch-rates`` (at 50 Mbit/s they take over a minute per
-update). Also measured: compute only (one process, k micro-batches, no communication) and
-communication only (``benchmarks/comm_only.py``: one engine round end, no compute).
-
-Reported per cap: per-token speedup S = T_baseline(update) / T_acco(update) for every
-baseline, and ACCO's overlap efficiency E = max(compute, comm) / acco round time (per round,
-1.0 is the physical limit).
-
-Writes ``docs/results/throughput.json`` and ``docs/figures/throughput.png``.
+torchtitan's llama3 debug model on the netbed, every arm at equal tokens per update (the arms,
+S and E: docs/results.md, section 1); also the plumbing that ``benchmarks.law_sweep`` and
+``benchmarks.before_after`` share. Writes ``docs/results/throughput.json`` and
+``docs/figures/throughput.png``.
 """
 
 from __future__ import annotations
@@ -41,24 +16,12 @@ import json
 import statistics
 import sys
 
-from benchmarks.harness import (
-    FIGURES,
-    LOCAL_BATCH,
-    RESULTS,
-    SEQ_LEN,
-    header,
-    parse_steps,
-    pyplot,
-    result_lines,
-    run,
-    run_on_link,
-    save_figure,
-    titan_args,
-    write_result,
-)  # fmt: skip
+from benchmarks import harness
+from benchmarks.harness import LOCAL_BATCH, SEQ_LEN, parse_steps, run_on_link, titan_args
 
-RESULT_FILE = RESULTS / "throughput.json"
-FIGURE = FIGURES / "throughput.png"
+RESULT_FILE = harness.RESULTS / "throughput.json"
+FIGURE = harness.FIGURES / "throughput.png"
+# An ACCO update spans two rounds of k micro-batches; every other arm makes it in one step of 2k.
 MODES = {  # name -> (config, extra overrides, micro-batches per step in units of k)
     "acco": ("debug_cpu_acco.toml", ("--acco.mode", "acco"), 1),
     "dpu": ("debug_cpu_acco.toml", ("--acco.mode", "dpu"), 2),
@@ -80,13 +43,14 @@ def compute_only_round_s(rounds: int, microbatches: int) -> float:
     cmd = ["taskset", "-c", "0", *titan_args(
         "debug_cpu_titan_ddp.toml", ("--parallelism.data_parallel_replicate_degree", "1"),
         rounds, microbatches, 1, "/tmp/acco_bench/compute")]  # fmt: skip
-    return parse_steps(run(cmd, env=env), LOCAL_BATCH * SEQ_LEN * microbatches)["round_s"]
+    output = harness.run(cmd, env=env)
+    return parse_steps(output, LOCAL_BATCH * SEQ_LEN * microbatches)["round_s"]
 
 
 def comm_only_s(link) -> dict:
     """``benchmarks.comm_only`` on the link as it is capped now: its RESULT."""
-    return result_lines(run_on_link(link, [sys.executable, "-m", "benchmarks.comm_only", "--rounds",
-                                      "5"], timeout_s=900))[-1]  # fmt: skip
+    argv = [sys.executable, "-m", "benchmarks.comm_only", "--rounds", "5"]
+    return harness.result_lines(run_on_link(link, argv, timeout_s=900))[-1]
 
 
 def titan_on_link(link, mode: str, steps: int, microbatches: int, dump: str,
@@ -98,77 +62,91 @@ def titan_on_link(link, mode: str, steps: int, microbatches: int, dump: str,
     return parse_steps(output, LOCAL_BATCH * SEQ_LEN * microbatches), output
 
 
-def main_args(description: str, rates: str, rates_help: str) -> argparse.Namespace:
-    """The command line both netbed benchmarks share."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
-    parser.add_argument("--rates", default=rates, help=rates_help)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per round per rank")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per cap (law_sweep)")
-    parser.add_argument("--per-microbatch-rates", default="none,1gbit,200mbit",
-                        help="throughput: caps at which titan_ddp and titan_fsdp also run")
-    parser.add_argument("--plot-only", action="store_true")
-    args = parser.parse_args()
-    args.rates = args.rates.split(",")
-    args.per_microbatch_rates = args.per_microbatch_rates.split(",")
-    return args
-
-
-def measure(args: argparse.Namespace) -> dict:
+def over_caps(rates: list[str], results: dict, path, row_at) -> dict:
+    """``results["rates"][rate] = row_at(link, rate)`` for each cap on the netbed, the file
+    rewritten after every cap, so that a later failure keeps what was measured."""
     from benchmarks.netbed import two_host_link
 
-    k = args.microbatches
-    results: dict = {
-        **header(), "model": MODEL,
-        "microbatches_per_round": k, "microbatches_per_update": 2 * k,
-        "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
-        "tokens_per_update_per_rank": 2 * k * LOCAL_BATCH * SEQ_LEN, "rates": {},
-    }  # fmt: skip
-    results["compute_only_s"] = compute_only_round_s(args.rounds, k)
-    print(f"compute only: {results['compute_only_s']:.3f} s per {k} micro-batches", flush=True)
-    update_steps = max(4, args.rounds // 2 + 1)  # the 2k arms: half as many, longer steps
-
     with two_host_link() as link:
-        for rate in args.rates:
+        for rate in rates:
             link.set_rate(rate)
-            comm = comm_only_s(link)
-            row: dict = {"comm_only_s": statistics.median(comm["comm_s"]),
-                         "engine_memory_bytes": comm["memory_bytes"]}  # fmt: skip
-            for mode, (_, _, units) in MODES.items():
-                if mode in PER_MICROBATCH_SYNC and rate not in args.per_microbatch_rates:
-                    continue
-                steps = args.rounds if units == 1 else update_steps
-                row[mode] = titan_on_link(link, mode, steps, units * k, f"/tmp/acco_bench/{mode}")[0]
-                row[mode]["microbatches_per_step"] = units * k
-                row[mode]["update_s"] = row[mode]["round_s"] * (2 // units)
-                row[mode]["tokens_per_s"] = 2 * results["tokens_per_update_per_rank"] / row[mode]["update_s"]
-                print(f"{rate:>8} {mode:>18}: {row[mode]['update_s']:.3f} s/update", flush=True)
-            compute, comm_s = results["compute_only_s"], row["comm_only_s"]
-            acco = row["acco"]
-            row["overlap_efficiency_E"] = max(compute, comm_s) / acco["round_s"]
-            row["speedup_per_token"] = {b: row[b]["update_s"] / acco["update_s"]
-                                        for b in BASELINES if b in row}  # fmt: skip
-            shown = " ".join(f"{b}={v:.2f}" for b, v in row["speedup_per_token"].items())
-            print(f"{rate:>8}: compute {compute:.3f} comm {comm_s:.3f} E={row['overlap_efficiency_E']:.3f}"
-                  f" per-token S over {shown}", flush=True)  # fmt: skip
-            results["rates"][rate] = row
-            write_result(RESULT_FILE, results)
+            results["rates"][rate] = row_at(link, rate)
+            harness.write_result(path, results)
     return results
 
 
+def comma_list(text: str) -> list[str]:
+    return text.split(",")
+
+
+def netbed_parser(description: str, rates: str, rates_help: str,
+                  repeats: int) -> argparse.ArgumentParser:  # fmt: skip
+    """The options the torchtitan netbed benchmarks share."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
+    parser.add_argument("--rates", type=comma_list, default=rates, help=rates_help)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per round per rank")  # fmt: skip
+    if repeats:
+        parser.add_argument("--repeats", type=int, default=repeats, help="runs per cap")
+    return parser
+
+
+def measure(args: argparse.Namespace) -> dict:
+    k = args.microbatches
+    tokens = 2 * k * LOCAL_BATCH * SEQ_LEN  # per update and rank
+    results: dict = {
+        **harness.header(), "model": MODEL,
+        "microbatches_per_round": k, "microbatches_per_update": 2 * k,
+        "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN, "rounds": args.rounds,
+        "tokens_per_update_per_rank": tokens, "rates": {},
+    }  # fmt: skip
+    compute = results["compute_only_s"] = compute_only_round_s(args.rounds, k)
+    print(f"compute only: {compute:.3f} s per {k} micro-batches", flush=True)
+
+    def row_at(link, rate: str) -> dict:
+        comm = comm_only_s(link)
+        row: dict = {"comm_only_s": statistics.median(comm["comm_s"]),
+                     "engine_memory_bytes": comm["memory_bytes"]}  # fmt: skip
+        for mode, (_, _, units) in MODES.items():
+            if mode in PER_MICROBATCH_SYNC and rate not in args.per_microbatch_rates:
+                continue
+            # the 2k arms: half as many steps, each twice as long
+            steps = args.rounds if units == 1 else max(4, args.rounds // 2 + 1)
+            dump = f"/tmp/acco_bench/{mode}"
+            run = row[mode] = titan_on_link(link, mode, steps, units * k, dump)[0]
+            run["microbatches_per_step"] = units * k
+            run["update_s"] = run["round_s"] * (2 // units)
+            run["tokens_per_s"] = 2 * tokens / run["update_s"]
+            print(f"{rate:>8} {mode:>18}: {run['update_s']:.3f} s/update", flush=True)
+        acco = row["acco"]
+        row["overlap_efficiency_E"] = max(compute, row["comm_only_s"]) / acco["round_s"]
+        row["speedup_per_token"] = {b: row[b]["update_s"] / acco["update_s"]
+                                    for b in BASELINES if b in row}  # fmt: skip
+        shown = " ".join(f"{b}={v:.2f}" for b, v in row["speedup_per_token"].items())
+        print(f"{rate:>8}: compute {compute:.3f} comm {row['comm_only_s']:.3f} "
+              f"E={row['overlap_efficiency_E']:.3f} per-token S over {shown}",
+              flush=True)  # fmt: skip
+        return row
+
+    return over_caps(args.rates, results, RESULT_FILE, row_at)
+
+
 def plot(results: dict) -> None:
-    plt = pyplot()
+    plt = harness.pyplot()
     rates = list(results["rates"])
     modes = [m for m in MODES if any(m in results["rates"][r] for r in rates)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.4), gridspec_kw={"width_ratios": [3, 1.6]})
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        rows = [(x, results["rates"][r][mode]) for x, r in enumerate(rates) if mode in results["rates"][r]]
+        rows = [(x, results["rates"][r][mode]) for x, r in enumerate(rates)
+                if mode in results["rates"][r]]  # fmt: skip
         scale = [row["update_s"] / row["round_s"] for _, row in rows]  # 2 for acco's two rounds
         medians = [row["update_s"] for _, row in rows]
         spread = [[m - f * min(row["round_s_all"]) for m, f, (_, row) in zip(medians, scale, rows)],
-                  [f * max(row["round_s_all"]) - m for m, f, (_, row) in zip(medians, scale, rows)]]  # fmt: skip
+                  [f * max(row["round_s_all"]) - m
+                   for m, f, (_, row) in zip(medians, scale, rows)]]  # fmt: skip
         ax.bar([x + i * width for x, _ in rows], medians, width, yerr=spread, capsize=2, label=mode)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rates))], [f"cap {r}" for r in rates])
     ax.set_ylabel(f"s per update ({results['microbatches_per_update']} micro-batches per rank)")
@@ -176,8 +154,9 @@ def plot(results: dict) -> None:
                  f"{results['microbatches_per_round']})\nbars: median step time; whiskers: "
                  "fastest and slowest measured step", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)
-    for j, baseline in enumerate(BASELINES):
-        xs = [x for x, r in enumerate(rates) if baseline in results["rates"][r]["speedup_per_token"]]
+    for baseline in BASELINES:
+        xs = [x for x, r in enumerate(rates)
+              if baseline in results["rates"][r]["speedup_per_token"]]  # fmt: skip
         ys = [results["rates"][rates[x]]["speedup_per_token"][baseline] for x in xs]
         ax2.plot(xs, ys, "o-", label=f"over {baseline}")
     ax2.axhline(1.0, color="gray", linewidth=0.8)
@@ -187,12 +166,17 @@ def plot(results: dict) -> None:
     ax2.set_title("S = T_update(baseline) / T_update(acco)\n(> 1: acco is faster per token)",
                   fontsize=9)  # fmt: skip
     ax2.legend(fontsize=7)
-    save_figure(fig, FIGURE)
+    harness.save_figure(fig, FIGURE)
 
 
 def main() -> None:
-    args = main_args(__doc__, "none,1gbit,200mbit,50mbit",
-                     "comma-separated tbf caps per host (none = no cap)")  # fmt: skip
+    parser = netbed_parser(__doc__, "none,1gbit,200mbit,50mbit",
+                           "comma-separated tbf caps per host (none = no cap)",
+                           repeats=0)  # fmt: skip
+    parser.add_argument("--per-microbatch-rates", type=comma_list, default="none,1gbit,200mbit",
+                        help="caps at which titan_ddp and titan_fsdp also run")
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
     results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
     plot(results)
 
