@@ -2,16 +2,10 @@
 
     python -m benchmarks.shard_step            # a few seconds, one process, one thread
 
-The engine steps one flat fp32 tensor per parameter group: this rank's master shard
-(``acco_hooks/_buffers.py``, ``build_shard``). On the testbed that is torchtitan's llama3 debug
-model (6,163,712 parameters, one group) over N = 2 ranks: 3,081,856 elements. This times
-``AdamW.step()`` on such a shard, with the debug configs' hyperparameters
-(``torchtitan_configs/debug_cpu_acco.toml``), for each ``[optimizer] implementation``:
-``for-loop`` (``foreach=False``), ``foreach`` and ``fused``. One thread, as each testbed rank
-has one core. The implementations are interleaved step by step, so that the machine's load
-falls on all of them alike; each is warmed up first. Reports the median of the timed steps.
-
-Writes ``docs/results/shard_step.json``.
+``AdamW.step()`` on one rank's flat fp32 master shard of the llama3 debug model over 2 ranks,
+with debug_cpu_acco.toml's hyperparameters; the implementations take turns step by step, so
+that the machine's load falls on all alike. docs/results.md reads the medians. Writes
+``docs/results/shard_step.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from benchmarks.harness import RESULTS, ROOT, header, write_result
 
 RESULT_FILE = RESULTS / "shard_step.json"
 PARAMS, WORLD_SIZE = 6_163_712, 2  # torchtitan llama3 debugmodel; ranks on the testbed
+WARMUP, STEPS = 3, 20
 HYPER = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 IMPLEMENTATIONS = {  # torchtitan's [optimizer] implementation -> AdamW keywords
     "for-loop": {"foreach": False, "fused": False},
@@ -35,10 +30,6 @@ IMPLEMENTATIONS = {  # torchtitan's [optimizer] implementation -> AdamW keywords
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args()
     torch.set_num_threads(1)
     numel = -(-PARAMS // WORLD_SIZE)  # the engine's shard_numel: ceil(Φ / N)
     generator = torch.Generator().manual_seed(0)
@@ -48,12 +39,12 @@ def main() -> None:
         shard.grad = torch.randn(numel, generator=generator).mul_(1e-3)
         optimizers[name] = torch.optim.AdamW([shard], **HYPER, **kwargs)
     samples: dict[str, list[float]] = {name: [] for name in optimizers}
-    for index in range(args.warmup + args.steps):
+    for index in range(WARMUP + STEPS):
         for name, optimizer in optimizers.items():
             start = time.perf_counter()
             optimizer.step()
             elapsed = time.perf_counter() - start
-            if index >= args.warmup:
+            if index >= WARMUP:
                 samples[name].append(elapsed)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     results = {
@@ -61,14 +52,14 @@ def main() -> None:
         "shard": {"numel": numel, "dtype": "float32", "model_params": PARAMS,
                   "world_size": WORLD_SIZE},
         "optimizer": "torch.optim.AdamW", "hyperparameters": HYPER,
-        "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "warmup_steps": WARMUP, "timed_steps": STEPS,
         "median_step_s": medians,
         "relative_to_for_loop": {name: m / medians["for-loop"] for name, m in medians.items()},
         "step_s_all": samples,
     }  # fmt: skip
     write_result(RESULT_FILE, results)
     print(f"AdamW.step() on a flat fp32 shard of {numel:,} elements, 1 thread, "
-          f"median of {args.steps} steps ({torch.__version__})")  # fmt: skip
+          f"median of {STEPS} steps ({torch.__version__})")  # fmt: skip
     print(f"{'implementation':<16}{'median':>12}{'min':>12}{'max':>12}{'vs for-loop':>14}")
     for name, times in samples.items():
         relative = results["relative_to_for_loop"][name]
@@ -78,4 +69,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # --help prints what it measures instead of running it over a published result
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

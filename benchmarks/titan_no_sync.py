@@ -1,16 +1,10 @@
-"""DDP with ``no_sync`` accumulation in torchtitan: the baseline users build by hand today.
+"""DDP with ``no_sync`` accumulation in torchtitan 0.2.2: the baseline users build by hand.
 
-torchtitan 0.2.2's DDP path (``replicate``, composable DDP) all-reduces every micro-batch's
-gradients. The usual hand-written loop syncs only the last micro-batch of an update
-(``with model.no_sync():`` around the others). This module, loaded with
-``--experimental.custom_import benchmarks.titan_no_sync``, does that to torchtitan's DDP
-trainer: before each micro-batch it calls ``set_requires_gradient_sync`` (composable DDP's
-``no_sync``) on every model part, with ``True`` only for the last micro-batch of the step.
-Everything else (model, data, unsharded AdamW, loss scaling) stays torchtitan's.
-
-Assumptions: torchtitan 0.2.2's ``Trainer.train_step`` calls ``forward_backward_step`` exactly
-``gradient_accumulation_steps`` times per step (no pipeline parallelism), and the model parts
-were wrapped with ``replicate``.
+With ``--experimental.custom_import benchmarks.titan_no_sync``, torchtitan's DDP trainer
+(which all-reduces every micro-batch) syncs only a step's last micro-batch: before each one, it
+sets ``set_requires_gradient_sync`` (composable DDP's ``no_sync``) on every model part.
+Everything else stays torchtitan's. Assumes no pipeline parallelism (``forward_backward_step``
+runs ``gradient_accumulation_steps`` times per step). docs/results.md names it.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ if TITAN_030:
         "DDP (its data parallelism is FSDP2): run this benchmark with torchtitan 0.2.2"
     )
 
-from torchtitan.train import Trainer  # noqa: E402
+from torchtitan.train import Trainer
 
 _PATCHED = "_acco_bench_no_sync_patched"
 
