@@ -1,4 +1,10 @@
-"""Run a function on N gloo (or NCCL) processes and collect what each rank returns."""
+"""Run a function on N gloo (or NCCL) processes and collect what each rank returns.
+
+:func:`run_distributed` starts fresh processes for every call. :class:`RankPool` keeps a few
+processes alive and gives each call a fresh default process group over the first N of them:
+generated tests that run many small distributed examples then pay for starting Python and
+importing torch once, not once per example.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,19 @@ import contextlib
 import datetime
 import faulthandler
 import importlib
+import io
 import os
+import queue
 import socket
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaffolding.process_exit import finish
+from scaffolding.process_exit import finish, release_process_groups
 
 # A test whose processes have not finished by then fails instead of hanging the suite.
 DEFAULT_DEADLINE_S = 180.0
@@ -125,3 +134,93 @@ def _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die):
             else:
                 raise RuntimeError(f"{fn_path}: rank {rank} exited with {p.exitcode} and no result")
         return results
+
+
+# ------------------------------------------------------------------ processes kept between calls
+
+
+def _pool_worker(rank: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    """Run each task on a process group of its own: init, call, barrier, destroy."""
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    while (task := inbox.get()) is not None:
+        port, world_size, fn_path, args = task
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=60))  # fmt: skip
+            module, name = fn_path.rsplit(":", 1)
+            result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
+            dist.barrier()  # no rank tears the group down under a peer's last collective
+            buffer = io.BytesIO()
+            torch.save(result, buffer)
+            outbox.put((rank, True, buffer.getvalue()))
+        except BaseException:  # noqa: BLE001 - reported to the caller, who fails the test
+            outbox.put((rank, False, traceback.format_exc()))
+        finally:
+            # what the task left (an engine nobody closed) goes before its group does
+            release_process_groups()
+    finish()
+
+
+class RankPool:
+    """Up to ``max_world_size`` processes that run one distributed call after another.
+
+    :meth:`run` calls ``module:function(rank, world_size, *args)`` on ranks ``0 ..
+    world_size - 1``, each time in a new gloo default group (the process group of an earlier
+    call is destroyed); ranks above ``world_size`` wait. A call that fails or runs past its
+    deadline kills every process, and the next call starts new ones.
+    """
+
+    def __init__(self, max_world_size: int) -> None:
+        self.max_world_size = max_world_size
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.max_world_size)]
+        self._procs = [ctx.Process(target=_pool_worker, args=(r, inbox, self._outbox), daemon=True)
+                       for r, inbox in enumerate(self._inboxes)]  # fmt: skip
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S):
+        """The list of per-rank return values; a rank's exception fails the call with its
+        traceback."""
+        assert 1 <= world_size <= self.max_world_size, world_size
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        port = _free_port()
+        for r in range(world_size):
+            self._inboxes[r].put((port, world_size, fn_path, args))
+        results, failures = {}, []
+        deadline = time.monotonic() + deadline_s
+        while len(results) + len(failures) < world_size:
+            try:  # after a failure, the peers get a few seconds to report theirs
+                left = deadline - time.monotonic() if not failures else 5.0
+                rank, ok, payload = self._outbox.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                break
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures.append(f"rank {rank}:\n{payload}")
+        if failures or len(results) < world_size:
+            self.close()  # a peer may be stuck in a collective: start over next time
+            raise RuntimeError(f"{fn_path} on {world_size} ranks: "
+                               + ("\n".join(failures) or f"ran past {deadline_s:.0f} s"))
+        return [results[r] for r in range(world_size)]
+
+    def close(self) -> None:
+        """Stop every process (politely, then by force)."""
+        for p, inbox in zip(self._procs, getattr(self, "_inboxes", [])):
+            if p.is_alive():
+                inbox.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
