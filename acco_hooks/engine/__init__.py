@@ -1,8 +1,9 @@
 """The ACCO engine: one class (``engine.ACCOEngine``), the settings every front-end takes from
 (``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
 thread with its process groups and its per-round job (``communication``), the collectives
-(``collectives``), the estimate step (``peek``), parameter ownership (``ownership``) and the
-shards as checkpoint DTensors (``placement``).
+(``collectives``), the estimate step (``peek``), the optimizers the flat shard can step
+(``shard_optimizer``), parameter ownership (``ownership``) and the shards as checkpoint DTensors
+(``placement``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
 """

@@ -346,6 +346,7 @@ class RoundPlan(NamedTuple):
 
     job: Job
     local_count: float  # this rank's Σ micro-batch weights in the payload
+    unit_weights: bool = True  # every micro-batch in this rank's payload weighed exactly 1
     # An estimate sent narrower than the update (``estimate_dtype``): its gradients are
     # reduce-scattered in this format and θ̃ − θ is all-gathered in it. None: the reduce dtype,
     # and the job gathers the new parameters themselves.
@@ -380,7 +381,7 @@ class RoundResult(NamedTuple):
     comm_s: float  # how long the job took on the communication thread
     difference: bool = False  # ``gathered`` holds θ̃ − θ (a narrow estimate), to add to θ
     schedule_choice: int | None = None  # mode="auto": the schedule every rank runs next
-    round_count: float = 0.0  # the round's own Σ weights: global_count without a carried ΣG̃
+    unit_weights: bool = True  # every micro-batch of every rank's payload weighed exactly 1
 
 
 def communicate(
@@ -409,17 +410,20 @@ def communicate(
     if carried and job is Job.ESTIMATE:
         torch._foreach_copy_(carried, [g.shard_sum for g in buffers])
     add_carried = bool(carried) and job is Job.UPDATE
-    # The count and a "my shard has NaN/Inf" flag travel together: every rank then agrees on
-    # whether to skip, although each has seen only its own shard. A NaN estimate round also
-    # skips the update that carries it.
+    # The count, a "my shard has NaN/Inf" flag and a "not every weight was 1" flag travel
+    # together: every rank then agrees on whether to skip, although each has seen only its own
+    # shard (a NaN estimate round also skips the update that carries it), and knows whether
+    # the weights are means of micro-batches (what a resharded resume reweighs).
     sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
     finite = all(bool(torch.isfinite(t).all()) for t in sums)
     device = buffers[0].master.device
-    counts = torch.tensor([plan.local_count, 0.0 if finite else 1.0], dtype=torch.float64,
+    counts = torch.tensor([plan.local_count, 0.0 if finite else 1.0,
+                           0.0 if plan.unit_weights else 1.0], dtype=torch.float64,
                           device=device)  # fmt: skip
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
     round_count, nonfinite = counts[0].item(), counts[1].item() > 0
+    unit_weights = counts[2].item() == 0
     global_count = round_count
     if add_carried:
         reweigh = plan.reweigh_carried
@@ -439,7 +443,7 @@ def communicate(
             with record_function("acco::all_gather"):
                 all_gather_shards(buffers, groups)
         return RoundResult(global_count, None, True, False, time.perf_counter() - start,
-                           wire is not None, choice, round_count)  # fmt: skip
+                           wire is not None, choice, unit_weights)  # fmt: skip
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -477,14 +481,14 @@ def communicate(
                 all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
                                       g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
         return RoundResult(global_count, grad_norm, False, False, time.perf_counter() - start,
-                           True, choice, round_count)  # fmt: skip
+                           True, choice, unit_weights)  # fmt: skip
     else:
         with record_function("acco::estimate_step"):
             peek(optimizer, [g.gather_input for g in buffers])
     with record_function("acco::all_gather"):
         all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
-                       time.perf_counter() - start, False, choice, round_count)  # fmt: skip
+                       time.perf_counter() - start, False, choice, unit_weights)  # fmt: skip
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

@@ -6,8 +6,9 @@ settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The con
 ``docs/algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
 allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
 ``communication`` (the thread, its process groups and the job it runs each round),
-``collectives``, ``peek`` (the estimate step), ``ownership`` (one engine per parameter) and
-``placement`` (the shards in checkpoints).
+``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step the
+flat shard), ``ownership`` (one engine per parameter) and ``placement`` (the shards in
+checkpoints).
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
@@ -48,9 +49,9 @@ thread and destroys its groups).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
+import re
 import time
 import warnings
 import weakref
@@ -96,18 +97,23 @@ from acco_hooks.engine.schedule import (
     candidate_schedules,
 )
 from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
+from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizer, first_step_state
 from acco_hooks.engine.wire import WIRE_FORMATS, backend_can_send
 
 __all__ = ["ACCOEngine", "STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
+# 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
+# added a carried ΣG̃), ``carried_reweigh`` says in which units a carried ΣG̃ is, the parameter
+# names and shapes are keyed by model part (4: one list, the same key on every pipeline stage),
+# and optimizer state is per element or per parameter by what the optimizer keeps (4: by shape).
 # 4: acco's carried weight c̃ is in ``estimate_count`` alone (3 kept each rank's share of it in
 # that rank's count) and ``update_weight`` replaces 3's ``unit_weights``.
 # 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
 # DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
 # 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
-STATE_VERSION = 4
+STATE_VERSION = 5
 
 
 class RoundInFlight:
@@ -134,7 +140,8 @@ class ACCOEngine:
     Args:
         params: parameters, ``(name, parameter)`` pairs or parameter-group dicts, as for any
             torch optimizer.
-        optimizer_class: the torch optimizer class stepped on this rank's fp32 master shard.
+        optimizer_class: the torch optimizer class stepped on this rank's fp32 master shard;
+            one whose step is not per element is refused (``shard_optimizer``).
         settings: the :class:`~acco_hooks.engine.EngineSettings`; or give them as keyword
             arguments (``mode="acco"``, ``accumulation_steps=4``, ...), which
             :class:`acco_hooks.ACCOOptimizer` documents.
@@ -147,6 +154,10 @@ class ACCOEngine:
         fsdp_process_group: HSDP: the ranks over which FSDP2 shards each replica. Gradients
             then arrive summed over it, and the engine shards each local FSDP shard again over
             ``process_group``.
+        weights_are_shares: the weights given to :meth:`microbatch_done` are each rank's
+            shares of an update, adding up to a total that does not depend on the data (the
+            Hugging Face Trainer's), not what :meth:`microbatch_done` documents (the units a
+            micro-batch's loss sums over). Read by a resharded resume alone.
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -156,8 +167,8 @@ class ACCOEngine:
         "settings", "device",
         # The worker thread's process groups, and this rank's place in them
         "_groups", "world_size", "rank", "fsdp_world_size",
-        # Buffers (one per parameter group) and the shard optimizer
-        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler",
+        # Buffers (one per parameter group), the shard optimizer and how its state is saved
+        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler", "_state_layout",
         # Where each element of the shards lives in the model, for checkpoints
         "_placement",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
@@ -170,8 +181,9 @@ class ACCOEngine:
         "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
-        "_update_weight", "_reweigh_carried", "_carry_next_update",
-        "_round_microbatches", "_local_count", "_grad_arrived", "grads_received", "_grads_counted",
+        "_update_weight", "_reweigh_carried", "_carry_next_update", "_weights_are_shares",
+        "_unit_weights", "_round_microbatches", "_local_count", "_local_unit", "_grad_arrived",
+        "grads_received", "_grads_counted",
         "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
         "last_round_lr", "step_boundary",
         # The advisor's clocks: when this round and this micro-batch started, and whether a
@@ -189,6 +201,7 @@ class ACCOEngine:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         norm_process_group: Any = None,
         fsdp_process_group: Any = None,
+        weights_are_shares: bool = False,
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
@@ -196,7 +209,6 @@ class ACCOEngine:
                                              ("norm_process_group", norm_process_group))
                     if group is not None]  # fmt: skip
         settings.check_until_ready(" and ".join(split_by) or None)
-        _check_optimizer_class(optimizer_class)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
@@ -205,6 +217,11 @@ class ACCOEngine:
         self.settings = settings
         param_groups, self._frozen = normalize_param_groups(params)
         self.device = param_groups[0]["params"][0].device
+        # Refused here, before any process group exists, unless its step is per element
+        self._state_layout: ShardStateLayout = check_optimizer(
+            optimizer_class, [{k: v for k, v in g.items() if k not in ("params", "names")}
+                              for g in param_groups], optimizer_kwargs, self.device,
+        )  # fmt: skip
 
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
@@ -251,16 +268,23 @@ class ACCOEngine:
         self._failure: ACCOCommunicationError | None = None
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
         self._estimate_count = 0.0  # c̃: the global weight of the estimate round acco carries
-        # The global weight of acco's update rounds while every one weighed the same (None once
-        # two differed, 0.0 before the first), and after a load onto another world the one the
-        # saved run's weighed: what the carried half-batch is reweighed against (_carried_reweigh)
+        # W: the global weight of one whole update (its estimate and update rounds) while every
+        # update weighed the same, in the units the carried ΣG̃ is in; None once two differed
+        # (the weights are data units: tokens), 0.0 before the first update finished
         self._update_weight: float | None = 0.0
+        # Resumed between an estimate and its update with ΣG̃ in another world's units: what
+        # an update round weighed there, against which ΣG̃ and c̃ are reweighed (None: kept)
         self._reweigh_carried: float | None = None
         # Resumed between an estimate sent narrower and its update: the checkpoint held ΣG̃ as
         # a carried half-batch, which the update adds although its schedule carries none
         self._carry_next_update = False
+        # What the micro-batch weights count: shares of an update (a front-end says so), or
+        # units (tokens; 1: a mean), and whether every one so far, on every rank, weighed 1
+        self._weights_are_shares, self._unit_weights = weights_are_shares, True
         self.step_boundary = False
-        self._round_microbatches, self._local_count = 0, 0.0
+        # this rank's micro-batches in the accumulators: how many, their weights' sum, and
+        # whether each weighed exactly 1
+        self._round_microbatches, self._local_count, self._local_unit = 0, 0.0, True
         fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
         self.schedule, self._auto = _first_schedule(settings, formats, fractions, self._groups)
         self._estimate_next, self._agreed, self._update_started = True, None, None
@@ -429,9 +453,10 @@ class ACCOEngine:
             self._at_update_end(self.schedule)
             self.step_boundary = True
             return True
-        counted = (self._round_microbatches, self._local_count)
+        counted = (self._round_microbatches, self._local_count, self._local_unit)
         self._round_microbatches += 1
         self._local_count += weight
+        self._local_unit = self._local_unit and weight == 1.0
         if self._round_microbatches < self.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
@@ -446,7 +471,7 @@ class ACCOEngine:
             if self.round_index == round_index and self._failure is None:
                 # Interrupted before the round was launched (while waiting for the previous
                 # one): nothing was lost, the call can be repeated.
-                self._round_microbatches, self._local_count = counted
+                self._round_microbatches, self._local_count, self._local_unit = counted
             raise
         return True
 
@@ -474,6 +499,7 @@ class ACCOEngine:
         update_carries = carry and not estimate
         plan = RoundPlan(
             Job.ESTIMATE if estimate else Job.UPDATE, self._local_count,
+            unit_weights=self._local_unit,
             wire=WIRE_FORMATS[schedule.estimate_dtype] if keeps else None,
             carry=carry, keeps_accumulator=keeps,
             carried_count=self._estimate_count if update_carries else 0.0,
@@ -486,7 +512,7 @@ class ACCOEngine:
             if not plan.keeps_accumulator:
                 g.accumulator.zero_()
         if not plan.keeps_accumulator:
-            self._local_count = 0.0
+            self._local_count, self._local_unit = 0.0, True
         if not estimate:
             self._reweigh_carried, self._carry_next_update = None, False
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
@@ -571,12 +597,15 @@ class ACCOEngine:
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
+        self._unit_weights = self._unit_weights and result.unit_weights
         if flight.plan.job is Job.ESTIMATE:
             self._estimate_count = result.global_count
-        elif flight.plan.adds_carried and self._update_weight is not None:
+        elif flight.plan.reweigh_carried is not None:  # the first update in this world's units
+            self._update_weight = result.global_count
+        elif self._update_weight is not None:  # W: both rounds, the carried ΣG̃'s weight too
             first = self._update_weight == 0.0
-            if first or math.isclose(result.round_count, self._update_weight, rel_tol=1e-9):
-                self._update_weight = result.round_count
+            if first or math.isclose(result.global_count, self._update_weight, rel_tol=1e-9):
+                self._update_weight = result.global_count
             else:
                 self._update_weight = None
         self.num_updates += result.updated
@@ -701,7 +730,20 @@ class ACCOEngine:
 
         Like ``torch.optim.Optimizer.state_dict``, tensors are references: save the dict before
         the next ``step()``.
+
+        Raises:
+            RuntimeError: called between a ``backward()`` and the ``step()`` that counts it:
+                its gradient is in the accumulators without its weight, and the resumed run
+                would count it again when it replays that micro-batch.
         """
+        uncounted = self.grads_received - self._grads_counted
+        if uncounted and not self.closed:
+            raise RuntimeError(
+                f"acco_hooks: state_dict() between backward() and step(): {uncounted} parameter "
+                "gradients are accumulated but their micro-batch is not counted yet, so a "
+                "resumed run that replays it would count it twice. Save after step() (or "
+                "before backward())"
+            )
         self._finish_in_flight(apply=False)
         flight = self._in_flight
         narrow = flight is not None and flight.plan.wire is not None
@@ -712,7 +754,7 @@ class ACCOEngine:
                 g.gather_input.copy_(g.gathered[self.rank * g.shard_numel :][: g.shard_numel])
         carried = None
         if self.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
-            if half and not partial and self._estimate_kept:
+            if half and not partial and self._estimate_kept and not self._carry_next_update:
                 carried = self._kept_estimate_sum()
             else:
                 carried = [torch.zeros(g.shard_numel, device=self.device) if g.carried is None
@@ -722,7 +764,9 @@ class ACCOEngine:
             "version": STATE_VERSION, "mode": self.settings.mode.value,
             "optimizer_class": _class_name(self.optimizer), "world_size": self.world_size,
             "fsdp_world_size": self.fsdp_world_size,
-            "params": self._placement.param_names, "param_shapes": self._placement.global_shapes,
+            # by model part, as the shards: every pipeline stage's is saved
+            "params": dict(zip(self._placement.keys, self._placement.param_names)),
+            "param_shapes": dict(zip(self._placement.keys, self._placement.global_shapes)),
             "accumulation_steps": self.settings.accumulation_steps,
             "round_index": self.round_index, "num_updates": self.num_updates,
             "skipped_rounds": self.skipped_rounds, "round_microbatches": self._round_microbatches,
@@ -739,37 +783,51 @@ class ACCOEngine:
             "master": chunks([g.master for g in self._buffers]),
             "pending_shard": chunks([g.gather_input for g in self._buffers]),
             "carried": None if carried is None else chunks(carried),
-            # acco between its estimate round and its update: ΣG̃ is carried, and its weight
+            # acco between its estimate round and its update: ΣG̃ is carried, and its weight;
+            # W, and, resumed from another world with ΣG̃ still in its units, what an update
+            # round weighed there (``_carried_reweigh``)
             "estimate_count": self._estimate_count if half else 0.0,
+            "unit_weights": self._unit_weights, "weights_are_shares": self._weights_are_shares,
             "update_weight": self._update_weight,
+            "carried_reweigh": self._reweigh_carried if half else None,
+            # resumed between a narrow estimate and its update: ΣG̃ is carried, not kept in the
+            # accumulators (which hold the update round's gradients alone)
+            "carry_next_update": self._carry_next_update,
             "optimizer": self._optimizer_state(),
             # Mid-round: model-sized, this rank's alone; a key no other rank writes
             "partial_round": partial,
             "rank_state": {f"rank{dist.get_rank() if dist.is_initialized() else 0}": {
                 "accumulator": [g.accumulator for g in self._buffers],
-                "local_count": self._local_count,
+                "local_count": self._local_count, "local_unit_weights": self._local_unit,
                 "grad_arrived": [list(a) for a in self._grad_arrived],
             }} if partial else {},
         }  # fmt: skip
 
     def _optimizer_state(self) -> dict[str, Any]:
-        """The shard optimizer's state: per-element tensors by parameter (as the master),
-        the rest as torch keeps it. Before its first step, the state a first step creates,
-        so that DCP has tensors to load into (``stepped`` says it is not real)."""
+        """The shard optimizer's state: per-element tensors by parameter (as the master), per-
+        parameter values (the same on every rank) as torch keeps them, by what the optimizer
+        keeps (``shard_optimizer``), not by shape: a group's shard may have one element. Before
+        its first step, the state a first step creates, so that DCP has tensors to load into
+        (``stepped`` says it is not real)."""
         saved = self.optimizer.state_dict()
         stepped = bool(saved["state"])
-        state = saved["state"] if stepped else _first_step_state(self.optimizer, self._buffers)
+        state = saved["state"] if stepped else first_step_state(
+            self.optimizer, [g.master for g in self._buffers]
+        )  # fmt: skip
         names = {name for entry in state.values() for name in entry}
+        layout = self._state_layout
         per_element, shared, other = {}, {}, {}
         for name in sorted(names):
             values = [state.get(gi, {}).get(name) for gi in range(len(self._buffers))]
-            if all(isinstance(v, Tensor) and v.shape == (g.shard_numel,)
-                   for v, g in zip(values, self._buffers)):  # fmt: skip
+            if name in layout.per_element and all(
+                v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,)
+                for v, g in zip(values, self._buffers)
+            ):  # only the groups that keep it (SGD without momentum keeps no buffer)
                 per_element[name] = self._placement.chunks(values)
-            elif all(not isinstance(v, Tensor) or v.numel() <= 1 for v in values):
+            elif name in layout.per_parameter:
                 shared[name] = values  # a step count: the same on every rank
             else:
-                other[name] = values  # neither: this rank's own
+                other[name] = values  # a key the probe never saw: this rank's own
         rank = dist.get_rank() if dist.is_initialized() else 0
         return {"param_groups": saved["param_groups"], "stepped": stepped,
                 "per_element": per_element, "shared": shared,
@@ -792,7 +850,9 @@ class ACCOEngine:
         # Between an estimate and its update, ΣG̃ is the carried half-batch, also where the
         # estimate was sent narrower (the saving run kept it in its accumulators): the update
         # adds it, and an engine that never carries gets the buffer for it now.
-        self._carry_next_update = bool(state["estimate_count"]) and own is None
+        self._carry_next_update = bool(state["estimate_count"]) and (
+            own is None or (state["version"] >= 5 and state["carry_next_update"])
+        )  # fmt: skip
         if self._carry_next_update:
             for g in self._buffers:
                 if g.carried is None:
@@ -812,13 +872,15 @@ class ACCOEngine:
         self._round_microbatches = state["round_microbatches"]
         if own is not None:
             self._local_count = own["local_count"]
+            self._local_unit = state["version"] < 5 or own["local_unit_weights"]
             self._grad_arrived = [list(a) for a in own["grad_arrived"]]
         else:
-            self._local_count = 0.0
+            self._local_count, self._local_unit = 0.0, True
             self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self._estimate_count = state["estimate_count"]
-        self._update_weight = _saved_update_weight(state)
+        self._unit_weights = _saved_unit_weights(state)
         self._reweigh_carried = _carried_reweigh(state, self)
+        self._update_weight = _update_weight_after_load(state, self, self._reweigh_carried)
         self._estimate_next = state["estimate_next"]
         self.updates_launched = state["updates_launched"]
         # Resharded onto ranks that take another number of micro-batches per update (the same
@@ -839,7 +901,7 @@ class ACCOEngine:
             wire = None if wire is None else WIRE_FORMATS[wire]
             future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
             self._in_flight = RoundInFlight(
-                future, RoundPlan(Job(state["pending_job"]), 0.0, wire), self.round_index - 1
+                future, RoundPlan(Job(state["pending_job"]), 0.0, wire=wire), self.round_index - 1
             )
 
     def _load_optimizer_state(self, saved: dict[str, Any], rank_key: str) -> None:
@@ -850,10 +912,12 @@ class ACCOEngine:
         state: dict[int, dict[str, Any]] = {gi: {} for gi in range(len(self._buffers))}
         for name, chunks in saved["per_element"].items():
             flats = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=self.device)
+                     if key in chunks else None
                      for g, key in zip(self._buffers, self._placement.keys)]  # fmt: skip
             self._placement.fill(flats, chunks)
             for gi, flat in enumerate(flats):
-                state[gi][name] = flat
+                if flat is not None:
+                    state[gi][name] = flat
         for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
             for name, per_group in values.items():
                 for gi, value in enumerate(per_group):
@@ -1035,28 +1099,6 @@ def _release(worker: CommWorker, groups: tuple[Any, ...]) -> None:
     ownership.release(None)  # the claims of engines that are gone
 
 
-def _check_optimizer_class(optimizer_class: Any) -> None:
-    """A first-order torch optimizer class, which can step a flat shard on the thread."""
-    is_class = isinstance(optimizer_class, type)
-    if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"acco_hooks: optimizer_class must be a torch.optim.Optimizer subclass such as "
-            f"torch.optim.AdamW (the class, not an instance), got {optimizer_class!r}"
-        )
-    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise TypeError(
-            f"acco_hooks: {optimizer_class.__name__}.step() needs a closure that re-evaluates "
-            "the loss, which a sharded step on the communication thread cannot run; use a "
-            "first-order optimizer such as torch.optim.AdamW or SGD"
-        )
-    if issubclass(optimizer_class, torch.optim.SparseAdam):
-        raise TypeError(
-            "acco_hooks: torch.optim.SparseAdam steps sparse gradients, and the engine sums "
-            "and shards dense ones; use torch.optim.Adam or AdamW with dense gradients"
-        )
-
-
 def _check_round_inputs(
     buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int,
     frozen: list[tuple[str, Tensor]],
@@ -1104,7 +1146,7 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
     that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
     version = state.get("version")
-    if version not in (3, STATE_VERSION) or (version == 3 and (
+    if version not in (3, 4, STATE_VERSION) or (version == 3 and (
         (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
     )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
         raise ValueError(
@@ -1112,9 +1154,9 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             f"{version!r}"
             + (" saved inside acco's update round or with a narrow estimate pending"
                if version == 3 else "")
-            + f", this acco_hooks reads version {STATE_VERSION} and 3 saved at a step boundary "
-            "(version 2 kept flat shards that only a run of the same shape could load). Resume "
-            "it with the acco_hooks that wrote it"
+            + f", this acco_hooks reads versions 4 and {STATE_VERSION}, and 3 saved at a step "
+            "boundary (version 2 kept flat shards that only a run of the same shape could "
+            "load). Resume it with the acco_hooks that wrote it"
         )
     saved_class, own_class = state.get("optimizer_class"), _class_name(engine.optimizer)
     if saved_class is not None and saved_class != own_class:  # version 3 did not say
@@ -1157,8 +1199,12 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             "(a parameter FSDP did not split along dim 0): resume with an FSDP "
             f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
         )
-    if state["params"] != place.param_names or set(state["master"]) != set(place.keys) or [
-        [tuple(s) for s in g] for g in state["param_shapes"]
+    names, shapes = state["params"], state["param_shapes"]
+    if isinstance(names, dict):  # version 5: by model part (every pipeline stage its own)
+        names = [names.get(key) for key in place.keys] if set(names) == set(place.keys) else None
+        shapes = [shapes.get(key, ()) for key in place.keys]
+    if names != place.param_names or set(state["master"]) != set(place.keys) or [
+        [tuple(s) for s in g] for g in shapes
     ] != place.global_shapes:
         raise ValueError(
             "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
@@ -1166,6 +1212,7 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
             + (" (or it was saved with another FSDP degree by a run that kept one vector per "
                "FSDP rank)" if state["fsdp_world_size"] != engine.fsdp_world_size else "")
         )
+    _warn_if_matched_by_position(place.param_names, place.global_shapes)
     has_lr_scheduler = engine.lr_scheduler is not None
     if has_lr_scheduler != (state["lr_scheduler"] is not None):
         raise ValueError(
@@ -1215,49 +1262,108 @@ def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) 
         )
 
 
-def _saved_update_weight(state: dict[str, Any]) -> float | None:
-    """The saved run's ``update_weight``; version 3 knew only whether every weight was 1, and
-    then an update round weighed its micro-batches: ranks × accumulation_steps."""
-    if state["version"] >= 4:
-        return state["update_weight"]
-    return state["world_size"] * state["accumulation_steps"] if state["unit_weights"] else None
+# The names normalize_param_groups gives parameters passed without one
+_POSITIONAL_NAME = re.compile(r"params\[\d+\]\[\d+\]")
+
+
+def _warn_if_matched_by_position(names: list[list[str]], shapes: list[list[tuple]]) -> None:
+    """Parameters given without names load the checkpoint by position: where two share a shape,
+    a saved run that listed them in another order would swap their master weights and moments
+    unseen (the model loads by name)."""
+    repeated = sum(
+        len(group_shapes) - len(set(group_shapes))
+        for group_names, group_shapes in zip(names, shapes)
+        if any(_POSITIONAL_NAME.fullmatch(name) for name in group_names)
+    )  # fmt: skip
+    if repeated:
+        warnings.warn(
+            "acco_hooks: load_state_dict: the optimizer's parameters were given without names, "
+            "so the checkpoint's optimizer state is matched to them by position, and some of "
+            "them share a shape: had the saved run listed them in another order, they would "
+            "take each other's master weights and moments unnoticed. Build the optimizer over "
+            "model.named_parameters() (or (name, parameter) pairs) so that checkpoints match by "
+            "name",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _resharded(state: dict[str, Any], engine: ACCOEngine) -> bool:
+    """Whether ``state`` was saved by a run of another shape (ranks, FSDP degree, round size)."""
+    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
+    return saved != (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
 
 
 def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
-    """Resumed between acco's estimate round and its update on another world: the update
-    weight ΣG̃ and c̃ are reweighed against (``communicate``), or ``None`` to keep them.
-
-    The update averages (ΣG̃ + ΣG) / (c̃ + c). When every update round weighed the same, the
-    weight is a property of the split, not of the data: a mean loss per micro-batch counts
-    micro-batches (N·s of them on N ranks × s, N′·s′ on N′ × s′), the Hugging Face Trainer's
-    shares count one per rank. On the new world the half-batch must weigh what an update round
-    weighs there, which the first update round measures: ΣG̃ and c̃ are multiplied by its
-    weight over the saved run's. When the update rounds weighed differently, the weights are
-    data units (a token-summed loss, ``step(weight=tokens)``): ΣG̃ and c̃ do not depend on the
-    split and are kept. Saved before any update finished, the estimate round stands in.
+    """Resumed between acco's estimate round and its update in other units than the saved
+    ΣG̃'s: what an update round weighed in them, against which ΣG̃ and c̃ are reweighed
+    (``communicate``); ``None`` to keep them. A state saved right after such a load, before
+    that update, still holds ΣG̃ in the earlier units, and says what they weighed.
     """
-    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
-    here = (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
-    weight = _saved_update_weight(state)
-    if not state["estimate_count"] or saved == here or weight is None:
+    if not state["estimate_count"]:
         return None
-    return weight or state["estimate_count"]
+    if state["version"] >= 5 and state["carried_reweigh"] is not None:
+        return state["carried_reweigh"]
+    return _saved_update_round_weight(state) if _resharded(state, engine) else None
 
 
-def _first_step_state(
-    optimizer: torch.optim.Optimizer, buffers: list[GroupBuffers]
-) -> dict[int, dict[str, Any]]:
-    """The state ``optimizer`` has after one step, from a copy of it over zero shards: what a
-    checkpoint of a run that never stepped holds for DCP to load into."""
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [torch.zeros_like(g.master)]}
-              for group, g in zip(optimizer.param_groups, buffers)]  # fmt: skip
-    probe = type(optimizer)(groups)
-    for group in probe.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    probe.step()
-    return probe.state_dict()["state"]
+def _saved_update_round_weight(state: dict[str, Any]) -> float | None:
+    """What the saved run's update round weighed, when a new split changes it; ``None`` when
+    the weights are data units, which no split changes.
+
+    The update averages (ΣG̃ + ΣG) / (c̃ + c), and on the new world the carried half must weigh
+    what it would weigh there. What a weight counts decides:
+
+    * every micro-batch weighed 1 (a mean loss, ``step()``): a weight counts micro-batches, N·s
+      of them on N ranks × s; the update round weighed the estimate round's weight per
+      micro-batch times its own micro-batches;
+    * shares of an update (the Hugging Face Trainer's, ``weights_are_shares``): an update
+      weighs the same whatever its data, W, so the update round weighed W − c̃ (before the
+      first update finished, the estimate round's share per micro-batch stands in);
+    * any other weight counts what the loss sums over (tokens, ``step(weight=tokens)``):
+      ΣG̃ and c̃ do not depend on the split and are kept.
+
+    Version 4 kept the update round's weight while every update weighed the same, version 3
+    only whether every weight was 1.
+    """
+    version, carried = state["version"], state["estimate_count"]
+    schedule = Schedule(*state["schedule"])  # between its rounds: an estimate round ran
+    by_microbatches = carried * schedule.update_microbatches / schedule.estimate_microbatches
+    if version == 3:
+        return state["world_size"] * state["accumulation_steps"] if state["unit_weights"] else None
+    if version == 4:
+        weight = state["update_weight"]
+        return None if weight is None else weight or by_microbatches
+    if state["unit_weights"]:
+        return by_microbatches
+    if not state["weights_are_shares"]:
+        return None
+    whole = state["update_weight"]
+    return whole - carried if whole and whole > carried else by_microbatches
+
+
+def _saved_unit_weights(state: dict[str, Any]) -> bool:
+    """Whether every micro-batch of the saved run weighed 1 (version 4 did not say; an update
+    round of unit weights weighs ranks × FSDP ranks × accumulation_steps)."""
+    if state["version"] == 4:
+        return state["update_weight"] == (
+            state["world_size"] * state["fsdp_world_size"] * state["accumulation_steps"]
+        )  # fmt: skip
+    return bool(state["unit_weights"])
+
+
+def _update_weight_after_load(
+    state: dict[str, Any], engine: ACCOEngine, reweigh: float | None
+) -> float | None:
+    """The loaded engine's W: the saved one while it is in the units the engine's carried ΣG̃
+    is in (the same shape, or a reweigh pending); else measured anew (0.0) on this world,
+    unless the weights were data units (``None``)."""
+    if state["version"] < 5:  # 4's was an update round's, 3 kept none
+        return None if state.get("update_weight", 0.0) is None else 0.0
+    weight = state["update_weight"]
+    if weight is None or reweigh is not None or not _resharded(state, engine):
+        return weight
+    return 0.0
 
 
 def _local_dtype(chunks: dict[str, Any], key: str) -> torch.dtype:

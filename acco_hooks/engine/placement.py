@@ -143,21 +143,26 @@ class ShardPlacement:
         self.keys = [g.names[0] + _part(g.params[0], data_parallel_ranks, unsharded)
                      for g in buffers]  # fmt: skip
 
-    def chunks(self, flats: list[Tensor]) -> dict[str, Tensor]:
+    def chunks(self, flats: list[Tensor | None]) -> dict[str, Tensor]:
         """One tensor per group, keyed by the group's key: a ``DTensor`` over the
         data-parallel group (or, with FSDP, a ``ShardedTensor``) whose local data is (views
-        of) this rank's part of ``flats``; for one local worker, the vector itself."""
+        of) this rank's part of ``flats``; for one local worker, the vector itself. A group
+        whose flat is ``None`` (optimizer state only some groups keep) has no key."""
         if self.pieces is not None:
             return {key: self._sharded(flat.detach(), gi)
-                    for gi, (key, flat) in enumerate(zip(self.keys, flats))}  # fmt: skip
+                    for gi, (key, flat) in enumerate(zip(self.keys, flats))
+                    if flat is not None}  # fmt: skip
         mesh = None
         if self.mesh_ranks is not None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh(flats[0].device.type, torch.tensor(self.mesh_ranks),
+            device = next(flat.device for flat in flats if flat is not None)
+            mesh = DeviceMesh(device.type, torch.tensor(self.mesh_ranks),
                               _init_backend=False)  # fmt: skip
         out = {}
         for key, flat, numel, (start, end) in zip(self.keys, flats, self.numels, self.ranges):
+            if flat is None:
+                continue
             local = flat[: end - start]
             out[key] = local if mesh is None else DTensor.from_local(
                 local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
@@ -190,10 +195,12 @@ class ShardPlacement:
         return (self.numels[gi], *self.ranges[gi])
 
     @torch.no_grad()
-    def fill(self, flats: list[Tensor], chunks: dict[str, Any]) -> None:
+    def fill(self, flats: list[Tensor | None], chunks: dict[str, Any]) -> None:
         """Copy ``chunks`` (laid out as :meth:`chunks` lays them) into ``flats``; the padding
-        becomes zero."""
+        becomes zero. A ``None`` flat is skipped (its group has no key in ``chunks``)."""
         for gi, (key, flat, (start, end)) in enumerate(zip(self.keys, flats, self.ranges)):
+            if flat is None:
+                continue
             source = chunks[key]
             if isinstance(source, ShardedTensor):
                 for shard in source.local_shards():

@@ -286,9 +286,13 @@ class AutoSchedule:
                 f"{f['predicted_speedup']:.2f})")
 
     def state_dict(self) -> dict:
-        """The decision and what it rests on (a resumed run keeps its schedule)."""
+        """The decision and what it rests on (a resumed run keeps its schedule).
+
+        The figures are one tuple of ``(name, value)`` pairs, not a dict: DCP loads only the
+        keys the state it loads into holds, and a fresh controller's figures have none.
+        """
         return {"target": tuple(self.target), "chosen": None if self.chosen is None else
-                tuple(self.chosen), "figures": dict(self.figures), "held": self._held,
+                tuple(self.chosen), "figures": tuple(self.figures.items()), "held": self._held,
                 "confirming": self._confirming}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:

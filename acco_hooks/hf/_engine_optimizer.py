@@ -51,6 +51,7 @@ def build_engine(
         optimizer_cls,
         settings=settings,
         lr_scheduler=functools.partial(schedule_over_real_updates, trainer.args, acco.mode, rounds),
+        weights_are_shares=True,  # training_step weighs shares of each Trainer step (_loss_weights)
         **optimizer_kwargs,
     )
 
@@ -124,7 +125,7 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
             + (f" built over its own {', '.join(special)}" if special else "")
             + ", which the ACCO engine cannot run on a flat shard of the parameters. Use a "
             "torch.optim optimizer such as optim='adamw_torch_fused' (the default), "
-            "'adamw_torch', 'adafactor' or 'sgd', or "
+            "'adamw_torch' or 'sgd', or "
             "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
         )
     return optimizer_cls, kwargs

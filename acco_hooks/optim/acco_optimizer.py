@@ -47,8 +47,9 @@ class ACCOOptimizer(EngineFrontEnd):
         params: parameters, ``(name, parameter)`` pairs (e.g. ``model.named_parameters()``) or
             parameter-group dicts with per-group options, as for any torch optimizer.
         optimizer_class: the torch optimizer class run on the shard, e.g. ``torch.optim.AdamW``.
-            AdamW, Adam and SGD get a copy-free estimate step; other classes work by
-            snapshot-and-restore of their state.
+            Its step must be per element (Adafactor and Muon are refused, any other class is
+            probed: ``acco_hooks.engine.shard_optimizer``). AdamW, Adam and SGD get a
+            copy-free estimate step; other classes work by snapshot-and-restore of their state.
         **kwargs: the settings (``mode``, ``accumulation_steps``, ``accumulate_until_ready``,
             ``reduce_dtype``, ``max_grad_norm``, ``nonfinite``, ``timeout``, or
             ``settings=EngineSettings(...)``), the engine's other arguments

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -302,3 +303,46 @@ def test_async_save_while_training_goes_on_is_consistent(tmp_path) -> None:
                                 str(tmp_path)):  # fmt: skip
         assert rank["live_buffers_changed"]  # the state_dict's tensors are live buffers ...
         assert rank["mismatches"] == [] and rank["tensors"] > 5  # ... yet the checkpoint is not
+
+
+@pytest.mark.parametrize("estimate_dtype", [None, "bfloat16"])
+def test_a_save_between_backward_and_step_is_refused(estimate_dtype) -> None:
+    """The gradient of that backward is accumulated, its micro-batch not counted: a resumed
+    run that replays the micro-batch would count it twice (with a narrow estimate pending, the
+    checkpoint folded it into the carried half-batch without its weight)."""
+    model, opt = build(Config(mode="acco", estimate_dtype=estimate_dtype))
+    train(model, opt, 0, 0, 3 * MICRO)  # an estimate in flight
+    microbatch_loss(model, 0, 3, 0).backward()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) between backward\(\) and step\(\): "
+                                           r"\d+ parameter gradients are accumulated"):
+        opt.state_dict()
+    opt.step()
+    assert opt.state_dict()["round_microbatches"] == 1  # after step(): saved mid-round
+    opt.close()
+
+
+def test_parameters_given_without_names_warn_that_they_load_by_position() -> None:
+    """Two parameters of one shape, given bare: a run that listed them in the other order would
+    load each other's master weights and moments, unseen (the model loads by name). Named, the
+    optimizer's checkpoint matches by name and says nothing."""
+    from acco_hooks import ACCOOptimizer
+
+    def loaded(params) -> list[str]:
+        opt = ACCOOptimizer(params, torch.optim.AdamW, mode="ddp", lr=1e-2)
+        nn_loss = sum(p.sum() for p in model.parameters())
+        nn_loss.backward()
+        opt.step()
+        state = opt.state_dict()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(state)
+        opt.close()
+        return [str(w.message) for w in caught]
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    (message,) = loaded(model.parameters())
+    assert "given without names, so the checkpoint's optimizer state is matched to them by " \
+           "position, and some of them share a shape" in message
+    assert "model.named_parameters()" in message
+    assert loaded(model.named_parameters()) == []
+    assert loaded([model[0].weight, model[1].bias]) == []  # shapes differ: position is enough

@@ -160,15 +160,6 @@ def test_two_open_optimizers_on_one_model_are_refused() -> None:
     second.close()
 
 
-@pytest.mark.parametrize("optimizer_class, match", [
-    (torch.optim.LBFGS, r"LBFGS.step\(\) needs a closure"),
-    (torch.optim.SparseAdam, r"SparseAdam steps sparse gradients"),
-])  # fmt: skip
-def test_optimizers_the_engine_cannot_step_are_refused_by_name(optimizer_class, match) -> None:
-    with pytest.raises(TypeError, match=match):
-        ACCOOptimizer(nn.Linear(4, 1).parameters(), optimizer_class, lr=0.1)
-
-
 def test_zero_grad_between_backward_and_step_is_refused() -> None:
     model = nn.Linear(4, 1)
     opt = ACCOOptimizer(model.parameters(), torch.optim.SGD, mode="ddp", accumulation_steps=2,

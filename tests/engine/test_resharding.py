@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.engine.resume_cases import ResumeCase
 from tests.scenario import make_model, make_scheduler, param_groups, relative_error
 
 MICRO = 2  # micro-batches per round
@@ -311,3 +312,62 @@ def test_hsdp_resumes_on_other_replicas_and_fsdp_degrees(hsdp_checkpoint, replic
     for mode in MODES:
         assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
+
+
+# ------------------------------------------------- the carried half-batch's weight, resharded
+
+RUN = "tests.engine.resume_cases:run"
+
+
+def resumed_errors(pool, case, saved_by: int, at: int, total: int, resumed_on, tmp_path) -> dict:
+    """Relative error against the uninterrupted run of a resume at ``at`` on each world."""
+    ckpt = str(tmp_path / f"at{at}")
+    straight = pool.run(RUN, saved_by, case, 0, total, None, ((at, ckpt),))[0]["params"]
+    errors = {}
+    for world_size in resumed_on:
+        resumed = pool.run(RUN, world_size, case, at, total, ckpt)[0]
+        assert isinstance(resumed, dict), resumed  # not refused
+        errors[world_size] = relative_error(resumed["params"], straight)
+    return errors
+
+
+@pytest.mark.parametrize("at", [14, 2], ids=["after-updates", "before-any-update"])
+def test_a_narrow_estimates_half_batch_weighs_its_share_on_another_world(rank_pool, at, tmp_path):
+    """acco with 4 micro-batches per update round, 2 per estimate round, sent in bfloat16: saved
+    between an estimate and its update (after 2 updates, and before the first), the resumed
+    update weighs the estimate's half 2/6 on any world, as the saving run would (the update's
+    weight was never measured with a narrow estimate, and the half weighed 1/2 elsewhere)."""
+    case = ResumeCase(accumulation_steps=4, estimate_microbatches=2, estimate_dtype="bfloat16")
+    errors = resumed_errors(rank_pool, case, 2, at, 24, (2, 1, 3, 4), tmp_path)
+    assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("estimate_dtype", [None, "bfloat16"])
+def test_token_weighed_micro_batches_resume_their_half_batch_on_another_world(
+    rank_pool, estimate_dtype, tmp_path
+) -> None:
+    """``step(weight=tokens)`` with global batches of 12, 24 and 36 samples: the weights are data
+    units, the half-batch is kept as it is, on any world."""
+    case = ResumeCase(weights="tokens", estimate_dtype=estimate_dtype)
+    errors = resumed_errors(rank_pool, case, 2, 10, 24, (2, 1, 3, 4), tmp_path)
+    assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("estimate_dtype", [None, "bfloat16"])
+def test_two_reshards_in_a_row_keep_the_half_batch_weight(rank_pool, estimate_dtype, tmp_path):
+    """Saved between an estimate and its update on 2 ranks; resumed on 4, saved there between
+    again, resumed on 1: the end is the uninterrupted run's. And a checkpoint saved right after
+    the resharded load, before its first update (the half-batch still in the 2 ranks' units),
+    resumes on the same 4 ranks and on 1."""
+    case = ResumeCase(estimate_dtype=estimate_dtype)
+    first, again, total = str(tmp_path / "on2"), str(tmp_path / "on4"), 24
+    straight = rank_pool.run(RUN, 2, case, 0, total, None, ((10, first),))[0]["params"]
+    at_once = str(tmp_path / "on4-at-once")
+    on4 = rank_pool.run(RUN, 4, case, 10, total, first, ((10, at_once), (18, again)))[0]
+    on1 = rank_pool.run(RUN, 1, case, 18, total, again)[0]
+    errors = {"2->4": relative_error(on4["params"], straight),
+              "2->4->1": relative_error(on1["params"], straight)}  # fmt: skip
+    for world_size in (4, 1):
+        resumed = rank_pool.run(RUN, world_size, case, 10, total, at_once)[0]
+        errors[f"2->4 at once->{world_size}"] = relative_error(resumed["params"], straight)
+    assert all(error <= 1e-5 for error in errors.values()), errors

@@ -119,21 +119,28 @@ def test_the_existing_modes_are_bit_identical_to_before_the_schedules(tmp_path: 
 
 def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
                  emulated: dict | None = None, save_to: str | None = None,
-                 load_from: str | None = None) -> dict:  # fmt: skip
+                 load_from: str | None = None, through_dcp: bool = False) -> dict:  # fmt: skip
     """Train with ``settings``; record where each micro-batch's gradient was computed.
 
     ``emulated``: per-update seconds the loop sleeps, by schedule kind (``"synchronous"``,
     ``"overlapped"``), as if it waited for a link or computed longer: it shapes what ``auto``
     measures, so that its choices are known in advance. ``load_from`` / ``save_to``: a folder
-    to resume from first / to save into at the end (model and optimizer, per rank).
+    to resume from first / to save into at the end (model and optimizer, per rank; with
+    ``through_dcp``, one distributed checkpoint, loaded into a fresh optimizer's state dict).
     """
+    import torch.distributed.checkpoint as dcp
+
     torch.manual_seed(0)
     model = make_model()
     opt_class, kwargs = OPTIMIZERS["adamw"]
     opt = ACCOOptimizer(param_groups(model, True), opt_class, **settings, **kwargs)
     engine = opt.engine
-    if load_from is not None:
+    if load_from is not None and through_dcp:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        dcp.load(state, checkpoint_id=load_from)
+    elif load_from is not None:
         state = torch.load(os.path.join(load_from, f"rank{rank}.pt"), weights_only=False)
+    if load_from is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     resumed_with = tuple(engine.schedule)
@@ -155,7 +162,10 @@ def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
                 time.sleep(emulated[kind])
     if save_to is not None:  # the update just launched is in flight: saved pending
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        torch.save(state, os.path.join(save_to, f"rank{rank}.pt"))
+        if through_dcp:
+            dcp.save(state, checkpoint_id=save_to)
+        else:
+            torch.save(state, os.path.join(save_to, f"rank{rank}.pt"))
     opt.flush()
     result = {
         "params": [p.detach().clone() for p in model.parameters()],
@@ -298,15 +308,19 @@ def test_auto_switches_at_update_boundaries_and_loses_no_gradient(emulated, keep
     assert_every_update_is_the_average(results, updates)
 
 
-def test_auto_resumes_its_schedule_from_a_checkpoint(tmp_path) -> None:
-    """Saved after it chose an overlapped schedule, with that update in flight: the resumed run
-    goes on with the same schedule, every rank alike, and every update of both halves is the
-    float32 average of its gradients."""
-    settings, first, total = dict(mode="auto", accumulation_steps=4), 14, 22
+@pytest.mark.parametrize("through_dcp", [False, True], ids=["per-rank", "dcp"])
+def test_auto_resumes_its_schedule_from_a_checkpoint(through_dcp, tmp_path) -> None:
+    """Saved after it chose an overlapped schedule, with that update in flight and the choice
+    being confirmed: the resumed run goes on with the same schedule, every rank alike, confirms
+    it from what the saved run timed (DCP loads it into a fresh optimizer's state dict, which
+    times nothing yet), and every update of both halves is the float32 average of its
+    gradients."""
+    settings = dict(mode="auto", accumulation_steps=4)
+    first, total = 14, 14 + AUTO_CONFIRM_UPDATES + AUTO_SETTLE_UPDATES
     before = run_distributed(f"{__name__}:recorded_run", 2, settings, first, LINK_HIDES,
-                             str(tmp_path))  # fmt: skip
+                             str(tmp_path), None, through_dcp)  # fmt: skip
     after = run_distributed(f"{__name__}:recorded_run", 2, settings, total, LINK_HIDES, None,
-                            str(tmp_path))  # fmt: skip
+                            str(tmp_path), through_dcp)  # fmt: skip
     saved = before[0]["schedules"][-1]
     assert not Schedule(*saved).synchronous, before[0]["schedules"]
     assert [r["resumed_with"] for r in after] == [saved, saved]

@@ -559,3 +559,20 @@ def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None
                         grad_norms=no_sync_norms)  # fmt: skip
     assert no_sync == plain and no_sync_norms == plain_norms
     assert sorted(plain) == [1, 2, 3]
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the pipeline's stages, not how replicas shard
+def test_a_pipeline_parallel_checkpoint_resumes_exactly(tmp_path) -> None:
+    """dp2 × pp2, checkpoints at steps 3 and 6, the one of step 6 lost: each stage's engine
+    state is saved under keys of its own (its parameters' names and shapes too), and the run
+    resumed from step 3, where acco has an estimate in flight, goes on as the straight one."""
+    common = ("--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.steps", "6",
+              *FAST, "--training.global_batch_size", "8", "--checkpoint.enable",
+              "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only",
+              "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(4, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    (tmp_path / "checkpoint" / "step-6" / ".metadata").unlink()
+    resumed = run_titan(4, "debug_cpu_acco.toml", *common, dump=tmp_path)
+    assert sorted(resumed) == [4, 5, 6]
+    assert {s: straight[s] for s in resumed} == resumed

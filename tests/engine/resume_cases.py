@@ -1,0 +1,151 @@
+"""Training runs that save and resume the engine through DCP on any number of ranks, described
+by one value (:class:`ResumeCase`), for the resume tests, hand-written and generated.
+
+The oracle of a resumed run is the uninterrupted one: every micro-batch is one global batch
+split evenly over the ranks (12, 24 or 36 samples: 1, 2, 3 and 4 ranks split them alike), so a run
+on N ranks and one on N' ranks train on the same data. A resumed run must end at the
+uninterrupted run's parameters (to the order of float sums on another world), or its load must
+be refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "SGD": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9)),
+    "Adagrad": (torch.optim.Adagrad, dict(lr=0.1)),  # a snapshot estimate (no functional Peek)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeCase:
+    """A model, its parameter groups, the engine's settings and the data's weighting."""
+
+    shapes: tuple[tuple[int, ...], ...] = ((3, 4), (4,), (1,))
+    # each parameter's group, and each group's options (sorted (key, value) pairs)
+    group_of: tuple[int, ...] = (0, 0, 1)
+    group_options: tuple[tuple[tuple[str, float], ...], ...] = ((), (("lr", 5e-3),))
+    optimizer: str = "AdamW"
+    mode: str = "acco"
+    accumulation_steps: int = 2
+    estimate_microbatches: int | None = None
+    estimate_dtype: str | None = None
+    # "mean": each rank's loss is the mean over its share, weight 1; "tokens": summed over its
+    # share, weighed by its size, and the global batch cycles through 12, 24 and 36 samples
+    weights: str = "mean"
+    named: bool = True  # the optimizer gets (name, parameter) pairs; else bare parameters
+
+    @property
+    def exact_on_the_same_ranks(self) -> bool:
+        """A resume on the saving ranks is bit for bit the uninterrupted run, except where a
+        narrow estimate's gradients wait in the accumulators: the checkpoint sums them first."""
+        return self.estimate_dtype is None
+
+
+class Generic(nn.Module):
+    """One parameter per shape; each one's elements act through a fixed random projection."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(99)
+        self.weights = nn.ParameterList(
+            [nn.Parameter(torch.randn(shape, generator=gen) * 0.5) for shape in shapes]
+        )
+        self.projections = [torch.randn(5, math.prod(shape), generator=gen) for shape in shapes]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0])
+        for p, projection in zip(self.weights, self.projections):
+            out = out + torch.tanh((x @ projection) * p.reshape(-1)).sum(-1)
+        return out
+
+
+def build(case: ResumeCase) -> tuple[Generic, Any]:
+    from acco_hooks import ACCOOptimizer
+
+    model = Generic(case.shapes)
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [item if case.named else item[1]
+                    for item, g in zip(named, case.group_of) if g == gi], **dict(options)}
+        for gi, options in enumerate(case.group_options)
+    ]  # fmt: skip
+    cls, kwargs = OPTIMIZERS[case.optimizer]
+    opt = ACCOOptimizer(
+        groups, cls, mode=case.mode, accumulation_steps=case.accumulation_steps,
+        estimate_microbatches=case.estimate_microbatches, estimate_dtype=case.estimate_dtype,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1 / (1 + 0.3 * t)),
+        **kwargs,
+    )  # fmt: skip
+    return model, opt
+
+
+def train(model: Generic, opt: Any, case: ResumeCase, rank: int, world_size: int,
+          first: int, last: int) -> None:  # fmt: skip
+    """Micro-batches ``first`` .. ``last - 1``: this rank's share of each global batch."""
+    for i in range(first, last):
+        size = 12 * (1 + i % 3) if case.weights == "tokens" else 12
+        g = torch.Generator().manual_seed(7919 * i)
+        x, y = torch.randn(size, 5, generator=g), torch.randn(size, generator=g)
+        share = size // world_size
+        mine = slice(rank * share, (rank + 1) * share)
+        if case.weights == "tokens":
+            nn.functional.mse_loss(model(x[mine]), y[mine], reduction="sum").backward()
+            opt.step(share)
+        else:
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+
+
+def run(rank: int, world_size: int, case: ResumeCase, first: int, last: int,
+        load_from: str | None = None,
+        saves: tuple[tuple[int, str], ...] = ()) -> dict | str:  # fmt: skip
+    """Build, load ``load_from`` (a DCP checkpoint) if given, train micro-batches ``first`` ..
+    ``last - 1``, saving with DCP after each ``(micro-batches done, path)`` of ``saves``.
+
+    Returns the real parameters θ at the end (and the warnings of the load), or the message
+    that refused the load.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build(case)
+    caught: list[str] = []
+    if load_from is not None:
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=load_from)
+        model.load_state_dict(state["model"])
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            try:
+                opt.load_state_dict(state["optim"])
+            except ValueError as refusal:
+                opt.close()
+                return str(refusal)
+        caught = [str(r.message) for r in records]
+    saves = dict(saves)
+    if first in saves:  # right after the load, before any step
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                 checkpoint_id=saves[first])  # fmt: skip
+    for done in range(first, last):
+        train(model, opt, case, rank, world_size, done, done + 1)
+        if done + 1 in saves:
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                     checkpoint_id=saves[done + 1])  # fmt: skip
+    opt.flush()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return {"params": params, "warnings": caught}
+
+
+def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    diff = sum(float((actual[n].double() - expected[n].double()).pow(2).sum()) for n in expected)
+    norm = sum(float(expected[n].double().pow(2).sum()) for n in expected)
+    return (diff / norm) ** 0.5
