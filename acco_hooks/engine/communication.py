@@ -24,7 +24,8 @@ groups for it (once, in the same order on every rank) and destroys them when it 
 - ``count``: the ranks whose gradients make up one averaged gradient (with HSDP every FSDP
   shard of every replica): the micro-batch weights and the "non-finite" flags are summed there;
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
-  ranks): the squared gradient norm is summed there.
+  ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
+  any part of the model is skipped by every part.
 
 **One round's job** (:func:`communicate`), as the round's :class:`RoundPlan` says::
 
@@ -69,7 +70,8 @@ from acco_hooks.engine.wire import (
 )
 
 __all__ = ["ACCOCommunicationError", "CommWorker", "EngineGroups", "Job", "RoundPlan",
-           "RoundResult", "all_gather_shards", "barrier_each", "broadcast_from_first_rank",
+           "RoundResult", "all_gather_into", "all_gather_shards", "barrier_each",
+           "broadcast_from_first_rank",
            "build_engine_groups", "communicate", "reduce_scatter_accumulators",
            "release_communication"]  # fmt: skip
 
@@ -364,6 +366,11 @@ class RoundPlan(NamedTuple):
     # mode="auto": the schedule this rank wants next; the first rank of the norm group's
     # proposal comes back to every rank as ``RoundResult.schedule_choice``.
     proposal: int | None = None
+    # A gradient may be missing on some ranks (DDP's find_unused_parameters): per parameter in
+    # layout order, 1.0 if one reached this rank in the round. Summed over the ranks, a 0
+    # names a parameter no rank trained, and nothing is stepped. None: every rank checked its
+    # own at the round end.
+    arrived: tuple[float, ...] | None = None
 
     @property
     def adds_carried(self) -> bool:
@@ -382,6 +389,8 @@ class RoundResult(NamedTuple):
     difference: bool = False  # ``gathered`` holds θ̃ − θ (a narrow estimate), to add to θ
     schedule_choice: int | None = None  # mode="auto": the schedule every rank runs next
     unit_weights: bool = True  # every micro-batch of every rank's payload weighed exactly 1
+    # parameters no rank got a gradient for (``RoundPlan.arrived``): nothing was stepped
+    untrained: tuple[str, ...] = ()
 
 
 def communicate(
@@ -418,12 +427,20 @@ def communicate(
     finite = all(bool(torch.isfinite(t).all()) for t in sums)
     device = buffers[0].master.device
     counts = torch.tensor([plan.local_count, 0.0 if finite else 1.0,
-                           0.0 if plan.unit_weights else 1.0], dtype=torch.float64,
-                          device=device)  # fmt: skip
+                           0.0 if plan.unit_weights else 1.0, *(plan.arrived or ())],
+                          dtype=torch.float64, device=device)  # fmt: skip
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
     round_count, nonfinite = counts[0].item(), counts[1].item() > 0
     unit_weights = counts[2].item() == 0
+    names = [name for g in buffers for name in g.names]
+    untrained = tuple(name for name, n in zip(names, counts[3:].tolist()) if n == 0)
+    if groups.norm is not groups.count:
+        # Tensor or pipeline parallelism: the count group holds one part of the model, and
+        # every part must skip a non-finite round together, or the parts step apart.
+        flag = torch.tensor([1.0 if nonfinite else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(flag, group=groups.norm)
+        nonfinite = flag.item() > 0
     global_count = round_count
     if add_carried:
         reweigh = plan.reweigh_carried
@@ -433,7 +450,7 @@ def communicate(
         global_count += plan.carried_count * scale
     proposal = plan.proposal
     choice = None if proposal is None else _agree(proposal, groups.norm, device)
-    if nonfinite:  # every rank: no step, no estimate; the live parameters become θ
+    if nonfinite or untrained:  # every rank: no step, no estimate; the live parameters become θ
         if wire is not None:  # they hold θ already: add a zero difference, send nothing
             for g in buffers:
                 g.gathered.zero_()
@@ -442,8 +459,8 @@ def communicate(
                 g.gather_input.copy_(g.master)
             with record_function("acco::all_gather"):
                 all_gather_shards(buffers, groups)
-        return RoundResult(global_count, None, True, False, time.perf_counter() - start,
-                           wire is not None, choice, unit_weights)  # fmt: skip
+        return RoundResult(global_count, None, nonfinite, False, time.perf_counter() - start,
+                           wire is not None, choice, unit_weights, untrained)  # fmt: skip
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -531,6 +548,15 @@ def reduce_scatter_accumulators(
             out.copy_(g.accumulator[: g.shard_numel])
         else:
             reduce_scatter_sum(out, g.accumulator, groups.data)
+
+
+def all_gather_into(outputs: list[Tensor], shards: list[Tensor], groups: EngineGroups) -> None:
+    """``outputs[i]`` = every rank's ``shards[i]``, end to end (one per parameter group)."""
+    for out, shard in zip(outputs, shards):
+        if groups.data is None:
+            out.copy_(shard)
+        else:
+            all_gather(out, shard, groups.data)
 
 
 def all_gather_shards(buffers: list[GroupBuffers], groups: EngineGroups) -> None:

@@ -80,6 +80,7 @@ from acco_hooks.engine.communication import (
     Job,
     RoundPlan,
     RoundResult,
+    all_gather_into,
     all_gather_shards,
     barrier_each,
     broadcast_from_first_rank,
@@ -158,6 +159,10 @@ class ACCOEngine:
             shares of an update, adding up to a total that does not depend on the data (the
             Hugging Face Trainer's), not what :meth:`microbatch_done` documents (the units a
             micro-batch's loss sums over). Read by a resharded resume alone.
+        gradients_may_skip_ranks: a parameter's gradient may be missing on some ranks in a
+            round (DDP's ``find_unused_parameters``): every parameter must get one on at
+            least one rank, which the round's communication checks over every rank, instead of
+            each rank at its round end.
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -173,8 +178,9 @@ class ACCOEngine:
         "_placement",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
         "_worker", "_hook_handles", "_release", "__weakref__",
-        # The round in flight (launched, not yet applied), and the failure that stopped the engine
-        "_in_flight", "_failure",
+        # The round in flight (launched, not yet applied), the failure that stopped the engine,
+        # and inside real_weights() the live parameters its block replaced
+        "_in_flight", "_failure", "_live_outside",
         # How an update's micro-batches run (a split into an estimate and an update round, or
         # one synchronous round), which round comes next, and mode="auto"'s choice of schedule:
         # the controller, the schedule every rank agreed on, when the current update started
@@ -182,6 +188,7 @@ class ACCOEngine:
         # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
         "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
         "_update_weight", "_reweigh_carried", "_carry_next_update", "_weights_are_shares",
+        "_gradients_may_skip_ranks",
         "_unit_weights", "_round_microbatches", "_local_count", "_local_unit", "_grad_arrived",
         "grads_received", "_grads_counted",
         "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
@@ -202,6 +209,7 @@ class ACCOEngine:
         norm_process_group: Any = None,
         fsdp_process_group: Any = None,
         weights_are_shares: bool = False,
+        gradients_may_skip_ranks: bool = False,
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
@@ -266,6 +274,7 @@ class ACCOEngine:
         }
         self._in_flight: RoundInFlight | None = None
         self._failure: ACCOCommunicationError | None = None
+        self._live_outside: dict[str, Tensor] | None = None
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
         self._estimate_count = 0.0  # c̃: the global weight of the estimate round acco carries
         # W: the global weight of one whole update (its estimate and update rounds) while every
@@ -281,6 +290,7 @@ class ACCOEngine:
         # What the micro-batch weights count: shares of an update (a front-end says so), or
         # units (tokens; 1: a mean), and whether every one so far, on every rank, weighed 1
         self._weights_are_shares, self._unit_weights = weights_are_shares, True
+        self._gradients_may_skip_ranks = gradients_may_skip_ranks
         self.step_boundary = False
         # this rank's micro-batches in the accumulators: how many, their weights' sum, and
         # whether each weighed exactly 1
@@ -476,7 +486,8 @@ class ACCOEngine:
         return True
 
     def _end_round(self) -> None:
-        _check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen)
+        _check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen,
+                            each_rank=not self._gradients_may_skip_ranks)  # fmt: skip
         start = time.perf_counter()
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
@@ -506,6 +517,8 @@ class ACCOEngine:
             reweigh_carried=self._reweigh_carried if update_carries else None,
             proposal=None if self._auto is None or estimate
             else self._auto.candidates.index(self._auto.target),
+            arrived=tuple(float(ok) for arrived in self._grad_arrived for ok in arrived)
+            if self._gradients_may_skip_ranks else None,
         )  # fmt: skip
         for g in self._buffers:
             g.comm_input.copy_(g.accumulator)
@@ -610,6 +623,17 @@ class ACCOEngine:
                 self._update_weight = None
         self.num_updates += result.updated
         self.advisor.record_comm(result.comm_s)
+        if result.untrained:
+            message = (
+                f"acco_hooks: no rank computed a gradient for {_some(list(result.untrained))} "
+                f"in round {flight.round_index} (DDP's find_unused_parameters): plain DDP skips "
+                "such a parameter in that step, and the engine cannot leave part of its flat "
+                "shard out of a step. Nothing was stepped. Freeze parameters that are not "
+                "trained (requires_grad=False), or let every parameter take part in each round "
+                "on at least one rank (an unused branch: add 0 * its output to the loss)"
+            )
+            self._failure = ACCOCommunicationError(message)
+            raise RuntimeError(message)
         if self._auto is not None:
             wire = flight.plan.wire
             self._auto.record_comm(
@@ -694,14 +718,60 @@ class ACCOEngine:
         with torch.no_grad():
             for g in self._buffers:
                 g.copy_gathered_into_params()
+        self._live_outside = live
         try:
             yield live
         finally:
+            self._live_outside = None
             with torch.no_grad():
                 for g in self._buffers:
                     torch._foreach_copy_(g.locals, [live[n] for n in g.names])
 
     # ------------------------------------------------------------ checkpoints
+
+    def live_state_dict(self) -> dict[str, Tensor]:
+        """This rank's range of the *live* parameters, the ones the next round computes at (in
+        ``acco`` θ̃ where an update is in flight, in ``dpu`` the weights one update behind),
+        laid out as the master shard: ``DTensor``\ s that DCP saves from every rank and loads
+        on any number of them, 1/N of the model in its dtype.
+
+        Saved beside a model ``state_dict()`` taken inside :meth:`real_weights` (which holds θ,
+        what anything reading the model from the checkpoint wants), they let
+        :meth:`load_live_state_dict` put the live parameters back, so the resumed run computes
+        where the saved one would have. Inside :meth:`real_weights` they are still the live
+        parameters the block replaced.
+        """
+        live = self._live_outside
+        shards = []
+        for g in self._buffers:
+            shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=self.device)
+            tensors = g.locals if live is None else [live[n] for n in g.names]
+            start, offset = self.rank * g.shard_numel, 0
+            for tensor in tensors:  # the parts of this rank's range each parameter holds
+                lo, hi = max(start, offset), min(start + g.shard_numel, offset + tensor.numel())
+                if lo < hi:
+                    shard[lo - start : hi - start] = tensor.reshape(-1)[lo - offset : hi - offset]
+                offset += tensor.numel()
+            shards.append(shard)
+        return self._placement.chunks(shards)
+
+    def load_live_state_dict(self, state: dict[str, Any]) -> None:
+        """Put the live parameters of :meth:`live_state_dict` (filled by DCP, on any number of
+        ranks) into the model: after the model's own ``load_state_dict`` and the engine's."""
+        shards = [torch.empty(g.shard_numel, dtype=g.gather_dtype, device=self.device)
+                  for g in self._buffers]  # fmt: skip
+        self._placement.fill(shards, state)
+        gathered = [torch.empty(g.padded_numel, dtype=g.gather_dtype, device=self.device)
+                    for g in self._buffers]  # fmt: skip
+        job = self._worker.submit(all_gather_into, gathered, shards, self._groups)
+        timeout = self.settings.timeout
+        self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+        with torch.no_grad():
+            for g, flat in zip(self._buffers, gathered):
+                offset = 0
+                for tensor in g.locals:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: bit-exactly on the same ranks, resharded on others.
@@ -1101,10 +1171,11 @@ def _release(worker: CommWorker, groups: tuple[Any, ...]) -> None:
 
 def _check_round_inputs(
     buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int,
-    frozen: list[tuple[str, Tensor]],
+    frozen: list[tuple[str, Tensor]], each_rank: bool = True,
 ) -> None:  # fmt: skip
-    """Every parameter got a gradient, none was moved since the engine was built, and none of
-    those frozen then was unfrozen since (a torch optimizer would train it now)."""
+    """Every parameter got a gradient (on this rank, with ``each_rank``; else the round's
+    communication checks over every rank), none was moved since the engine was built, and none
+    of those frozen then was unfrozen since (a torch optimizer would train it now)."""
     unfrozen = [name for name, p in frozen if p.requires_grad]
     if unfrozen:
         raise RuntimeError(
@@ -1125,7 +1196,7 @@ def _check_round_inputs(
         g.names[pi]
         for g, arrived in zip(buffers, grad_arrived)
         for pi, ok in enumerate(arrived)
-        if not ok
+        if not ok and each_rank
     ]
     if missing and len(missing) == sum(len(g.params) for g in buffers):
         raise RuntimeError(

@@ -53,13 +53,15 @@ if TITAN_030:
 else:
     from torchtitan.train import Trainer
 
-__all__ = ["ACCOTrainerBase", "Batch", "EngineOptimizersContainer", "OPTIMIZER_CLASSES",
-           "WithoutReplicate"]  # fmt: skip
+__all__ = ["ACCOTrainerBase", "Batch", "EngineOptimizersContainer", "LIVE_KEY",
+           "OPTIMIZER_CLASSES", "STATE_KEY", "WithoutReplicate"]  # fmt: skip
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
-# The engine's state in torchtitan's checkpoint, under its "optimizer" entry
+# The engine's state in torchtitan's checkpoint, under its "optimizer" entry, and the live
+# parameters (θ̃ where the model holds them; the checkpoint's "model" holds θ)
 STATE_KEY = "acco_engine"
+LIVE_KEY = "acco_live"
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -91,8 +93,10 @@ class EngineOptimizersContainer(OptimizersContainer):
     ``self.engine.microbatch_done(weight)`` instead of calling ``step()``.
 
     **Note**
-    The state dict is this rank's engine state under a rank-unique key: DCP keeps every rank's
-    entry (a plain tensor under a shared key would be deduplicated as if replicated).
+    The state dict is this rank's engine state, whose shards DCP saves from every rank, and the
+    live parameters the next round computes at (``ACCOEngine.live_state_dict``): the trainer
+    saves the model inside ``real_weights()``, so a checkpoint's model is θ for whatever reads
+    it, and a resume puts the live parameters back.
 
     **Limitations**
     Resuming needs the same world size and parallelism (the engine refuses otherwise).
@@ -153,7 +157,7 @@ class EngineOptimizersContainer(OptimizersContainer):
     def state_dict(self) -> dict[str, Any]:
         # One key for every rank: the engine's shards are DTensors over the replicas, which
         # DCP saves rank by rank and reshards at a load (ACCOEngine.state_dict).
-        return {STATE_KEY: self.engine.state_dict()}
+        return {STATE_KEY: self.engine.state_dict(), LIVE_KEY: self.engine.live_state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if STATE_KEY not in state_dict:
@@ -162,6 +166,9 @@ class EngineOptimizersContainer(OptimizersContainer):
                 "without [acco] enable, or by an acco_hooks before state version 3"
             )
         self.engine.load_state_dict(state_dict[STATE_KEY])
+        # DCP loads the model's entry first (torchtitan lists it first): θ, which the live
+        # parameters now replace
+        self.engine.load_live_state_dict(state_dict[LIVE_KEY])
 
     def close(self, *, flush: bool = True, barrier: bool = True) -> None:
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
@@ -213,6 +220,13 @@ def refuse_other_model_layout(error: BaseException, parallel_dims: Any) -> None:
     reshards across data-parallel replicas and FSDP degrees, not across these.
     """
     found = _DCP_KEY_MISMATCH.search(str(error))
+    if found is None and f"Missing key in checkpoint state_dict: optimizer.{LIVE_KEY}" in str(error):
+        raise ValueError(
+            "ACCO: this checkpoint was saved by an acco_hooks that kept the live parameters "
+            "(θ̃) in its model entry instead of beside it (engine state version 4): resume it "
+            "with that acco_hooks, or start from its weights alone (--checkpoint."
+            "initial_load_path with --checkpoint.initial_load_model_only)"
+        ) from None
     if found is None:
         return
     raise ValueError(
@@ -270,6 +284,19 @@ class ACCOTrainerBase(Trainer):
             return loaded
 
         self.checkpointer.load = load_then_sync_master
+        save = self.checkpointer.save
+
+        def save_real_parameters(*args: Any, **kwargs: Any) -> Any:
+            # θ in the checkpoint's model, for whatever reads it (an initial_load_path, an
+            # export, an evaluation); the optimizer entry holds the live parameters beside it
+            with engine.real_weights():
+                saved = save(*args, **kwargs)
+                # async_with_pinned_mem stages after save() returns: the block may end (and
+                # the live parameters come back) only once the staging copy holds θ
+                self.checkpointer.maybe_wait_for_staging()
+                return saved
+
+        self.checkpointer.save = save_real_parameters
         # The data loader's state must load on another number of replicas too (elastic
         # restarts): torchtitan's refuses to.
         states = getattr(self.checkpointer, "states", None)  # absent when checkpoints are off
@@ -321,6 +348,9 @@ class ACCOTrainerBase(Trainer):
 
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         self._log_pending_metrics()
+        # The round end writes the parameters and the engine's shards: an asynchronous
+        # checkpoint's staging copy of them must be done (torchtitan waits before its step)
+        self.checkpointer.maybe_wait_for_staging()
         config = self.titan_config
         engine = self.optimizers.engine
         lr = engine.optimizer.param_groups[0]["lr"]

@@ -106,10 +106,12 @@ def train(model: Generic, opt: Any, case: ResumeCase, rank: int, world_size: int
 
 
 def run(rank: int, world_size: int, case: ResumeCase, first: int, last: int,
-        load_from: str | None = None,
-        saves: tuple[tuple[int, str], ...] = ()) -> dict | str:  # fmt: skip
+        load_from: str | None = None, saves: tuple[tuple[int, str], ...] = (),
+        theta_in_model: bool = False) -> dict | str:  # fmt: skip
     """Build, load ``load_from`` (a DCP checkpoint) if given, train micro-batches ``first`` ..
-    ``last - 1``, saving with DCP after each ``(micro-batches done, path)`` of ``saves``.
+    ``last - 1``, saving with DCP after each ``(micro-batches done, path)`` of ``saves``. With
+    ``theta_in_model`` the model is saved inside ``real_weights()`` (θ) and the engine's live
+    parameters beside it, and loaded back from there.
 
     Returns the real parameters θ at the end (and the warnings of the load), or the message
     that refused the load.
@@ -117,28 +119,40 @@ def run(rank: int, world_size: int, case: ResumeCase, first: int, last: int,
     import torch.distributed.checkpoint as dcp
 
     model, opt = build(case)
+
+    def state() -> dict:
+        own = {"model": model.state_dict(), "optim": opt.state_dict()}
+        return {**own, "live": opt.engine.live_state_dict()} if theta_in_model else own
+
+    def save(path: str) -> None:
+        if not theta_in_model:
+            dcp.save(state(), checkpoint_id=path)
+            return
+        with opt.real_weights():
+            dcp.save(state(), checkpoint_id=path)
+
     caught: list[str] = []
     if load_from is not None:
-        state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=load_from)
-        model.load_state_dict(state["model"])
+        loaded = state()
+        dcp.load(loaded, checkpoint_id=load_from)
+        model.load_state_dict(loaded["model"])
         with warnings.catch_warnings(record=True) as records:
             warnings.simplefilter("always")
             try:
-                opt.load_state_dict(state["optim"])
+                opt.load_state_dict(loaded["optim"])
             except ValueError as refusal:
                 opt.close()
                 return str(refusal)
+        if theta_in_model:
+            opt.engine.load_live_state_dict(loaded["live"])
         caught = [str(r.message) for r in records]
     saves = dict(saves)
     if first in saves:  # right after the load, before any step
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                 checkpoint_id=saves[first])  # fmt: skip
+        save(saves[first])
     for done in range(first, last):
         train(model, opt, case, rank, world_size, done, done + 1)
         if done + 1 in saves:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=saves[done + 1])  # fmt: skip
+            save(saves[done + 1])
     opt.flush()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.close()
@@ -149,3 +163,13 @@ def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     diff = sum(float((actual[n].double() - expected[n].double()).pow(2).sum()) for n in expected)
     norm = sum(float(expected[n].double().pow(2).sum()) for n in expected)
     return (diff / norm) ** 0.5
+
+
+def saved_model(rank: int, world_size: int, case: ResumeCase, path: str) -> dict:
+    """The model a DCP checkpoint holds, read into a fresh model alone."""
+    import torch.distributed.checkpoint as dcp
+
+    model = Generic(case.shapes)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    return {n: t.clone() for n, t in state["model"].items()}

@@ -371,3 +371,27 @@ def test_two_reshards_in_a_row_keep_the_half_batch_weight(rank_pool, estimate_dt
         resumed = rank_pool.run(RUN, world_size, case, 10, total, at_once)[0]
         errors[f"2->4 at once->{world_size}"] = relative_error(resumed["params"], straight)
     assert all(error <= 1e-5 for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_a_checkpoint_may_hold_theta_in_its_model_and_the_live_parameters_beside_it(
+    rank_pool, mode, tmp_path
+) -> None:
+    """Saved with an update in flight, where the model computes at θ̃ (acco) or one update
+    behind (dpu): saved inside real_weights(), the checkpoint's model is θ, the model of a run
+    flushed there; with live_state_dict() beside it, the resume on 2, 1 and 3 ranks puts the
+    live parameters back and goes on as the uninterrupted run."""
+    case, at, total = ResumeCase(mode=mode), 8, 20  # acco: 4 rounds in, its 2nd update in flight
+    ckpt = str(tmp_path / "theta")
+    straight = rank_pool.run(RUN, 2, case, 0, total, None, ((at, ckpt),), True)[0]["params"]
+    flushed_there = rank_pool.run(RUN, 2, case, 0, at)[0]["params"]
+    in_checkpoint = rank_pool.run("tests.engine.resume_cases:saved_model", 1, case, ckpt)[0]
+    assert relative_error(in_checkpoint, flushed_there) == 0.0
+    live = str(tmp_path / "live")  # saved as usual, the model entry holds the live parameters
+    rank_pool.run(RUN, 2, case, 0, at, None, ((at, live),))
+    held = rank_pool.run("tests.engine.resume_cases:saved_model", 1, case, live)[0]
+    assert relative_error(held, flushed_there) > 1e-4
+    for world_size in (2, 1, 3):
+        resumed = rank_pool.run(RUN, world_size, case, at, total, ckpt, (), True)[0]["params"]
+        error = relative_error(resumed, straight)
+        assert error == 0.0 if world_size == 2 else error <= 1e-5, (world_size, error)

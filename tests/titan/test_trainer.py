@@ -576,3 +576,70 @@ def test_a_pipeline_parallel_checkpoint_resumes_exactly(tmp_path) -> None:
     resumed = run_titan(4, "debug_cpu_acco.toml", *common, dump=tmp_path)
     assert sorted(resumed) == [4, 5, 6]
     assert {s: straight[s] for s in resumed} == resumed
+
+
+POISONED = re.compile(r"poisoned run: rank (\d+) updates (\d+) skipped (\d+)")
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the model's parts, not how replicas shard
+@pytest.mark.parametrize("layout", [("--parallelism.tensor_parallel_degree", "2"),
+                                    ("--parallelism.pipeline_parallel_degree", "2",
+                                     "--parallelism.pipeline_parallel_microbatch_size", "1")],
+                         ids=["dp2xtp2", "dp2xpp2"])  # fmt: skip
+def test_a_non_finite_gradient_in_one_part_of_the_model_is_skipped_by_every_part(
+    layout, tmp_path
+) -> None:
+    """dpu with clipping: every gradient of round 2 is +inf on global rank 0 alone (one TP rank,
+    or one pipeline stage, of one replica). Every rank of every part skips that update: the
+    same updates everywhere, and the clipping norm's all-reduce stays paired (it hung)."""
+    common = ("--training.steps", "6", *FAST, "--training.global_batch_size", "8",
+              "--experimental.custom_import", "tests.titan.poison_one_gradient")  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "train_titan.py"), "--job.config_file",
+           str(ROOT / "torchtitan_configs" / "debug_cpu_dpu.toml"), "--job.dump_folder",
+           str(tmp_path), *backend_overrides(), *common, *layout]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    reports = {int(rank): (int(updates), int(skipped))
+               for rank, updates, skipped in POISONED.findall(output)}  # fmt: skip
+    assert sorted(reports) == [0, 1, 2, 3], output[-3000:]
+    assert set(reports.values()) == {(5, 1)}, reports
+
+
+def checkpoint_model(step_dir: pathlib.Path, out: pathlib.Path) -> dict:
+    """The model of a torchtitan DCP checkpoint (its parameters are the top-level tensors), as
+    plain tensors."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.spmd_backends("spmd_types")  # what is saved, not how replicas shard
+def test_a_mid_run_checkpoint_holds_the_real_weights_and_resumes_exactly(tmp_path) -> None:
+    """acco, a checkpoint every 2 steps: after step 2 the model computes at the estimate θ̃
+    while the update θ is in flight. The checkpoint's model is θ all the same, the model of a
+    run that ends at step 2, for whatever reads it (an initial_load_path, an export); and the
+    run resumed from it puts θ̃ back and goes on as the straight one."""
+    import torch
+
+    # no warm-up: the first update's learning rate is the same in a run of 2 steps and of 4
+    common = (*FAST, "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "0",
+              "--checkpoint.enable", "--checkpoint.interval", "2",
+              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    straight = run_titan(2, "debug_cpu_acco.toml", "--training.steps", "4", *common,
+                         dump=tmp_path / "four")  # fmt: skip
+    run_titan(2, "debug_cpu_acco.toml", "--training.steps", "2", *common, dump=tmp_path / "two")
+    mid_run = checkpoint_model(tmp_path / "four" / "checkpoint" / "step-2", tmp_path / "mid.pt")
+    ended = checkpoint_model(tmp_path / "two" / "checkpoint" / "step-2", tmp_path / "end.pt")
+    assert mid_run.keys() == ended.keys()
+    assert all(torch.equal(mid_run[key], ended[key]) for key in ended)
+    (tmp_path / "four" / "checkpoint" / "step-4" / ".metadata").unlink()
+    resumed = run_titan(2, "debug_cpu_acco.toml", "--training.steps", "4", *common,
+                        dump=tmp_path / "four")  # fmt: skip
+    assert sorted(resumed) == [3, 4]
+    assert {s: straight[s] for s in resumed} == resumed
