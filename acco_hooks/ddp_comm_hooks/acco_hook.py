@@ -92,8 +92,11 @@ class ACCOState(EngineFrontEnd, Joinable):
         model_params = set(ddp_model.module.parameters())
         if param_groups is None:
             param_groups = list(ddp_model.module.named_parameters())
+        # With find_unused_parameters a rank that did not use a parameter gets zeros for it from
+        # DDP: the engine then needs it on one rank at least (plain DDP would skip it).
         EngineFrontEnd.__init__(self, ACCOEngine(
-            param_groups, optimizer_class, process_group=ddp_model.process_group, **kwargs
+            param_groups, optimizer_class, process_group=ddp_model.process_group,
+            gradients_may_skip_ranks=ddp_model.find_unused_parameters, **kwargs
         ))  # fmt: skip
         if not set(self.engine.params) <= model_params:
             raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
@@ -157,7 +160,9 @@ def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future
 
     1. Add each gradient of the bucket to the engine's fp32 accumulator, keyed by parameter.
        A parameter whose gradient already came since the last ``state.step()`` is refused: the
-       loop forgot ``state.step()``, and its micro-batches would never be applied.
+       loop forgot ``state.step()``, and its micro-batches would never be applied. With
+       ``find_unused_parameters``, the zeros DDP fills in for a parameter this rank did not use
+       are left out: the engine checks that some rank trained each parameter in the round.
     2. Zero the bucket, so that ``.grad`` is zero after backward: the gradient now lives in
        the engine, and the next micro-batch starts from zero without ``zero_grad()``.
     3. Return an already completed future. DDP's all-reduce is replaced, not doubled. The
@@ -177,6 +182,7 @@ def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future
         >>> ddp_model.register_comm_hook(state, acco_hook)
     """
     engine: ACCOEngine = state.engine
+    unused_here_is_zero = state.ddp_model.find_unused_parameters
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
         if param in state._delivered:
             # A second synchronized backward before step(): the loop forgot state.step() (and
@@ -188,6 +194,9 @@ def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future
                 "several backward() passes into one micro-batch, run all but the last under "
                 "ddp_model.no_sync()"
             )
+        if unused_here_is_zero and param not in state._accumulated:
+            state._delivered.add(param)  # DDP's zeros: this rank's backward did not use it
+            continue
         try:
             engine.accumulate_grad(param, grad)
         except KeyError:

@@ -6,7 +6,10 @@ shard. It has no estimate step, so it suffers the one-step delay that ACCO corre
 """
 
 
+import functools
 import logging
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -45,6 +48,15 @@ class DelayedAllReduceState:
         does not advance on a zero gradient. Call ``optimizer.step()`` and ``zero_grad()`` as
         usual.
 
+    .. warning::
+        A round is one *synchronized* backward. To accumulate several micro-batches per
+        optimizer step, run all but the last under ``ddp_model.no_sync()``: a backward that
+        would add to the gradient the hook delivered (``zero_grad()`` not called since) is
+        refused, since that delivered average would be all-reduced again.
+
+    With ``find_unused_parameters=True``, a parameter no rank used in a round gets ``None``
+    one round later, as DDP leaves it in that step, and optimizers skip it there.
+
     Args:
         process_group: DDP's process group. Default: the whole world.
 
@@ -65,6 +77,11 @@ class DelayedAllReduceState:
         "round_index",
         # In-flight all-reduces by parameter: this round's, and the previous round's
         "_launched", "_previous", "_backward_open",
+        # Parameters no rank used in the previous round (DDP left their .grad alone)
+        "_unused_previous",
+        # What the hook delivered, by parameter: the .grad tensor and its version then; the
+        # parameters whose gradient is checked before autograd adds to it
+        "_delivered", "_checked", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -74,6 +91,9 @@ class DelayedAllReduceState:
         self._launched: dict[Tensor, tuple[_PendingAllReduce, int]] = {}
         self._previous: dict[Tensor, tuple[_PendingAllReduce, int]] = {}
         self._backward_open = False
+        self._unused_previous: set[Tensor] = set()
+        self._delivered: dict[Tensor, tuple[Tensor, int]] = {}
+        self._checked: set[Tensor] = set()
 
     def flush(self) -> None:
         """Wait for the all-reduces still in flight (the last round's, which no step applies).
@@ -85,13 +105,47 @@ class DelayedAllReduceState:
             pending.result(self.world_size)
 
     def _end_of_backward(self) -> None:
-        """Runs after DDP copied the buckets into ``.grad``: this round's launches become old."""
-        if self.round_index == 0:
-            for param in self._launched:
-                param.grad = None  # nothing to apply yet: optimizers skip the parameter
+        """Runs after DDP copied the buckets into ``.grad``: this round's launches become old.
+
+        DDP leaves the ``.grad`` of a parameter no rank used alone (``find_unused_parameters``):
+        such a parameter is unused this round, and gets the previous round's average here
+        instead of through its bucket; one unused in the previous round gets ``None``.
+        """
+        # .grad untouched by DDP: None after zero_grad() (a zeroed tensor otherwise, which
+        # DDP's plain path would also hand the optimizer)
+        unused_now = {param for param in self._launched if param.grad is None}
+        for param in self._launched:
+            if self.round_index == 0 or param in self._unused_previous:
+                param.grad = None  # nothing to apply: optimizers skip the parameter
+            elif param in unused_now:
+                previous, start = self._previous[param]
+                averaged = previous.result(self.world_size)[start : start + param.numel()]
+                param.grad = averaged.view_as(param).clone()
+        self._delivered = {param: (param.grad, param.grad._version)
+                           for param in self._launched if param.grad is not None}  # fmt: skip
+        self._unused_previous = unused_now
         self._previous, self._launched = self._launched, {}
         self.round_index += 1
         self._backward_open = False
+
+    def _check_accumulation(self, param: Tensor) -> None:
+        """Before autograd adds a gradient to ``param.grad``: refuse to add it to the average
+        the hook delivered, untouched since (no ``zero_grad()``)."""
+        delivered = self._delivered.get(param)
+        if delivered is not None and param.grad is delivered[0] and param.grad._version == delivered[1]:
+            raise RuntimeError(
+                "delayed_allreduce_hook: this backward() adds to the gradient the hook "
+                "delivered at the previous synchronized backward, which no zero_grad() cleared: "
+                "that average would be all-reduced again. Call optimizer.step() and "
+                "optimizer.zero_grad() after every synchronized backward(); to accumulate "
+                "several micro-batches per step, run all but the last under ddp_model.no_sync()"
+            )
+
+
+def _before_accumulation(state_ref: weakref.ref, param: Tensor, grad: Tensor) -> None:
+    state = state_ref()
+    if state is not None:
+        state._check_accumulation(param)
 
 
 def delayed_allreduce_hook(
@@ -123,6 +177,11 @@ def delayed_allreduce_hook(
         # after the last bucket; a callback queued from a callback runs after it.
         queue = torch.autograd.Variable._execution_engine.queue_callback
         queue(lambda: queue(state._end_of_backward))
+    for param in bucket.parameters():
+        if param not in state._checked:  # once per parameter: runs before autograd accumulates
+            state._checked.add(param)
+            state_ref = weakref.ref(state)
+            param.register_hook(functools.partial(_before_accumulation, state_ref, param))
     buffer = bucket.buffer()
     flat = buffer.clone()
     pending = _PendingAllReduce(dist.all_reduce(flat, group=state.process_group, async_op=True), flat)

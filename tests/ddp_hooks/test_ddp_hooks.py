@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +24,7 @@ class DDPVariant:
     static_graph: bool = False
     find_unused_parameters: bool = False
     no_sync: bool = False  # the first micro-batch of each round runs under ddp.no_sync()
-    unused_param: bool = False  # the model has a parameter that gets no gradient
+    frozen_param: bool = False  # the model has a parameter that is not trained
     device: str = "cpu"  # "cuda": the model on this rank's GPU (tests/test_cuda.py, on NCCL)
 
 
@@ -56,8 +57,8 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
     expected = train_with_acco_optimizer(rank, optimizer_mode or mode, variant.device, rounds)
 
     model = make_model()
-    if variant.unused_param:
-        model.unused = nn.Linear(2, 2)
+    if variant.frozen_param:
+        model.unused = nn.Linear(2, 2).requires_grad_(False)
     model.to(variant.device)
     # A tiny bucket cap: every parameter lands in a bucket of its own after the rebuild.
     ddp = DDP(model, bucket_cap_mb=1e-4, gradient_as_bucket_view=variant.gradient_as_bucket_view,
@@ -100,7 +101,7 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
         ("acco", DDPVariant(static_graph=True)),
         ("acco", DDPVariant(no_sync=True)),
         ("dpu", DDPVariant(no_sync=True, gradient_as_bucket_view=True)),
-        ("acco", DDPVariant(find_unused_parameters=True, unused_param=True)),
+        ("acco", DDPVariant(find_unused_parameters=True, frozen_param=True)),
     ],
     ids=lambda v: v if isinstance(v, str) else ",".join(
         k for k, on in vars(v).items() if on is True) or "default",
@@ -225,6 +226,7 @@ def bad_use_run(rank: int, world_size: int) -> dict[str, str]:
 
     model = make_model()
     capture("not_ddp", lambda: ACCOState(model, torch.optim.AdamW))
+    capture("adafactor", lambda: ACCOState(DDP(make_model()), torch.optim.Adafactor, lr=1e-2))
     ddp = DDP(model)
     state = ACCOState(ddp, torch.optim.AdamW)
     ddp.register_comm_hook(state, acco_hook)
@@ -282,6 +284,186 @@ def test_a_forgotten_state_step_is_refused_at_the_next_backward_and_named_at_clo
 def test_bad_use_is_refused_with_a_clear_message() -> None:
     messages = run_distributed("tests.ddp_hooks.test_ddp_hooks:bad_use_run", 1)[0]
     assert messages["not_ddp"].startswith("TypeError: ACCOState needs a torch.nn.parallel.DistributedDataParallel model")
+    # plain DDP would run it on whole parameters; the engine's flat shard cannot
+    assert messages["adafactor"].startswith("TypeError: acco_hooks: torch.optim.Adafactor cannot "
+                                            "step the engine's flat shard: it factors")
     assert "can only be called once" in messages["twice"]
     assert "no backward() ran since the last step()" in messages["step_first"]
     assert "the state was built for another model" in messages["other_model"]
+
+
+class Branchy(nn.Module):
+    """TinyNet and a branch that only some micro-batches use (a conditional path, an MoE
+    expert): with ``find_unused_parameters`` DDP hands the hook zeros for it where unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.scenario import make_model
+
+        self.trunk = make_model()
+        self.branch = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        out = self.trunk(x)
+        return out + self.branch(out) if use_branch else out
+
+
+def find_unused_run(rank: int, world_size: int, who_uses_the_branch: str) -> dict:
+    """The DDP hook in mode ddp against plain DDP with the same AdamW, both with
+    ``find_unused_parameters=True``; every rank uses the branch in even steps, and in odd ones
+    rank 0 alone (``"rank 0"``) or no rank (``"every rank"``)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import ACCOState, acco_hook
+
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    plain = DDP(reference, find_unused_parameters=True)
+    plain_opt = torch.optim.AdamW(reference.parameters(), **kwargs)
+    ddp = DDP(model, find_unused_parameters=True)
+    state = ACCOState(ddp, torch.optim.AdamW, mode="ddp", accumulation_steps=1, **kwargs)
+    ddp.register_comm_hook(state, acco_hook)
+    refusal = None
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        use = step % 2 == 0 or (who_uses_the_branch == "rank 0" and rank == 0)
+        nn.functional.mse_loss(plain(x, use), y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        nn.functional.mse_loss(ddp(x, use), y).backward()
+        try:
+            state.step()
+        except RuntimeError as error:
+            refusal = (step, str(error))
+            break
+    state.close(flush=refusal is None, barrier=refusal is None)
+    return {"refusal": refusal,
+            "hook": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "plain": {n: p.detach().clone() for n, p in reference.named_parameters()}}  # fmt: skip
+
+
+def test_a_parameter_unused_on_some_ranks_trains_as_with_plain_ddp() -> None:
+    """find_unused_parameters, a branch rank 1 leaves unused every other step: the engine
+    averages its gradient over both ranks' micro-batches, as DDP averages rank 0's gradient
+    with rank 1's zeros."""
+    for result in run_distributed(f"{__name__}:find_unused_run", 2, "rank 0"):
+        assert result["refusal"] is None
+        assert relative_error(result["hook"], result["plain"]) <= 1e-5
+
+
+def test_a_parameter_no_rank_used_in_a_round_is_refused_by_name() -> None:
+    """Plain DDP skips a parameter no rank used in a step (no decay, no moment, no step
+    count); the engine cannot leave part of its flat shard out of a step, so that round is
+    refused, on every rank, naming the parameter, and nothing is stepped."""
+    for result in run_distributed(f"{__name__}:find_unused_run", 2, "every rank"):
+        step, message = result["refusal"]
+        assert step in (1, 2)  # round 1's job finds it; ddp mode waits for it within step 1
+        assert "no rank computed a gradient for branch.weight, branch.bias in round 1" in message
+        assert "find_unused_parameters" in message and "requires_grad=False" in message
+
+
+def one_step_late_reference(model: nn.Module, world_size: int, steps: int, batch) -> dict:
+    """The delayed update written by hand, in one process: step t applies, with AdamW, the
+    average over the ranks of step t-1's gradients (each rank's summed over its micro-batches),
+    computed at step t-1's weights; ``None`` (skipped) for a parameter no rank used then."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    pending = None
+    for step in range(steps):
+        total: dict = {}
+        for rank in range(world_size):
+            for loss in batch(model, rank, step):
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                for p in model.parameters():
+                    if p.grad is not None:
+                        total[p] = total.get(p, 0) + p.grad / world_size
+        if pending is not None:
+            for p in model.parameters():
+                p.grad = pending.get(p)
+            opt.step()
+        pending = total
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def branchy_batches(model: nn.Module, rank: int, step: int, microbatches: int = 1,
+                    branch_every: int = 1) -> list[torch.Tensor]:  # fmt: skip
+    """A step's micro-batch losses on ``rank``; the branch is used on steps divisible by
+    ``branch_every``, on every rank."""
+    losses = []
+    for micro in range(microbatches):
+        g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+        x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+        losses.append(nn.functional.mse_loss(model(x, step % branch_every == 0), y))
+    return losses
+
+
+def delayed_hook_run(rank: int, world_size: int, no_sync: bool, branch_every: int,
+                     ddp_options: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """The delayed hook with AdamW over 6 steps of 2 micro-batches (the first under no_sync()
+    or not), or of 1 micro-batch with the branch used every ``branch_every`` steps under
+    ``find_unused_parameters``, with the DDP ``ddp_options`` turned on; and the one-step-late
+    reference."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from acco_hooks import DelayedAllReduceState, delayed_allreduce_hook
+
+    steps, microbatches = 6, 2 if branch_every == 1 else 1
+    torch.manual_seed(0)
+    model = Branchy()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=1e-4, find_unused_parameters=branch_every > 1,
+              **dict.fromkeys(ddp_options, True))  # fmt: skip
+    state = DelayedAllReduceState()
+    ddp.register_comm_hook(state, delayed_allreduce_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    refusal = None
+    try:
+        for step in range(steps):
+            for micro in range(microbatches):
+                first = micro < microbatches - 1
+                with ddp.no_sync() if no_sync and first else contextlib.nullcontext():
+                    branchy_batches(ddp, rank, step, microbatches, branch_every)[micro].backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as error:
+        refusal = (step, str(error))
+    state.flush()
+    batch = functools.partial(branchy_batches, microbatches=microbatches, branch_every=branch_every)
+    return {"refusal": refusal, "hook": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "reference": one_step_late_reference(reference, world_size, steps, batch)}  # fmt: skip
+
+
+@pytest.mark.parametrize("ddp_options", [(), ("gradient_as_bucket_view",)],
+                         ids=lambda o: "+".join(o) or "default")  # fmt: skip
+def test_delayed_hook_accumulates_under_no_sync_as_the_one_step_late_update(ddp_options) -> None:
+    for result in run_distributed(f"{__name__}:delayed_hook_run", 2, True, 1, ddp_options):
+        assert result["refusal"] is None
+        assert relative_error(result["hook"], result["reference"]) <= 1e-5
+
+
+def test_delayed_hook_refuses_a_backward_that_adds_to_the_delivered_gradient() -> None:
+    """Two synchronized backward passes per step (a loop plain DDP accepts): the second adds to
+    the average the first delivered, which would be all-reduced again (one micro-batch per
+    update, not two). Refused at the first backward that would (step 1: step 0's first
+    backward delivers nothing), on every rank."""
+    for result in run_distributed(f"{__name__}:delayed_hook_run", 2, False, 1):
+        step, message = result["refusal"]
+        assert step == 1
+        assert "adds to the gradient the hook delivered" in message
+        assert "run all but the last under ddp_model.no_sync()" in message
+
+
+def test_delayed_hook_with_find_unused_parameters_is_the_one_step_late_update() -> None:
+    """A branch no rank uses every other step: one step later it gets None (skipped: no decay,
+    no moment), as the one-step-late update of plain DDP's gradients would; after a step that
+    used it, its average arrives although DDP leaves an unused parameter's .grad alone."""
+    for result in run_distributed(f"{__name__}:delayed_hook_run", 2, False, 2):
+        assert result["refusal"] is None
+        assert relative_error(result["hook"], result["reference"]) <= 1e-5
