@@ -13,11 +13,15 @@ from transformers.optimization import get_scheduler
 
 from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine, real_updates
+from acco_hooks.engine.shard_optimizer import check_optimizer
 
-__all__ = ["EngineOptimizer", "EngineSchedule", "build_engine", "optimizer_cls_and_kwargs",
-           "schedule_over_real_updates"]  # fmt: skip
+__all__ = ["STEP_COUNTED_SCHEDULER_KWARGS", "EngineOptimizer", "EngineSchedule", "build_engine",
+           "optimizer_cls_and_kwargs", "schedule_over_real_updates"]  # fmt: skip
 
 _NO_CLIPPING = 1e30
+# transformers' scheduler arguments counted in Trainer steps (warmup_stable_decay's phases,
+# inverse_sqrt's time scale): converted to real updates as warmup_steps is
+STEP_COUNTED_SCHEDULER_KWARGS = frozenset({"num_stable_steps", "num_decay_steps", "timescale"})
 
 
 def build_engine(
@@ -128,22 +132,44 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
             "'adamw_torch' or 'sgd', or "
             "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
         )
+    device = next(model.parameters()).device
+    try:  # the engine's own decision, with the Trainer's two groups' options
+        check_optimizer(optimizer_cls, [{"weight_decay": trainer.args.weight_decay},
+                                        {"weight_decay": 0.0}], kwargs, device)  # fmt: skip
+    except TypeError as refusal:
+        raise ValueError(
+            f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which the ACCO engine "
+            f"cannot run ({refusal}). Use optim='adamw_torch_fused' (the default), "
+            "'adamw_torch' or 'sgd'"
+        ) from refusal
     return optimizer_cls, kwargs
 
 
 def schedule_over_real_updates(
     args: Any, mode: str, rounds: int, shard_optimizer: torch.optim.Optimizer
 ) -> Any:
-    """The ``lr_scheduler_type`` schedule over the real updates, on the shard optimizer."""
+    """The ``lr_scheduler_type`` schedule over the real updates, on the shard optimizer.
+
+    Every length the Trainer counts in its steps (rounds), ``warmup_steps`` and the step counts
+    in ``lr_scheduler_kwargs`` (:data:`STEP_COUNTED_SCHEDULER_KWARGS`), becomes as many rounds
+    in real updates, so that each phase lasts the same Trainer steps as without ACCO.
+    """
     updates = max(1, real_updates(mode, rounds))
-    if args.warmup_steps < 1:  # a ratio of the schedule
-        warmup = args.get_warmup_steps(updates)
-    else:  # counted in Trainer steps (rounds): as many rounds of warm-up, in updates
-        warmup = math.ceil(int(args.warmup_steps) * updates / max(1, rounds))
+
+    def in_updates(steps: int) -> int:
+        return math.ceil(int(steps) * updates / max(1, rounds))
+
+    warmup = args.get_warmup_steps(updates) if args.warmup_steps < 1 else in_updates(
+        args.warmup_steps
+    )  # a ratio of the schedule, or counted in Trainer steps  # fmt: skip
+    kwargs = dict(args.lr_scheduler_kwargs or {})
+    for key in STEP_COUNTED_SCHEDULER_KWARGS.intersection(kwargs):
+        if kwargs[key] is not None:
+            kwargs[key] = in_updates(kwargs[key])
     return get_scheduler(
         args.lr_scheduler_type,
         optimizer=shard_optimizer,
         num_warmup_steps=warmup,
         num_training_steps=updates,
-        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+        scheduler_specific_kwargs=kwargs,
     )

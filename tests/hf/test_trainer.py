@@ -72,6 +72,15 @@ REFUSALS = {  # setting: (how to spoil the run, what the message must name)
     "reduce_lr_on_plateau": ({"args": {"lr_scheduler_type": "reduce_lr_on_plateau",
                                        "eval_strategy": "steps"}}, "lr_scheduler_type"),
     "schedule_free": ({"args": {"optim": "schedule_free_adamw"}}, "TrainingArguments.optim"),
+    # transformers' Adafactor scales each update by RMS values over a whole parameter
+    "adafactor": ({"args": {"optim": "adafactor"}},
+                  "TrainingArguments.optim='adafactor' gives Adafactor, which the ACCO engine "
+                  "cannot run (acco_hooks: transformers.optimization.Adafactor's step is not per "
+                  "element"),
+    "torch_adafactor": ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {})}},
+                        "optimizer_cls_and_kwargs gives Adafactor, which the ACCO engine cannot "
+                        "run (acco_hooks: torch.optim.Adafactor cannot step the engine's flat "
+                        "shard"),
     "not_an_optimizer": ({"trainer": {"optimizer_cls_and_kwargs": (dict, {})}},
                          "optimizer_cls_and_kwargs"),
     "optimizers": ({"trainer": {"optimizers": "an SGD instance"}}, "optimizers="),
@@ -113,6 +122,14 @@ DDP_VARIANTS = [
          per_device_train_batch_size=1, gradient_accumulation_steps=3),
     # The default AdamW (fused), weight decay, global-norm clipping active, linear warm-up.
     dict(learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, ragged=True),
+    # Other optimizers the engine steps by snapshot; schedules with their own step counts; label
+    # smoothing (the Trainer's own loss, not the model's).
+    dict(optim="adagrad", learning_rate=5e-2, max_grad_norm=1.0, ragged=True),
+    dict(optim="rmsprop", learning_rate=2e-3, max_grad_norm=1.0, ragged=True),
+    dict(learning_rate=1e-2, lr_scheduler_type="cosine", warmup_ratio=0.3,
+         label_smoothing_factor=0.1, ragged=True),
+    dict(learning_rate=1e-2, lr_scheduler_type="warmup_stable_decay", warmup_steps=1,
+         lr_scheduler_kwargs={"num_stable_steps": 2, "num_decay_steps": 3}, ragged=True),
 ]  # fmt: skip
 
 
@@ -388,3 +405,39 @@ def test_evaluate_on_one_rank_during_training_raises_instead_of_hanging(tmp_path
     assert rank0["error"] is not None and "must run on every rank" in rank0["error"]
     assert "ddp_timeout" in rank0["error"]
     assert rank1 is not None and rank1["error"] is not None  # its next collective lost rank 0
+
+
+@pytest.mark.parametrize("schedule, kwargs", [
+    ("warmup_stable_decay", {"num_stable_steps": 2, "num_decay_steps": 4}),
+    ("inverse_sqrt", {"timescale": 4}),
+])  # fmt: skip
+def test_step_counts_in_lr_scheduler_kwargs_last_as_many_trainer_steps_in_acco(
+    schedule, kwargs, tmp_path
+) -> None:
+    """In acco a real update takes two Trainer steps: the scheduler's own step counts are
+    converted as warmup_steps is, so each phase lasts the Trainer steps it says. The plain
+    schedule over 8 steps, read every other step, is the one the engine runs over 4 updates."""
+    from transformers.optimization import get_scheduler
+
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+    from tests.hf.workers import byte_dataset, tiny_llama, training_args
+
+    args = training_args(str(tmp_path), max_steps=8, warmup_steps=2, lr_scheduler_type=schedule,
+                         lr_scheduler_kwargs=kwargs)  # fmt: skip
+    model = tiny_llama()
+    trainer = ACCOTrainer(model=model, args=args, train_dataset=byte_dataset(8),
+                          acco_args=ACCOArguments(mode="acco"))  # fmt: skip
+    trainer.create_optimizer_and_scheduler(num_training_steps=8)
+    engine_schedule = trainer.optimizer.lr_scheduler  # stepped by the engine, once per update
+    plain = get_scheduler(schedule, torch.optim.SGD(model.parameters(), lr=args.learning_rate),
+                          num_warmup_steps=2, num_training_steps=8,
+                          scheduler_specific_kwargs=kwargs)  # fmt: skip
+    ours, theirs = [], []
+    for step in range(8):
+        theirs.append(plain.get_last_lr()[0])
+        plain.step()
+        if step % 2 == 0:
+            ours.append(engine_schedule.get_last_lr()[0])
+            engine_schedule.step()
+    assert ours == pytest.approx(theirs[::2], rel=1e-6)
+    trainer.optimizer.close()
