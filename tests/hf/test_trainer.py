@@ -126,7 +126,7 @@ DDP_VARIANTS = [
     # smoothing (the Trainer's own loss, not the model's).
     dict(optim="adagrad", learning_rate=5e-2, max_grad_norm=1.0, ragged=True),
     dict(optim="rmsprop", learning_rate=2e-3, max_grad_norm=1.0, ragged=True),
-    dict(learning_rate=1e-2, lr_scheduler_type="cosine", warmup_ratio=0.3,
+    dict(learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=0.3,
          label_smoothing_factor=0.1, ragged=True),
     dict(learning_rate=1e-2, lr_scheduler_type="warmup_stable_decay", warmup_steps=1,
          lr_scheduler_kwargs={"num_stable_steps": 2, "num_decay_steps": 3}, ragged=True),
