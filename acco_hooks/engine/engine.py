@@ -732,8 +732,8 @@ class ACCOEngine:
     def live_state_dict(self) -> dict[str, Tensor]:
         """This rank's range of the *live* parameters, the ones the next round computes at (in
         ``acco`` θ̃ where an update is in flight, in ``dpu`` the weights one update behind),
-        laid out as the master shard: ``DTensor``\ s that DCP saves from every rank and loads
-        on any number of them, 1/N of the model in its dtype.
+        laid out as the master shard: ``DTensor`` chunks that DCP saves from every rank and
+        loads on any number of them, 1/N of the model in its dtype.
 
         Saved beside a model ``state_dict()`` taken inside :meth:`real_weights` (which holds θ,
         what anything reading the model from the checkpoint wants), they let

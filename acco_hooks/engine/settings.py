@@ -234,8 +234,9 @@ class ACCOSettings:
 
     timeout: Optional[float] = None
     """Seconds after which a collective of the engine fails when a peer hangs (a dead peer fails
-    it at once). None: the default of the process group (the Hugging Face Trainer passes its
-    ddp_timeout)."""
+    it at once, mostly: docs/reliability.md). None: the default of the process group (the
+    Hugging Face Trainer passes its ddp_timeout, the torchtitan trainer its [comm]
+    train_timeout_seconds)."""
 
     max_microbatches_per_round: Optional[int] = None
     """With accumulate_until_ready: the most micro-batches one rank runs in a round (at least

@@ -125,6 +125,7 @@ def validate_acco(
     *,
     early_step_in_backward: bool = False,
     world_size: int | None = None,
+    train_timeout_seconds: float | None = None,
 ) -> EngineSettings | None:
     """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
     and build the engine's settings: the one place the torchtitan path checks and builds them.
@@ -139,6 +140,8 @@ def validate_acco(
         optimizer_names: the optimizer of every parameter group (0.2.2 has exactly one).
         early_step_in_backward: torchtitan 0.2.2's ``[optimizer]`` option of that name.
         world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
+        train_timeout_seconds: torchtitan's ``[comm] train_timeout_seconds``: the engine's
+            collective timeout where ``[acco] timeout`` is unset.
 
     Returns:
         The engine's settings (``[acco]``'s own, micro-batches per round from
@@ -181,6 +184,11 @@ def validate_acco(
     settings = acco.to_engine_settings(
         accumulation_steps=round_size,
         max_grad_norm=training.max_norm if training.max_norm > 0 else None,
+        # torchtitan's own collectives fail after train_timeout_seconds: the engine's too. The
+        # process group's default (30 min) is no bound: gloo can miss a dead peer's closed
+        # socket in the engine's ring exchange, and the survivors then wait the whole timeout
+        # before an elastic agent can restart them (docs/reliability.md).
+        timeout=acco.timeout if acco.timeout is not None else train_timeout_seconds,
         spell=spelling, set_steps=set_round_size,
     )  # fmt: skip
     if par.context_parallel_degree != 1 or par.expert_parallel_degree != 1:

@@ -85,7 +85,7 @@ def validate_acco_config(
     settings = validate_acco(
         acco, config.parallelism, config.training,
         [g.optimizer_name for g in groups] or ["(none)"],
-        world_size=world_size,
+        world_size=world_size, train_timeout_seconds=config.comm.train_timeout_seconds,
     )  # fmt: skip
     if groups[0].pattern != ".*":
         raise ValueError(

@@ -82,3 +82,19 @@ def test_every_shipped_acco_config_runs_auto_or_names_the_flag(path: pathlib.Pat
     assert flag and "mode = 'auto'" in message, message
     config, _, validate_acco_config = _load(path, "--acco.mode", "auto", *flag.groups())
     validate_acco_config(config, world_size=_world(config))
+
+
+DEBUG_ACCO = ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ((), 100.0),  # torchtitan's default train_timeout_seconds
+    (("--comm.train_timeout_seconds", "30"), 30.0),
+    (("--comm.train_timeout_seconds", "30", "--acco.timeout", "7"), 7.0),  # [acco]'s own wins
+])  # fmt: skip
+def test_the_engine_times_out_with_torchtitan_unless_acco_sets_its_own(overrides, expected) -> None:
+    """The engine's collectives fail after torchtitan's [comm] train_timeout_seconds, not the
+    process group's 30-minute default: a survivor of a lost node must fail within it for the
+    elastic agent to restart it."""
+    config, _, validate_acco_config = _load(DEBUG_ACCO, *overrides)
+    assert validate_acco_config(config, world_size=2).timeout == expected
