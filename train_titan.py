@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -40,6 +41,7 @@ from acco_hooks.titan import TITAN_030  # noqa: I001
 def main() -> None:
     if not torch.cuda.is_available():
         import scaffolding.cpu_shim  # noqa: F401  (installs it, before torchtitan reads its device)
+    from acco_hooks.elastic import exit_for_restart
     from scaffolding.process_exit import finish
 
     from torchtitan.tools.logging import init_logger, logger
@@ -65,7 +67,7 @@ def main() -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
-    except BaseException:
+    except BaseException as error:
         # This rank failed, maybe alone: release what it holds without waiting for its peers
         # (they fail their next collective instead), and leave the default group to the exit,
         # as torchtitan's own main does: destroying it could wait on a peer mid-collective.
@@ -73,6 +75,8 @@ def main() -> None:
             trainer.close(barrier=False)
         elif trainer is not None:
             trainer.close()
+        if isinstance(error, Exception):  # a lost peer under torchrun's agent: one line
+            exit_for_restart(error, resume_from=_newest_checkpoint(trainer))
         raise
     trainer.close()  # checkpoints written, metric writers closed
     # The trainer's reference cycles hold every process group (torchtitan turned automatic
@@ -83,6 +87,17 @@ def main() -> None:
     trainer = None
     logger.info("train_titan: done")
     finish()
+
+
+def _newest_checkpoint(trainer) -> str | None:
+    """The newest step torchtitan will resume from (DCP writes its ``.metadata`` last)."""
+    folder = getattr(getattr(trainer, "checkpointer", None), "folder", None)
+    if not folder or not os.path.isdir(folder):
+        return None
+    steps = [int(name.split("-", 1)[1]) for name in os.listdir(folder)
+             if re.fullmatch(r"step-\d+", name)
+             and os.path.isfile(os.path.join(folder, name, ".metadata"))]  # fmt: skip
+    return os.path.join(folder, f"step-{max(steps)}") if steps else None
 
 
 def _refuse_config(error: ValueError, rank: int) -> NoReturn:

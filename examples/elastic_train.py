@@ -1,9 +1,15 @@
 """Elastic ACCO under torchrun's elastic agent: a node lost (or added) restarts the workers on
 the new world, and they resume from the last checkpoint, resharded.
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a node joining a later round is taken in
     torchrun --nnodes 1:2 --nproc_per_node 2 --max-restarts 3 \\
         --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 --rdzv-id job1 \\
+        --rdzv-conf last_call_timeout=10 \\
         -m examples.elastic_train --checkpoint-dir /shared/ckpt
+
+(both explained in docs/multinode.md). Run it from a checkout of this repository: besides
+acco_hooks it imports ``scaffolding.process_exit.finish``, the checkout's guard against gloo's
+exit-time abort; a script of your own ends with ``destroy_process_group()`` instead.
 
 The loop is what makes a restart cheap and exact (docs/multinode.md):
 - the global batch is fixed: each micro-batch is one global batch split over the ranks, so any
@@ -15,7 +21,8 @@ The loop is what makes a restart cheap and exact (docs/multinode.md):
   (``dcp.load`` reshards the optimizer's shards onto this world), and the loop skips the
   micro-batches it already trained on;
 - collectives time out after ``--timeout`` seconds, so a rank whose peer vanished fails fast and
-  the agent's next attempt can start.
+  the agent's next attempt can start; such a rank prints one line (what was lost, the restart,
+  the checkpoint it resumes from: ``acco_hooks.elastic.exit_for_restart``), not a traceback.
 
 Rank 0 appends one JSON line per attempt to ``--checkpoint-dir/attempts.jsonl`` (world size,
 the update it resumed from, when its first step ended) and writes the final parameters to
@@ -36,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from acco_hooks import ACCOOptimizer
+from acco_hooks.elastic import exit_for_restart
 from scaffolding.process_exit import finish
 
 GLOBAL_BATCH = 24  # samples per global micro-batch: splits over 1, 2, 3, 4, 6 ... ranks
@@ -98,29 +106,33 @@ def main() -> None:
     first = progress["next_microbatch"]
     started = time.time()
     first_step_at = None
-    for index in range(first, args.updates * per_update):
-        x, y = microbatch(index, rank, world_size)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        time.sleep(args.microbatch_seconds)
-        ended = opt.step()
-        if first_step_at is None:
-            first_step_at = time.time()
-            if rank == 0:
-                with open(root / "attempts.jsonl", "a") as log:
-                    log.write(json.dumps({
-                        "world_size": world_size, "started": started,
-                        "first_step_done": first_step_at,
-                        "resumed_from_update": first // per_update if resumed_from else None,
-                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                    }) + "\n")  # fmt: skip
-        if (index + 1) % per_update == 0 and rank == 0:
-            print(f"update {(index + 1) // per_update} on {world_size} ranks", flush=True)
-        if (index + 1) % (per_update * args.checkpoint_every) == 0:  # an update's last step()
-            assert ended
-            progress["next_microbatch"] = index + 1
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "loop": progress},
-                     checkpoint_id=root / f"update_{(index + 1) // per_update}")
-    opt.flush()
+    try:
+        for index in range(first, args.updates * per_update):
+            x, y = microbatch(index, rank, world_size)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(args.microbatch_seconds)
+            ended = opt.step()
+            if first_step_at is None:
+                first_step_at = time.time()
+                if rank == 0:
+                    with open(root / "attempts.jsonl", "a") as log:
+                        log.write(json.dumps({
+                            "world_size": world_size, "started": started,
+                            "first_step_done": first_step_at,
+                            "resumed_from_update": first // per_update if resumed_from else None,
+                            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        }) + "\n")  # fmt: skip
+            if (index + 1) % per_update == 0 and rank == 0:
+                print(f"update {(index + 1) // per_update} on {world_size} ranks", flush=True)
+            if (index + 1) % (per_update * args.checkpoint_every) == 0:  # an update's last step()
+                assert ended
+                progress["next_microbatch"] = index + 1
+                dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "loop": progress},
+                         checkpoint_id=root / f"update_{(index + 1) // per_update}")
+        opt.flush()
+    except Exception as error:  # a lost peer under the elastic agent: one line, then restart
+        exit_for_restart(error, resume_from=newest_checkpoint(root))
+        raise
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.state_dict().items()},
                    root / "final.pt")

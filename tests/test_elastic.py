@@ -10,10 +10,12 @@ times it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.elastic_recovery import (
@@ -28,6 +30,8 @@ from benchmarks.elastic_recovery import (
     training_command,
     wait_for_checkpoint,
 )  # fmt: skip
+from acco_hooks import ACCOCommunicationError
+from acco_hooks.elastic import exit_for_restart, lost_peer
 from tests.scenario import relative_error
 
 UPDATES = 24
@@ -60,6 +64,14 @@ def test_a_killed_node_resumes_on_the_survivor_and_ends_as_the_uninterrupted_run
     print(f"kill -> first resumed step: {recovery['kill_to_first_resumed_step_s']} s, resumed "
           f"from update {recovery['resumed_from_update']}, {len(later)} restart(s)")
     assert relative_error(torch.load(tmp_path / "ckpt" / "final.pt"), expected) <= 1e-5
+    # the survivor says what happened in a line per rank (the agent may stop a rank before it
+    # prints), naming the checkpoint its restarted workers did resume from; no traceback
+    survivor = (tmp_path / "node0.log").read_text()
+    lines = re.findall(r"acco_hooks: rank \d: lost a peer \(.+\); the elastic agent restarts the "
+                       r"workers \(restart 1 of 3\), which resume from (\S+)\n", survivor)  # fmt: skip
+    assert 1 <= len(lines) <= 2, survivor[-3000:]
+    assert {Path(line).name for line in lines} == {f"update_{recovery['resumed_from_update']}"}
+    assert "Traceback" not in survivor, survivor[-3000:]
 
 
 def test_a_node_that_joins_later_is_taken_in_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
@@ -83,3 +95,57 @@ def test_a_node_that_joins_later_is_taken_in_and_the_run_ends_as_the_uninterrupt
     assert first["world_size"] == 2 and first["resumed_from_update"] is None
     assert later and later[-1]["world_size"] == 4 and later[-1]["resumed_from_update"] >= 8
     assert relative_error(torch.load(ckpt / "final.pt"), expected) <= 1e-5
+
+
+LOST = ACCOCommunicationError(
+    "acco_hooks: the communication of round 8 failed on rank 0: [../gloo/transport/tcp/pair.cc"
+    ":553] Connection closed by peer [127.0.0.1]:23957"
+)
+
+
+def test_a_lost_peer_under_the_agent_is_one_line_and_exit_status_1(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(SystemExit) as exited:
+        exit_for_restart(LOST, resume_from="/ckpt/update_8")
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == (
+        "acco_hooks: rank 3: lost a peer (Connection closed by peer [127.0.0.1]:23957); the "
+        "elastic agent restarts the workers (restart 2 of 3), "
+        "which resume from /ckpt/update_8\n"
+    )
+    with pytest.raises(SystemExit):  # the cause may sit in the chain (DCP wraps it, say)
+        try:
+            raise LOST
+        except ACCOCommunicationError as error:
+            try:
+                raise RuntimeError("dcp.save failed") from error
+            except RuntimeError as outer:
+                exit_for_restart(outer, resume_from=None)
+    assert "resume from the start (no complete checkpoint yet)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, error", [
+    ({}, LOST),  # no elastic agent: the traceback is the report
+    ({"TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_MAX_RESTARTS": "3"}, LOST),  # none left
+    ({"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3"},
+     ValueError("lr must be positive")),  # not a lost peer: a bug to see whole
+])  # fmt: skip
+def test_anything_else_is_left_to_the_caller_to_raise(monkeypatch, capsys, env, error) -> None:
+    for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert exit_for_restart(error, resume_from="/ckpt/update_8") is None
+    assert capsys.readouterr().err == ""
+    assert (lost_peer(error) is None) == isinstance(error, ValueError)
+
+
+def test_the_example_says_how_to_launch_it_elastically() -> None:
+    """``--help`` gives the launch docs/multinode.md calls necessary, and what it needs."""
+    shown = subprocess.run([sys.executable, "-m", "examples.elastic_train", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, check=True).stdout  # fmt: skip
+    for needed in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "--rdzv-conf last_call_timeout=",
+                   "--max-restarts", "from a checkout of this", "exit_for_restart"):  # fmt: skip
+        assert needed in shown, needed

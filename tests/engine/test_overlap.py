@@ -156,3 +156,42 @@ def test_a_profiler_trace_shows_the_round_phases_on_both_threads() -> None:
         loop = set(labels["acco::round_end"]) & set(labels["acco::apply"])
         worker = set(labels["acco::reduce_scatter"]) & set(labels["acco::all_gather"])
         assert loop and worker and not loop & worker, labels  # two threads, each its phases
+
+
+def doc_snippet_run(rank: int, world_size: int, workdir: str) -> dict[str, list[int]]:
+    """docs/engine.md's profiler snippet, as written, around 6 acco rounds of a small loop."""
+    import json
+    import os
+    import pathlib
+    import re
+
+    from acco_hooks import ACCOOptimizer
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "engine.md").read_text()
+    section = doc.split("## Seeing the rounds in a profiler", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", accumulation_steps=2,
+                        lr=1e-2)  # fmt: skip
+    batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(12)]
+    os.chdir(workdir)
+    exec(snippet, {"model": model, "opt": opt, "batches": batches,
+                   "loss_fn": torch.nn.functional.mse_loss})  # fmt: skip
+    assert opt.engine.closed
+    events = json.loads(pathlib.Path(f"acco_trace_rank{rank}.json").read_text())["traceEvents"]
+    threads: dict[str, set[int]] = {}
+    for event in events:
+        if event.get("name", "").startswith("acco::"):
+            threads.setdefault(event["name"], set()).add(event["tid"])
+    return {name: sorted(ids) for name, ids in threads.items()}
+
+
+def test_the_profiler_snippet_of_the_docs_writes_each_rank_its_own_trace(tmp_path) -> None:
+    for labels in run_distributed("tests.engine.test_overlap:doc_snippet_run", 2, str(tmp_path)):
+        assert set(PHASES) <= set(labels), labels
+        loop = set(labels["acco::round_end"]) & set(labels["acco::apply"])
+        worker = set(labels["acco::reduce_scatter"]) & set(labels["acco::all_gather"])
+        assert loop and worker and not loop & worker, labels
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acco_trace_rank0.json",
+                                                          "acco_trace_rank1.json"]  # fmt: skip

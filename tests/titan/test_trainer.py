@@ -280,6 +280,13 @@ def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_pa
     after_restart = output.rsplit("fsdp_world_size", 1)[1]  # the second engine's settings line
     resumed = [int(step) for step, _, _ in STEP_LOSS.findall(after_restart)]
     assert resumed[0] in (5, 9, 13) and resumed[-1] == 16, resumed  # from a checkpoint, to the end
+    # each survivor rank that got to say it (the agent may stop one first): one line naming the
+    # checkpoint the restarted workers did resume from, and no traceback
+    lines = re.findall(r"acco_hooks: rank \d: lost a peer \(.+\); the elastic agent restarts the "
+                       r"workers \(restart 1 of 3\), which resume from (\S+)\n", output)  # fmt: skip
+    assert 1 <= len(lines) <= 2, output[-3000:]
+    assert {pathlib.Path(line).name for line in lines} == {f"step-{resumed[0] - 1}"}, lines
+    assert "Traceback" not in output, output[-5000:]
 
 
 class LoaderOfSamples:
