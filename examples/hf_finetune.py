@@ -15,6 +15,11 @@ Adapt it by changing the model and the data; every ``TrainingArguments`` flag wo
         --learning_rate 6e-4 --weight_decay 0.1 --adam_beta2 0.95 --lr_scheduler_type cosine \\
         --save_strategy steps --save_steps 500 --mode acco
 
+It saves no checkpoint unless asked (``save_strategy="no"`` among its defaults): add
+``--save_strategy steps --save_steps N``, and resume with ``--resume_from_checkpoint
+outputs/hf_finetune/checkpoint-N``, on any number of processes that keeps the global batch
+(docs/hf.md, "Checkpoints and resuming").
+
 The only lines that differ from a plain ``Trainer`` script are the ``ACCOArguments`` in the
 parser and ``ACCOTrainer(..., acco_args=acco_args)``. Compare with ``--mode ddp`` (synchronous
 ZeRO-1, the same updates as the plain Trainer with DDP) and ``--mode dpu``.

@@ -10,10 +10,13 @@ on the same number of processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import warnings
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -34,9 +37,23 @@ def save_engine(
 ) -> None:  # fmt: skip
     """The engine state (collective: every rank calls it); with ``should_save`` (one rank)
     the live parameters too."""
-    dcp.save({"engine": engine.state_dict()}, checkpoint_id=os.path.join(output_dir, ENGINE_DIR))
+    with _alone_quietly() as alone:
+        dcp.save({"engine": engine.state_dict()}, no_dist=alone,
+                 checkpoint_id=os.path.join(output_dir, ENGINE_DIR))  # fmt: skip
     if live_params is not None and should_save:
         acco_checkpoint.save(live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
+
+
+@contextlib.contextmanager
+def _alone_quietly() -> Iterator[bool]:
+    """Whether this process runs without a process group (one process, no launcher), for
+    DCP's ``no_dist``; DCP then warns that it assumes one process (torch 2.13 even when told),
+    which is no news here: silenced."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield alone
 
 
 def saved_layout(checkpoint: str) -> tuple[int, int] | None:
@@ -45,7 +62,9 @@ def saved_layout(checkpoint: str) -> tuple[int, int] | None:
     metadata = os.path.join(checkpoint, ENGINE_DIR, ".metadata")
     if os.path.isfile(metadata):
         state = {"engine": {"world_size": 0, "accumulation_steps": 0}}
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint, ENGINE_DIR), no_dist=True)
+        with warnings.catch_warnings():  # a read of two numbers, on one rank: no_dist
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=os.path.join(checkpoint, ENGINE_DIR), no_dist=True)
         return state["engine"]["world_size"], state["engine"]["accumulation_steps"]
     files = _rank_files(checkpoint)
     if not files:
@@ -63,7 +82,8 @@ def load_engine(
     directory = os.path.join(checkpoint, ENGINE_DIR)
     if os.path.isfile(os.path.join(directory, ".metadata")):
         state = {"engine": engine.state_dict()}  # what this engine holds: DCP fills it
-        dcp.load(state, checkpoint_id=directory)
+        with _alone_quietly() as alone:
+            dcp.load(state, checkpoint_id=directory, no_dist=alone)
         engine.load_state_dict(state["engine"])
     else:
         engine.load_state_dict(_load_rank_file(checkpoint, engine))

@@ -169,9 +169,9 @@ class ACCOTrainer(Trainer):
         self.optimizer = EngineOptimizer(engine)
         updates = real_updates(self.acco_args.mode, self._max_rounds())
         logger.info(
-            "ACCOTrainer: mode=%s, %d rounds of %d micro-batches per rank, %d real updates, "
-            "%d ranks, optimizer %s", self.acco_args.mode, self._max_rounds(),
-            self.args.gradient_accumulation_steps, updates, engine.world_size,
+            "ACCOTrainer: mode=%s, the whole run: %d rounds of %d micro-batches per rank, %d "
+            "real updates, on %s, optimizer %s", self.acco_args.mode, self._max_rounds(),
+            self.args.gradient_accumulation_steps, updates, _ranks(engine.world_size),
             optimizer_cls.__name__,
         )  # fmt: skip
         return self.optimizer
@@ -323,6 +323,12 @@ class ACCOTrainer(Trainer):
         if checkpoint is not None:
             self._check_global_batch(checkpoint)
             load_engine(checkpoint, self.engine, self._trainable_named_parameters())
+            updates = real_updates(self.acco_args.mode, self._max_rounds())
+            logger.info(
+                "ACCOTrainer: resumed from %s after %d of the run's %d real updates, on %s "
+                "(saved by %s)", checkpoint, self.engine.num_updates, updates,
+                _ranks(self.engine.world_size), _ranks((saved_layout(checkpoint) or (0,))[0]),
+            )  # fmt: skip
 
     def _check_global_batch(self, checkpoint: str) -> None:
         """A resumed run on another number of processes must take the saved run's global batch
@@ -382,3 +388,6 @@ class ACCOTrainer(Trainer):
             return
         optimizer.close(flush=flush, barrier=flush)
 
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" if count == 1 else f"{count} ranks"

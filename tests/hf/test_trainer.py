@@ -441,3 +441,31 @@ def test_step_counts_in_lr_scheduler_kwargs_last_as_many_trainer_steps_in_acco(
             engine_schedule.step()
     assert ours == pytest.approx(theirs[::2], rel=1e-6)
     trainer.optimizer.close()
+
+
+def test_a_single_process_resume_says_what_is_left_and_warns_nothing(tmp_path, caplog) -> None:
+    """One process, no launcher: the startup line is the whole run's, in the singular, the
+    resume says where it took up, and DCP is told there is no process group (it would warn
+    that it assumes one process)."""
+    import logging
+    import warnings
+
+    from acco_hooks.hf import ACCOArguments, ACCOTrainer
+    from tests.hf.workers import byte_dataset, tiny_llama, training_args
+
+    def trainer(max_steps: int) -> ACCOTrainer:
+        args = training_args(str(tmp_path), max_steps=max_steps, save_strategy="steps",
+                             save_steps=2, warmup_steps=0)  # fmt: skip
+        return ACCOTrainer(model=tiny_llama(), args=args, train_dataset=byte_dataset(32),
+                           acco_args=ACCOArguments(mode="acco"))  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*torch.distributed is disabled")
+        with caplog.at_level(logging.INFO, logger="acco_hooks.hf.trainer"):
+            trainer(4).train()
+            caplog.clear()
+            trainer(8).train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    said = caplog.text
+    assert "the whole run: 8 rounds of 2 micro-batches per rank, 4 real updates, on 1 rank," in said
+    assert (f"resumed from {tmp_path / 'checkpoint-4'} after 2 of the run's 4 real updates, on "
+            "1 rank (saved by 1 rank)") in said, said  # fmt: skip
