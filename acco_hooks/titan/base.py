@@ -166,9 +166,17 @@ class EngineOptimizersContainer(OptimizersContainer):
                 "without [acco] enable, or by an acco_hooks before state version 3"
             )
         self.engine.load_state_dict(state_dict[STATE_KEY])
-        # DCP loads the model's entry first (torchtitan lists it first): θ, which the live
-        # parameters now replace
-        self.engine.load_live_state_dict(state_dict[LIVE_KEY])
+        # The live parameters replace θ in the model once the model's entry is loaded, which
+        # torchtitan 0.3.0 does after this call (0.2.2 before it): the trainer's load wrapper
+        # calls restore_live_parameters() when the whole checkpoint is in.
+        self._live_to_restore = state_dict[LIVE_KEY]
+
+    def restore_live_parameters(self) -> None:
+        """Put the loaded checkpoint's live parameters into the model (after its θ); a no-op
+        when nothing was loaded since the last call."""
+        live, self._live_to_restore = getattr(self, "_live_to_restore", None), None
+        if live is not None:
+            self.engine.load_live_state_dict(live)
 
     def close(self, *, flush: bool = True, barrier: bool = True) -> None:
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
@@ -281,6 +289,7 @@ class ACCOTrainerBase(Trainer):
                 # Model weights loaded without engine state (seed or pretrained checkpoint):
                 # the master shard was copied from the freshly initialised model.
                 engine.reset_master_from_params()
+            self.optimizers.restore_live_parameters()
             return loaded
 
         self.checkpointer.load = load_then_sync_master
