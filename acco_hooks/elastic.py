@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import NoReturn
 
 __all__ = ["exit_for_restart", "lost_peer"]
 
@@ -79,11 +78,13 @@ def exit_for_restart(error: BaseException, *, resume_from: str | os.PathLike | N
     if cause is None or restarts is None:
         return
     done, allowed = restarts
-    _exit_with_line(
-        f"rank {os.environ.get('RANK', '?')}: lost a peer ({cause}); the elastic agent "
-        f"restarts the workers (restart {done + 1} of {allowed}), which resume from "
-        f"{resume_from if resume_from is not None else 'the start (no complete checkpoint yet)'}"
-    )
+    print(
+        f"acco_hooks: rank {os.environ.get('RANK', '?')}: lost a peer ({cause}); the elastic "
+        f"agent restarts the workers (restart {done + 1} of {allowed}), which resume from "
+        f"{resume_from if resume_from is not None else 'the start (no complete checkpoint yet)'}",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    raise SystemExit(1)
 
 
 def _restarts_left() -> tuple[int, int] | None:
@@ -95,7 +96,3 @@ def _restarts_left() -> tuple[int, int] | None:
         return None
     return (done, allowed) if done < allowed else None
 
-
-def _exit_with_line(line: str) -> NoReturn:
-    print(f"acco_hooks: {line}", file=sys.stderr, flush=True)
-    raise SystemExit(1)

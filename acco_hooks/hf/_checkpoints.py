@@ -37,23 +37,25 @@ def save_engine(
 ) -> None:  # fmt: skip
     """The engine state (collective: every rank calls it); with ``should_save`` (one rank)
     the live parameters too."""
-    with _alone_quietly() as alone:
-        dcp.save({"engine": engine.state_dict()}, no_dist=alone,
+    with _without_single_process_warning():
+        dcp.save({"engine": engine.state_dict()}, no_dist=_alone(),
                  checkpoint_id=os.path.join(output_dir, ENGINE_DIR))  # fmt: skip
     if live_params is not None and should_save:
         acco_checkpoint.save(live_params, os.path.join(output_dir, LIVE_PARAMS_FILE))
 
 
+def _alone() -> bool:
+    """No process group (one process, no launcher): DCP's ``no_dist``."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 @contextlib.contextmanager
-def _alone_quietly() -> Iterator[bool]:
-    """Whether this process runs without a process group (one process, no launcher), for
-    DCP's ``no_dist``; DCP then warns that it assumes one process (torch 2.13 even when told),
-    which is no news here: silenced."""
-    alone = not (dist.is_available() and dist.is_initialized())
+def _without_single_process_warning() -> Iterator[None]:
+    """DCP warns that it "assumes the intent is to save/load in a single process" whenever
+    ``no_dist`` is in effect (torch 2.13 even when told so): here that is always the intent."""
     with warnings.catch_warnings():
-        if alone:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield alone
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def saved_layout(checkpoint: str) -> tuple[int, int] | None:
@@ -62,8 +64,7 @@ def saved_layout(checkpoint: str) -> tuple[int, int] | None:
     metadata = os.path.join(checkpoint, ENGINE_DIR, ".metadata")
     if os.path.isfile(metadata):
         state = {"engine": {"world_size": 0, "accumulation_steps": 0}}
-        with warnings.catch_warnings():  # a read of two numbers, on one rank: no_dist
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _without_single_process_warning():  # two numbers, read by this rank alone
             dcp.load(state, checkpoint_id=os.path.join(checkpoint, ENGINE_DIR), no_dist=True)
         return state["engine"]["world_size"], state["engine"]["accumulation_steps"]
     files = _rank_files(checkpoint)
@@ -82,8 +83,8 @@ def load_engine(
     directory = os.path.join(checkpoint, ENGINE_DIR)
     if os.path.isfile(os.path.join(directory, ".metadata")):
         state = {"engine": engine.state_dict()}  # what this engine holds: DCP fills it
-        with _alone_quietly() as alone:
-            dcp.load(state, checkpoint_id=directory, no_dist=alone)
+        with _without_single_process_warning():
+            dcp.load(state, checkpoint_id=directory, no_dist=_alone())
         engine.load_state_dict(state["engine"])
     else:
         engine.load_state_dict(_load_rank_file(checkpoint, engine))
