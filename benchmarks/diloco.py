@@ -1,0 +1,677 @@
+"""ACCO beside torchft's DiLoCo and synchronous training: which reaches a held-out loss first on
+a slow link.
+
+    sudo python -m benchmarks.diloco                  # everything below, ~80 min here
+    python -m benchmarks.diloco --phase convergence   # the lr sweep and the seeds (no root)
+    sudo python -m benchmarks.diloco --phase timing   # seconds per step on every link
+    sudo python -m benchmarks.diloco --phase check    # one full run on a capped link
+    python -m benchmarks.diloco --phase report        # the table and the figure, from the JSON
+
+Every arm trains torchtitan's Llama-3 debug model on the benchmark corpus
+(``benchmarks/convergence/data.py``: sequences of 64 tokens shuffled by the seed) with two
+data-parallel replicas, one process each, the same 16 sequences per optimizer update (a DiLoCo
+inner step: 8 per replica), the same AdamW and warm-up/cosine schedule (``--updates`` updates),
+and is scored on the same held-out set (32 batches of 4 sequences per replica, 64 in all),
+every ``--heldout-every`` updates:
+
+* synchronous: torchtitan's own DDP (``titan_ddp``) and the engine's ``ddp`` (ZeRO-1);
+* ACCO: ``auto`` and the paper's ``acco`` (two rounds of 8 sequences per update);
+* torchft DiLoCo through torchtitan's fault-tolerant trainer
+  (``benchmarks/convergence/ft_train.py``), one replica group per process and a lighthouse: H = 5 and 20 inner steps between syncs, and
+  streaming DiLoCo (2 fragments, each synced every 20 steps, the sync one step late).
+
+The held-out loss per token does not depend on the link, so the runs that score it (each arm's
+learning rate sweep, then a second seed at the best) run once, on loopback; short runs of each arm
+on each capped link (``benchmarks/netbed.py``, two network namespaces, one core each) give its
+seconds per update, over whole DiLoCo sync periods. An arm's wall time to a loss is then its
+updates to that loss (linear between held-out points) times its seconds per update on the link;
+``--phase check`` runs one arm in full on a capped link to test that product. The target is
+the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed.
+
+DiLoCo's score is the synchronized model's: every held-out point is a multiple of H, right after
+a sync, when both replicas hold the same parameters, and each replica scores half of the held-out
+set, as each rank of the two-rank arms does (streaming DiLoCo has no such moment: one fragment is
+10 local steps past its sync; its score is the two replicas' mean). Results:
+``docs/results/diloco_vs_acco.json`` (rewritten after every run; a run already there is kept),
+figure ``docs/figures/diloco_vs_acco.png``, what they show: ``docs/when_acco_helps.md``.
+Needs torchft, the ``diloco`` extra (``pip install -e '.[diloco]'``; ``scripts/setup.sh``
+installs it with the rest) and torchtitan 0.2.2 (0.3.0 moved the fault-tolerant trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from benchmarks import harness
+from benchmarks.convergence import data
+from benchmarks.convergence.ft_train import HOSTNAME_ENV, OUTER_LR_ENV
+from benchmarks.convergence.run import HELDOUT_DATASET, parse_log
+from benchmarks.harness import ROOT, header, step_lines, write_result
+
+RESULT_FILE = harness.RESULTS / "diloco_vs_acco.json"
+FIGURE = harness.FIGURES / "diloco_vs_acco.png"
+WORKDIR = ROOT / "outputs" / "diloco"
+# no cap (the veth pair runs at ~9 Gbit/s here, CPU-bound: the 10 Gbit point), then the caps
+RATES = ("none", "1gbit", "200mbit", "100mbit", "50mbit")
+SEQ_LEN, LOCAL_BATCH, UPDATE_BATCH = 64, 4, 16  # sequences per optimizer update, both replicas
+HELDOUT_BATCHES = 32  # per replica: 64 batches of 4 sequences in all
+# the sweep's middle: DDP's held-out loss fell from 8e-4 (the debug configs' lr) to 3.2e-3
+BASE_LR = 3.2e-3
+INNER_LR_FACTORS = (0.5, 1.0, 2.0)
+OUTER_LRS = (0.7, 0.4)  # torchtitan's, and one below it
+HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # its fixed held-out batches
+AUTO_RUNS = re.compile(r"acco auto: runs (?P<schedule>.*?): (?P<speedup>[\d.]+)x")
+# the engine's measurement of one round: K (compute) and C (communication)
+ADVISOR = re.compile(
+    r"acco advisor: compute_per_round=(?P<K>[\d.]+)s comm_per_round=(?P<C>[\d.]+)s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One method: how it launches, its job config and overrides, and its rounds per update."""
+
+    kind: str  # "titan": train_titan.py on 2 ranks; "ft": 2 torchft replica groups
+    config: str  # relative to the checkout's root
+    overrides: tuple[str, ...] = ()
+    rounds_per_update: int = 1  # acco: an update takes two torchtitan steps
+    sync_steps: int = 1  # DiLoCo's H: timing covers whole periods, held-out points are multiples
+
+    @property
+    def diloco(self) -> bool:
+        return self.kind == "ft"
+
+
+def _diloco(h: int, *extra: str) -> Arm:
+    return Arm("ft", "benchmarks/convergence/debug_cpu_diloco.toml",
+               ("--fault_tolerance.sync_steps", str(h), *extra),
+               sync_steps=h)  # fmt: skip
+
+
+ARMS: dict[str, Arm] = {
+    "titan_ddp": Arm("titan", "torchtitan_configs/debug_cpu_titan_ddp.toml"),
+    "ddp": Arm("titan", "torchtitan_configs/debug_cpu_ddp.toml"),
+    "auto": Arm("titan", "torchtitan_configs/debug_cpu_ddp.toml", ("--acco.mode", "auto")),
+    "acco": Arm("titan", "torchtitan_configs/debug_cpu_acco.toml", rounds_per_update=2),
+    "diloco_h5": _diloco(5),
+    "diloco_h20": _diloco(20),
+    "streaming_diloco_h20": _diloco(20, "--fault_tolerance.num_fragments", "2",
+                                    "--fault_tolerance.fragment_sync_delay", "1"),
+}
+TARGET_ARM = "titan_ddp"
+# DiLoCo's long runs; H = 5 only runs --updates (it trained worst per token)
+LONG_ARMS = ("diloco_h20", "streaming_diloco_h20")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run: an arm at a learning rate (and DiLoCo's outer one) and a seed."""
+
+    arm: str
+    lr: float
+    seed: int
+    outer_lr: float | None = None
+    updates: int | None = None  # None: --updates; more for a DiLoCo arm's long run
+
+    @property
+    def key(self) -> str:
+        outer = "" if self.outer_lr is None else f"/outer{self.outer_lr:g}"
+        longer = "" if self.updates is None else f"/updates{self.updates}"
+        return f"{self.arm}/lr{self.lr:g}{outer}/seed{self.seed}{longer}"
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+@dataclasses.dataclass
+class Place:
+    """Where a job's two processes run: loopback, or the two hosts of a netbed link."""
+
+    link: object | None = None  # benchmarks.netbed.Link
+
+    def ip(self, host: int) -> str:
+        return self.link.ip[host] if self.link else "127.0.0.1"
+
+    def prefix(self, host: int) -> list[str]:
+        netns = ["ip", "netns", "exec", self.link.ns[host]] if self.link else []
+        return [*netns, "taskset", "-c", str(host)]
+
+    def env(self, host: int) -> dict[str, str]:
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        if self.link:
+            env["GLOO_SOCKET_IFNAME"] = self.link.ifname[host]
+        return env
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[list[subprocess.Popen]]:
+    """Processes started into the yielded list, each in its own session: whatever happens
+    (an error, Ctrl-C, SIGTERM through netbed's handler), every one of them and what it started
+    is killed on the way out."""
+    procs: list[subprocess.Popen] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+
+
+def _start(procs: list, cmd: list[str], env: dict[str, str], log: pathlib.Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w", encoding="utf-8") as out:
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> int:
+    """Wait for ``procs``: the first non-zero status, or 124 on timeout. A failed process ends
+    the job at once (its peer would wait out a collective's timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = [p.poll() for p in procs]
+        if any(s not in (None, 0) for s in status):
+            return next(s for s in status if s not in (None, 0))
+        if all(s == 0 for s in status):
+            return 0
+        time.sleep(0.5)
+    return 124
+
+
+def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
+               run_dir: pathlib.Path, timeout_s: float) -> tuple[int, list[str]]:  # fmt: skip
+    """Both processes of one job (and DiLoCo's lighthouse): the exit status, each process's log.
+
+    ``titan``: ``train_titan.py`` as ranks 0 and 1 of one group. ``ft``: two groups of one
+    process, each its own world (torchft's cross-group gloo group joins them), and a lighthouse
+    on host 0 that forms a quorum only with both groups in it."""
+    logs = [run_dir / f"host{host}.log" for host in (0, 1)]
+    port = harness.free_port()
+    with _processes() as procs:
+        if arm.diloco:
+            lighthouse_port = harness.free_port()
+            lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+            if lighthouse is None:
+                raise SystemExit("benchmarks.diloco: torchft_lighthouse not found: install the "
+                                 "extra, pip install -e '.[diloco]'")  # fmt: skip
+            _start(procs, [*place.prefix(0), lighthouse, "--min_replicas", "2",
+                           "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+                           "--bind", f"[::]:{lighthouse_port}"],
+                   {}, run_dir / "lighthouse.log")  # fmt: skip
+        for host in (0, 1):
+            host_env = {**place.env(host), **env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+            if arm.diloco:
+                host_env.update({
+                    "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": place.ip(host),
+                    "MASTER_PORT": str(harness.free_port()), HOSTNAME_ENV: place.ip(host),
+                    "TORCHFT_LIGHTHOUSE": f"http://{place.ip(0)}:{lighthouse_port}",
+                })  # fmt: skip
+                cmd = [*argv, "--fault_tolerance.replica_id", str(host)]
+            else:
+                host_env.update({"RANK": str(host), "WORLD_SIZE": "2",
+                                 "MASTER_ADDR": place.ip(0), "MASTER_PORT": str(port)})
+                cmd = argv
+            _start(procs, [*place.prefix(host), *cmd], host_env, logs[host])
+        status = _wait(procs[-2:], timeout_s)  # the lighthouse runs until it is killed
+    return status, [log.read_text(encoding="utf-8", errors="replace") for log in logs]
+
+
+def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path,
+             heldout_every: int = 0) -> list[str]:  # fmt: skip
+    """The command line of one process of ``run`` for ``steps`` torchtitan steps."""
+    arm = ARMS[name]
+    script = ["-m", "benchmarks.convergence.ft_train"] if arm.diloco else ["train_titan.py"]
+    dataset = data.prepare("stdlib", "sequences", run.seed, SEQ_LEN)
+    argv = [sys.executable, *script,
+            "--job.config_file", arm.config,
+            "--job.dump_folder", str(run_dir / "dump"), "--metrics.disable_color_printing",
+            "--training.steps", str(steps), "--debug.seed", str(run.seed),
+            "--training.dataset_path", str(dataset.relative_to(ROOT)),
+            "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(LOCAL_BATCH),
+            "--training.global_batch_size", str(UPDATE_BATCH // arm.rounds_per_update),
+            "--optimizer.lr", f"{run.lr:g}", "--experimental.custom_import", HOOKS_MODULE,
+            *arm.overrides]  # fmt: skip
+    if arm.diloco:
+        argv += ["--fault_tolerance.min_replica_size", "2"]
+    if heldout_every:
+        argv += ["--validation.enable", "--validation.dataset", HELDOUT_DATASET,
+                 "--validation.freq", str(heldout_every * arm.rounds_per_update),
+                 "--validation.steps", str(HELDOUT_BATCHES),
+                 "--validation.local_batch_size", str(LOCAL_BATCH),
+                 "--validation.seq_len", str(SEQ_LEN)]  # fmt: skip
+    return argv
+
+
+def job_env(run: Run) -> dict[str, str]:
+    return {"LOG_RANK": "0"} | ({OUTER_LR_ENV: f"{run.outer_lr:g}"} if run.outer_lr else {})
+
+
+# ----------------------------------------------------------------------------- convergence
+
+
+def train(run: Run, args: argparse.Namespace, place: Place | None = None) -> dict:
+    """One run with held-out points: its held-out curve (per update), its step times, and
+    ``auto``'s schedule."""
+    arm = ARMS[run.arm]
+    run_dir = WORKDIR / ("check" if place and place.link else "convergence") / run.key
+    shutil.rmtree(run_dir, ignore_errors=True)
+    updates = run.updates or args.updates
+    steps = updates * arm.rounds_per_update
+    argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every)
+    start = time.time()
+    status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600)
+    parsed = [parse_log(text).get(0, {}) for text in outputs]
+    # two-rank arms: rank 0 logs the mean over the ranks; DiLoCo: each group its own half
+    scored = parsed if arm.diloco else parsed[:1]
+    points = [dict(zip(p.get("heldout_step", []), p.get("heldout_loss", []))) for p in scored]
+    common = sorted(set.intersection(*(set(p) for p in points))) if points else []
+    main = parsed[0]
+    record = {
+        **dataclasses.asdict(run), "returncode": status, "wall_s": round(time.time() - start, 1),
+        "updates": updates, "heldout_every": args.heldout_every,
+        "heldout_updates": [s // arm.rounds_per_update for s in common],
+        "heldout_loss": [statistics.fmean(p[s] for p in points) for s in common],
+        "heldout_loss_per_replica": [[p[s] for s in common] for p in points],
+        "step_ts": main.get("ts", []), "step": main.get("step", []),
+        "heldout_ts": main.get("heldout_ts", []), "start_ts": start,
+        "log": str(run_dir / "host0.log"),
+    }  # fmt: skip
+    if match := list(AUTO_RUNS.finditer(outputs[0])):
+        record["auto_schedule"] = match[-1]["schedule"]
+    record["complete"] = status == 0 and record["heldout_updates"][-1:] == [updates]
+    record["long"] = run.updates is not None
+    return record
+
+
+def sweep_runs(stage: str, arms: Sequence[str], args: argparse.Namespace,
+               best: dict[str, Run]) -> list[Run]:  # fmt: skip
+    """The runs of one stage of the sweep (the seed of the sweep is ``args.seeds[0]``):
+
+    * ``inner``: every arm at the inner lr x0.5, x1, x2 of :data:`BASE_LR` (DiLoCo at
+      torchtitan's outer lr, 0.7);
+    * ``edge``: an arm whose best is at an end of that range, one step further (x0.25 or x4),
+      so that no arm is compared at an lr its sweep did not bracket;
+    * ``outer``: DiLoCo's other outer lr at its best inner lr; ``outer_edge``: where that one
+      is the better, half of it;
+    * ``seeds``: each arm's best on the other seeds;
+    * ``long``: DiLoCo's best (H = 20, plain and streaming) on every seed for
+      ``args.diloco_updates`` updates, its schedule stretched over them: how many updates it
+      needs where ``--updates`` do not reach the synchronous arm's loss (on a slow link it
+      spends them faster).
+    """
+    seed = args.seeds[0]
+    factors = (INNER_LR_FACTORS[0] / 2, *INNER_LR_FACTORS, INNER_LR_FACTORS[-1] * 2)
+    if stage == "inner":
+        return [Run(name, BASE_LR * f, seed, OUTER_LRS[0] if ARMS[name].diloco else None)
+                for name in arms for f in INNER_LR_FACTORS]  # fmt: skip
+    if stage == "edge":
+        runs = []
+        for name in arms:
+            at = round(best[name].lr / BASE_LR, 6)
+            if at in (INNER_LR_FACTORS[0], INNER_LR_FACTORS[-1]):
+                further = factors[0] if at == INNER_LR_FACTORS[0] else factors[-1]
+                runs.append(dataclasses.replace(best[name], lr=BASE_LR * further))
+        return runs
+    if stage == "outer":
+        return [dataclasses.replace(best[name], outer_lr=outer)
+                for name in arms if ARMS[name].diloco for outer in OUTER_LRS[1:]]  # fmt: skip
+    if stage == "outer_edge":  # the lower outer lr won: one step further down
+        return [dataclasses.replace(best[name], outer_lr=OUTER_LRS[-1] / 2) for name in arms
+                if ARMS[name].diloco and best[name].outer_lr == OUTER_LRS[-1]]  # fmt: skip
+    if stage == "seeds":
+        return [dataclasses.replace(best[name], seed=s) for s in args.seeds[1:] for name in arms]
+    return [dataclasses.replace(best[name], seed=s, updates=args.diloco_updates)
+            for name in arms if name in LONG_ARMS and args.diloco_updates for s in args.seeds]
+
+
+def best_runs(results: dict, seed: int) -> dict[str, Run]:
+    """Each arm's run with the lowest final held-out loss on ``seed`` (long runs left out)."""
+    best: dict[str, tuple[float, Run]] = {}
+    for record in results["convergence"].values():
+        if record["seed"] != seed or not record["complete"] or record.get("long"):
+            continue
+        loss = record["heldout_loss"][-1]
+        run = Run(record["arm"], record["lr"], seed, record["outer_lr"])
+        if record["arm"] not in best or loss < best[record["arm"]][0]:
+            best[record["arm"]] = (loss if math.isfinite(loss) else math.inf, run)
+    return {name: run for name, (_, run) in best.items()}
+
+
+def convergence(results: dict, args: argparse.Namespace) -> None:
+    for stage in ("inner", "edge", "outer", "outer_edge", "seeds", "long"):
+        best = best_runs(results, args.seeds[0])
+        if stage != "inner" and not set(args.arms) <= set(best):
+            raise SystemExit(f"benchmarks.diloco: no complete run of {set(args.arms) - set(best)}")
+        for run in sweep_runs(stage, args.arms, args, best):
+            old = results["convergence"].get(run.key)
+            if old and old["complete"] and old["updates"] == (run.updates or args.updates):
+                continue
+            print(f"convergence {run.key}", flush=True)
+            record = results["convergence"][run.key] = train(run, args)
+            write_result(args.out, results)
+            print(f"    rc={record['returncode']} wall={record['wall_s']}s held-out "
+                  f"{[round(v, 4) for v in record['heldout_loss']]}", flush=True)  # fmt: skip
+            if not record["complete"]:
+                raise SystemExit(f"benchmarks.diloco: {run.key} failed, see {record['log']}")
+    results["best"] = {str(seed): {name: run.key for name, run in best_runs(results, seed).items()}
+                       for seed in args.seeds}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timed_steps(name: str) -> tuple[int, int]:
+    """(first, last) torchtitan step of a timing run's window: past the warm-up and, for
+    ``auto``, past its decision (5 synchronous + up to 15 trial + 10 confirming updates); for
+    DiLoCo, two whole sync periods, from just after one sync to just after another."""
+    arm = ARMS[name]
+    if arm.diloco:
+        return arm.sync_steps, 3 * arm.sync_steps
+    if name == "auto":
+        return 32, 40
+    return 2 * arm.rounds_per_update, 8 * arm.rounds_per_update
+
+
+def time_arm(name: str, run: Run, place: Place) -> dict:
+    """Seconds per optimizer update of ``run`` on ``place``'s link, over :func:`timed_steps`."""
+    arm = ARMS[name]
+    first, last = timed_steps(name)
+    run_dir = WORKDIR / "timing" / place.link.rate / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = job_argv(name, run, last, run_dir)
+    status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800)
+    ts = {row["step"]: row["ts"] for row in step_lines(outputs[0])}
+    if status or first not in ts or last not in ts:
+        raise SystemExit(f"benchmarks.diloco: timing {name} at {place.link.rate} failed "
+                         f"(status {status}), see {run_dir}")  # fmt: skip
+    update_s = (ts[last] - ts[first]) / (last - first) * arm.rounds_per_update
+    result = {"update_s": update_s, "tokens_per_s": UPDATE_BATCH * SEQ_LEN / update_s,
+              "window": [first, last]}  # fmt: skip
+    if match := list(AUTO_RUNS.finditer(outputs[0])):
+        result["auto_schedule"] = match[-1]["schedule"]
+    if match := ADVISOR.search(outputs[0]):  # the engine's arms: K and C of their rounds
+        result["advisor"] = {"compute_per_round_s": float(match["K"]),
+                             "comm_per_round_s": float(match["C"])}  # fmt: skip
+    return result
+
+
+def timing(results: dict, args: argparse.Namespace) -> None:
+    from benchmarks.netbed import two_host_link
+
+    best = best_runs(results, args.seeds[0])
+    with two_host_link() as link:
+        for rate in args.rates:
+            link.set_rate(rate)
+            for name in args.arms:
+                if name in results["timing"].get(rate, {}):
+                    continue
+                run = best.get(name, Run(name, BASE_LR, args.seeds[0], OUTER_LRS[0] if
+                                         ARMS[name].diloco else None))  # fmt: skip
+                result = time_arm(name, run, Place(link))
+                results["timing"].setdefault(rate, {})[name] = result
+                write_result(args.out, results)
+                print(f"timing {rate:>8} {name:>22}: {result['update_s']:.3f} s/update "
+                      f"{result.get('auto_schedule', '')}", flush=True)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the answer
+
+
+def updates_to(updates: Sequence[int], losses: Sequence[float], target: float) -> float | None:
+    """The first update at which the held-out curve reaches ``target`` (linear between points)."""
+    for i, (u, loss) in enumerate(zip(updates, losses)):
+        if loss <= target:
+            if i == 0:
+                return float(u)
+            u0, l0 = updates[i - 1], losses[i - 1]
+            return u0 + (u - u0) * (l0 - target) / (l0 - loss)
+    return None
+
+
+def args_long(results: dict) -> int:
+    return results["settings"].get("diloco_updates", 0)
+
+
+def summary(results: dict, seeds: Sequence[int]) -> dict:
+    """Per link and arm (each at its best learning rate): seconds per update, tokens/s, the
+    held-out loss at the end (equal tokens), and, per seed, the updates and wall time to two
+    targets of the synchronous arm's: its final held-out loss (``target``), and its loss at
+    three quarters of its run (``target_3q``), which arms as exact per token as it reach within
+    the same run despite a trajectory that ends a percent apart (two implementations of
+    synchronous training do). DiLoCo takes its long run where ``--updates`` fall short."""
+    table: dict = {}
+    for rate, timings in results["timing"].items():
+        for name, timed in timings.items():
+            row: dict = {"update_s": timed["update_s"], "tokens_per_s": timed["tokens_per_s"],
+                         "heldout_loss_final": {}}
+            for suffix in ("", "_3q"):
+                row[f"updates_to_target{suffix}"], row[f"time_to_target{suffix}_s"] = {}, {}
+            for seed in seeds:
+                keys = results.get("best", {}).get(str(seed), {})
+                if name not in keys or TARGET_ARM not in keys:
+                    continue
+                record, sync = (results["convergence"][keys[n]] for n in (name, TARGET_ARM))
+                longer = results["convergence"].get(f"{keys[name]}/updates{args_long(results)}")
+                row["heldout_loss_final"][seed] = record["heldout_loss"][-1]
+                three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
+                for suffix, target in (("", sync["heldout_loss"][-1]),
+                                       ("_3q", sync["heldout_loss"][three_quarters])):
+                    reached = updates_to(record["heldout_updates"], record["heldout_loss"], target)
+                    if reached is None and longer and longer["complete"]:
+                        reached = updates_to(longer["heldout_updates"], longer["heldout_loss"],
+                                             target)  # fmt: skip
+                        row.setdefault(f"from_long_run{suffix}", {})[seed] = longer["updates"]
+                    row[f"updates_to_target{suffix}"][seed] = reached
+                    row[f"time_to_target{suffix}_s"][seed] = (
+                        None if reached is None else reached * timed["update_s"])
+            table.setdefault(rate, {})[name] = row
+    return table
+
+
+def report(results: dict, args: argparse.Namespace) -> None:
+    """The summary into the result file, the two tables docs/when_acco_helps.md shows (markdown,
+    printed), and the figure."""
+    results["summary"] = summary(results, args.seeds)
+    write_result(args.out, results)
+    print("\n".join(markdown(results)))
+    plot(results, args.figure)
+
+
+def comm_over_compute(results: dict, rate: str) -> float | None:
+    """C/K on ``rate``, K one ACCO round's compute (half an update), from the ``ddp`` arm's
+    advisor, whose micro-batches never overlap a communication (the ``acco`` arm's run one per
+    round, all of them overlapped, which makes its K an upper bound); None if not timed."""
+    figures = results["timing"][rate].get("ddp", {}).get("advisor")
+    return figures and figures["comm_per_round_s"] / (figures["compute_per_round_s"] / 2)
+
+
+def _first(times: dict[str, float | None]) -> str:
+    ranked = sorted((t, name) for name, t in times.items() if t is not None)
+    if len(ranked) < 2:
+        return ranked[0][1] if ranked else "none"
+    return f"{ranked[0][1]}, {ranked[1][0] / ranked[0][0]:.2f}x before {ranked[1][1]}"
+
+
+def markdown(results: dict) -> list[str]:
+    """The tables of docs/when_acco_helps.md: per target (the synchronous arm's final loss, and
+    its loss at ¾ of its run) and link, C/K (:func:`comm_over_compute`), each arm's time to the
+    target per seed, and which arm gets there first on each seed; per link, each arm's seconds
+    per update; per arm, its learning rates, its final held-out loss per seed and the gap to
+    the synchronous arm, paired by seed."""
+    names = [n for n in ARMS if any(n in rows for rows in results["summary"].values())]
+    head = " | ".join(names)
+    lines: list[str] = []
+    for suffix, what in (("", "final held-out loss"),
+                         ("_3q", "held-out loss at ¾ of its run")):
+        lines += ["", f"Seconds to the synchronous arm's {what}, per seed (n/r: not reached):", "",
+                  f"| link | C/K | {head} | first, per seed |", "|---" * (len(names) + 3) + "|"]
+        for rate, rows in results["summary"].items():
+            ratio = comm_over_compute(results, rate)
+            ratio = "?" if ratio is None else f"{ratio:.1f}"
+            times = {n: rows[n][f"time_to_target{suffix}_s"] for n in names}
+            cells = [" / ".join("n/r" if t is None else f"{t:.0f}" for t in times[n].values())
+                     for n in names]  # fmt: skip
+            seeds = list(times[names[0]])
+            firsts = [_first({n: times[n].get(seed) for n in names}) for seed in seeds]
+            first = firsts[0] if len(set(firsts)) == 1 else "; ".join(firsts)
+            lines.append(f"| {rate} | {ratio} | " + " | ".join(cells) + f" | {first} |")
+    lines += ["", "Seconds per update:", "", f"| link | {head} |", "|---" * (len(names) + 1) + "|"]
+    for rate, rows in results["summary"].items():
+        lines.append(f"| {rate} | " + " | ".join(f"{rows[n]['update_s']:.3f}" for n in names)
+                     + " |")
+    lines += ["", ("| arm | inner lr (outer lr) | final held-out loss per seed | "
+                   "gap to the synchronous arm per seed | updates to its final loss per seed |"),
+              "|---|---|---|---|---|"]
+    rate = next(iter(results["summary"]), None)
+    for name in names:
+        keys = {seed: by_arm[name] for seed, by_arm in results.get("best", {}).items()}
+        records = {seed: results["convergence"][key] for seed, key in keys.items()}
+        lrs = sorted({(r["lr"], r["outer_lr"]) for r in records.values()})
+        target = {seed: results["convergence"][results["best"][seed][TARGET_ARM]]
+                  ["heldout_loss"][-1] for seed in records}  # fmt: skip
+        final = {seed: r["heldout_loss"][-1] for seed, r in records.items()}
+        gaps = ", ".join(f"{100 * (final[s] / target[s] - 1):+.2f} %" for s in records)
+        reached = results["summary"][rate][name]["updates_to_target"] if rate else {}
+        to = ", ".join("n/r" if u is None else f"{u:.0f}" for u in reached.values())
+        shown_lr = ", ".join(f"{lr:g}" + (f" ({outer:g})" if outer else "") for lr, outer in lrs)
+        lines.append(f"| {name} | {shown_lr} | {' / '.join(f'{v:.4f}' for v in final.values())} "
+                     f"| {gaps} | {to} |")
+    return lines
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Held-out loss against wall time, one panel per link: every seed of each arm at its best
+    learning rate (the time axis: updates x the arm's seconds per update on that link)."""
+    plt = harness.pyplot()
+    rates = list(results["timing"])
+    if not rates or not results.get("best"):
+        return
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.8), sharey=True)
+    colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for ax, rate in zip(axes if len(rates) > 1 else [axes], rates):
+        for seed, keys in results["best"].items():
+            target = results["convergence"][keys[TARGET_ARM]]["heldout_loss"][-1]
+            ax.axhline(target, color="grey", lw=0.6, ls=":")
+            for name, key in keys.items():
+                if name not in results["timing"][rate]:
+                    continue
+                update_s = results["timing"][rate][name]["update_s"]
+                longer = results["convergence"].get(f"{key}/updates{args_long(results)}")
+                for record, style in ((results["convergence"][key], "-"), (longer, "--")):
+                    if record is None:
+                        continue
+                    x = [u * update_s for u in record["heldout_updates"][1:]]
+                    first = seed == next(iter(results["best"])) and style == "-"
+                    ax.plot(x, record["heldout_loss"][1:], color=colors[name], lw=1, ls=style,
+                            label=name if first else None)  # fmt: skip
+        ax.set_title(f"link: {'no cap' if rate == 'none' else rate}")
+        ax.set_xlabel("wall time (s), training only")
+        ax.set_xscale("log")
+    (axes[0] if len(rates) > 1 else axes).set_ylabel("held-out loss")
+    (axes[0] if len(rates) > 1 else axes).legend(fontsize=7)
+    fig.suptitle("ACCO, DiLoCo and synchronous DDP, 2 replicas, 16 x 64 tokens per update, each "
+                 "arm at its best lr, 2 seeds (dotted: the synchronous final loss per seed; "
+                 "dashed: DiLoCo's long runs)", fontsize=9)
+    harness.save_figure(fig, path)
+
+
+def check(results: dict, args: argparse.Namespace) -> None:
+    """``args.check_arm`` in full on ``args.check_rate``, held-out points included: the
+    training time it took to each held-out point (from its first update, validations left out)
+    against the model the summary uses, updates x the timing run's seconds per update; and its
+    held-out losses against the same run's on loopback (the link changes no number)."""
+    from benchmarks.netbed import two_host_link
+
+    run = best_runs(results, args.seeds[0])[args.check_arm]
+    with two_host_link(args.check_rate) as link:
+        record = train(run, args, Place(link))
+    if not record["complete"]:
+        raise SystemExit(f"benchmarks.diloco: the check run failed, see {record['log']}")
+    ts = dict(zip(record["step"], record["step_ts"]))
+    rounds = ARMS[args.check_arm].rounds_per_update
+    points = [u * rounds for u in record["heldout_updates"]]  # validated after these steps
+    validation_s = {s: h - ts[s] for s, h in zip(points, record["heldout_ts"])}
+    first = min(ts)
+    measured = {u: ts[s] - ts[first] - sum(v for p, v in validation_s.items() if p < s)
+                for u, s in zip(record["heldout_updates"], points) if s > first}  # fmt: skip
+    timed = results["timing"][args.check_rate][args.check_arm]["update_s"]
+    predicted = {u: (u * rounds - first) / rounds * timed for u in measured}
+    results["check"] = {
+        "arm": args.check_arm, "rate": args.check_rate, "run": run.key,
+        "timed_update_s": timed, "measured_s": measured, "predicted_s": predicted,
+        "measured_over_predicted": {u: measured[u] / predicted[u] for u in measured},
+        "heldout_loss": record["heldout_loss"],
+        "loopback_heldout_loss": results["convergence"][run.key]["heldout_loss"],
+    }  # fmt: skip
+    write_result(args.out, results)
+    print("check:", json.dumps(results["check"], indent=1), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.diloco",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--phase", choices=("all", "convergence", "timing", "check", "report"), default="all")
+    add("--updates", type=int, default=160, help="optimizer updates per convergence run")
+    add("--heldout-every", type=int, default=20, help="updates between held-out points "
+        "(a multiple of every DiLoCo H)")
+    add("--diloco-updates", type=int, default=640,
+        help="DiLoCo's long runs (0: none): updates to the synchronous loss past --updates")
+    add("--seeds", type=int, nargs="+", default=[0, 1],
+        help="the first sweeps the learning rates; the others repeat each arm's best")
+    add("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    add("--rates", nargs="+", default=list(RATES), help="links to time (tc rates, or none)")
+    add("--check-arm", default="diloco_h20", choices=sorted(ARMS))
+    add("--check-rate", default="200mbit")
+    add("--out", type=pathlib.Path, default=RESULT_FILE)
+    add("--figure", type=pathlib.Path, default=FIGURE)
+    args = parser.parse_args(argv)
+    # Ctrl-C, and a kill, end the benchmark through its cleanup (every process it started),
+    # also when it was started in the background, where a shell ignores SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from benchmarks.convergence.ft_train import check_stack
+
+    check_stack()  # before anything runs
+    if args.updates % args.heldout_every or any(
+            args.heldout_every % a.sync_steps for a in ARMS.values()):  # fmt: skip
+        parser.error("--heldout-every must divide --updates and be a multiple of every H")
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = {"convergence": {}, "timing": {}, **results, **header(),
+               "settings": {"seq_len": SEQ_LEN, "local_batch": LOCAL_BATCH,
+                            "sequences_per_update": UPDATE_BATCH, "updates": args.updates,
+                            "diloco_updates": args.diloco_updates,
+                            "heldout_every": args.heldout_every,
+                            "heldout_batches_per_replica": HELDOUT_BATCHES, "base_lr": BASE_LR,
+                            "inner_lr_factors": INNER_LR_FACTORS, "outer_lrs": OUTER_LRS,
+                            "arms": {n: dataclasses.asdict(a) for n, a in ARMS.items()}}}
+    if args.phase in ("all", "convergence"):
+        convergence(results, args)
+        write_result(args.out, results)
+    if args.phase in ("all", "timing"):
+        timing(results, args)
+    if args.phase in ("all", "check"):
+        check(results, args)
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

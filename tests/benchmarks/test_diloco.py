@@ -1,0 +1,141 @@
+"""The DiLoCo comparison's arms run, and its launcher leaves nothing behind.
+
+``benchmarks/diloco.py`` (the netbed part needs root: not run here): torchft's DiLoCo through
+torchtitan's fault-tolerant trainer, lighthouse included, trains and is scored on the
+synchronized model; a job whose process fails, or that is interrupted, leaves no process; the
+time to a target loss is the updates to it (linear between held-out points) times the seconds
+per update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from benchmarks import diloco
+from benchmarks.harness import ROOT
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by a parent that is gone) counts as ended
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ", 1)[1][0] != "Z"
+
+
+def _lighthouses() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "torchft_lighthouse"], capture_output=True, text=True,
+                           check=False)  # status 1: none
+    return {int(pid) for pid in found.stdout.split()}
+
+
+def test_the_diloco_arm_trains_and_is_scored_on_the_synchronized_model() -> None:
+    before = _lighthouses()
+    run = diloco.Run("diloco_h5", lr=8e-4, seed=0, outer_lr=0.4)
+    record = diloco.train(run, argparse.Namespace(updates=10, heldout_every=5))
+    assert record["returncode"] == 0 and record["complete"], record["log"]
+    assert record["heldout_updates"] == [1, 5, 10]
+    per_replica = record["heldout_loss_per_replica"]  # each group scores its half of the set
+    assert len(per_replica) == 2 and all(len(losses) == 3 for losses in per_replica)
+    assert record["heldout_loss"] == pytest.approx([sum(p) / 2 for p in zip(*per_replica)])
+    assert record["heldout_loss"][-1] < record["heldout_loss"][0] - 0.25  # it learns
+    log = pathlib.Path(record["log"]).read_text()
+    assert "DiLoCo's outer lr 0.4 (torchtitan builds it at 0.7)" in log
+    # the held-out points after the first are sync steps: both groups then hold one model
+    assert "Syncing fragment=0 step=5" in log and log.count("should_commit=True") == 2
+    assert _lighthouses() == before  # the lighthouse went with the job
+
+
+def _job(tmp_path: pathlib.Path, code: str) -> list[str]:
+    """A stand-in for a group's command: ``code`` runs with ``host`` (the replica id, the last
+    argument the launcher adds) and writes its pid to ``tmp_path/pid<host>``."""
+    pid_file = f"os.path.join({str(tmp_path)!r}, 'pid' + host)"
+    prologue = (f"import os, sys, time; host = sys.argv[-1]; "
+                f"open({pid_file}, 'w').write(str(os.getpid())); ")
+    return [sys.executable, "-c", prologue + code]
+
+
+def test_a_failed_group_ends_the_job_at_once_and_leaves_no_process(tmp_path) -> None:
+    argv = _job(tmp_path, "time.sleep(0.5); sys.exit(3) if host == '0' else time.sleep(300)")
+    before = _lighthouses()
+    start = time.monotonic()
+    status, _ = diloco.launch_job(diloco.ARMS["diloco_h5"], argv, {}, diloco.Place(), tmp_path,
+                                  timeout_s=120)  # fmt: skip
+    assert status == 3 and time.monotonic() - start < 30
+    assert not _alive(int((tmp_path / "pid1").read_text()))  # its peer, killed
+    assert _lighthouses() == before
+
+
+def test_ctrl_c_ends_every_process_of_the_job(tmp_path) -> None:
+    argv = _job(tmp_path, "time.sleep(300)")
+    driver = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as the benchmark's main
+        from benchmarks import diloco
+        diloco.launch_job(diloco.ARMS["diloco_h5"], {argv!r}, {{}}, diloco.Place(),
+                          __import__("pathlib").Path({str(tmp_path)!r}), timeout_s=300)
+    """)
+    before = _lighthouses()
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{h}").exists() for h in (0, 1)):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    assert len(_lighthouses() - before) == 1
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) != 0
+    assert not any(_alive(int((tmp_path / f"pid{h}").read_text())) for h in (0, 1))
+    assert _lighthouses() == before
+
+
+def test_the_time_to_a_loss_is_the_updates_to_it_times_the_seconds_per_update() -> None:
+    updates, losses = [1, 20, 40, 60, 80], [8.0, 6.0, 5.0, 4.7, 4.6]
+    assert diloco.updates_to(updates, losses, 5.5) == pytest.approx(30.0)
+    assert diloco.updates_to(updates, losses, 4.6) == 80.0
+    assert diloco.updates_to(updates, losses, 4.5) is None
+
+    def record(arm: str, curve: list[float], at: list[int] = updates) -> dict:
+        return {"arm": arm, "lr": 1e-3, "outer_lr": None, "heldout_updates": at,
+                "heldout_loss": curve, "updates": at[-1],
+                "complete": True}
+
+    results = {
+        "settings": {"diloco_updates": 160},
+        "convergence": {
+            "sync": record("titan_ddp", losses),
+            "local": record("diloco_h5", [8.0, 6.2, 5.2, 4.75, 4.55]),
+            # H = 20 reaches neither target in the 80 updates; its long run reaches both
+            "rare": record("diloco_h20", [8.0, 6.5, 5.6, 5.1, 4.9]),
+            "rare/updates160": record("diloco_h20", [8.0, 5.0, 4.8, 4.7, 4.5],
+                                      [1, 80, 100, 120, 160]),
+        },
+        "best": {"0": {"titan_ddp": "sync", "diloco_h5": "local", "diloco_h20": "rare"}},
+        "timing": {"50mbit": {"titan_ddp": {"update_s": 4.0, "tokens_per_s": 256.0},
+                              "diloco_h5": {"update_s": 1.0, "tokens_per_s": 1024.0},
+                              "diloco_h20": {"update_s": 0.5, "tokens_per_s": 2048.0}}},
+    }  # fmt: skip
+    table = diloco.summary(results, seeds=[0])["50mbit"]
+    # the targets: the synchronous arm's final loss (4.6, at 80) and at 3/4 of its run (4.7, at 60)
+    assert table["titan_ddp"]["time_to_target_s"] == {0: 320.0}  # 80 updates x 4 s
+    assert table["titan_ddp"]["time_to_target_3q_s"] == {0: 240.0}
+    # 4.6 between update 60 (4.75) and 80 (4.55): 60 + 20 x 0.15/0.2; 4.7: 60 + 20 x 0.05/0.2
+    assert table["diloco_h5"]["updates_to_target"][0] == pytest.approx(75.0)
+    assert table["diloco_h5"]["time_to_target_s"][0] == pytest.approx(75.0)
+    assert table["diloco_h5"]["updates_to_target_3q"][0] == pytest.approx(65.0)
+    assert table["diloco_h20"]["updates_to_target"][0] == pytest.approx(140.0)
+    assert table["diloco_h20"]["time_to_target_s"][0] == pytest.approx(70.0)
+    assert table["diloco_h20"]["updates_to_target_3q"][0] == pytest.approx(120.0)
+    assert table["diloco_h20"]["from_long_run"] == {0: 160}
+    assert "diloco_h20, 1.07x before diloco_h5" in "\n".join(diloco.markdown(
+        {**results, "summary": {"50mbit": table}}))
