@@ -47,6 +47,17 @@ logger = logging.getLogger("acco_hooks")
 # Rounds ignored while the process warms up (allocations, the first collectives), then measured.
 WARMUP_ROUNDS, MEASURED_ROUNDS = 2, 4
 
+# Where C > 2K and the batch cannot grow, communicating less often is the alternative: on every
+# link with C above 2K, torchft's DiLoCo reached synchronous training's held-out loss first in
+# the project's comparison (benchmarks/diloco.py, docs/results/diloco_vs_acco.json; the regime
+# map in docs/when_acco_helps.md), and on none below it.
+DILOCO_ADVICE = (
+    ". If the batch cannot grow, synchronize less often: torchft's DiLoCo reached synchronous "
+    "training's held-out loss first wherever C > 2K in docs/when_acco_helps.md ('Beside "
+    "DiLoCo'); in torchtitan: [fault_tolerance] enable = true, semi_sync_method = \"diloco\", "
+    "sync_steps = 20, one job per replica group and a torchft lighthouse"
+)
+
 
 def predicted_speedup(compute_s: float, comm_s: float) -> float:
     """Per-token speedup of ACCO over synchronous ZeRO-1 at equal tokens per update.
@@ -172,7 +183,8 @@ class Advisor:
         if ideal < 1.0:
             return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token): "
                     f"a round communicates {comm / max(compute, 1e-12):.1f}x as long as it "
-                    f"computes. Raise accumulation_steps to about {steps}, or use mode='ddp'")
+                    f"computes. Raise accumulation_steps to about {steps}, or use mode='ddp'"
+                    + DILOCO_ADVICE)
         if speedup < 1.0:
             return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token) "
                     f"although the law allows {ideal:.2f}: communication slows the compute "

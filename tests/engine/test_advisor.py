@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
+import statistics
 import subprocess
 import sys
 import time
@@ -13,6 +16,8 @@ from torch import nn
 
 from acco_hooks import ACCOOptimizer
 from acco_hooks.engine.advisor import Advisor, predicted_speedup
+
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize("compute, comm, expected", [
@@ -149,3 +154,30 @@ def test_a_user_without_logging_configured_sees_that_acco_is_slower() -> None:
     shown = [line for line in done.stderr.splitlines() if line.startswith("acco advisor:")]
     assert len(shown) == 1 and "ACCO is slower here" in shown[0], done.stderr[-3000:]
     assert "mode='ddp'" in shown[0]
+
+
+def test_the_advice_on_a_slow_link_is_the_measured_regime_map() -> None:
+    """Fed each benchmarked link's K and C (measured by the ddp arm's advisor), the advisor names
+    torchft's DiLoCo, with the config lines to try it, exactly where DiLoCo reached the
+    synchronous arm's held-out loss first (docs/results/diloco_vs_acco.json: the regime map of
+    docs/when_acco_helps.md), and not where ACCO or synchronous training did."""
+    results = json.loads((ROOT / "docs" / "results" / "diloco_vs_acco.json").read_text())
+    sides = set()
+    for rate, rows in results["summary"].items():
+        times = {name: statistics.fmean(row["time_to_target_s"].values())
+                 for name, row in rows.items() if None not in row["time_to_target_s"].values()}
+        first = min(times, key=times.get)
+        # ddp's rounds: a whole update's compute, never overlapped; one ACCO round is half of it
+        figures = results["timing"][rate]["ddp"]["advisor"]
+        compute, comm = figures["compute_per_round_s"] / 2, figures["comm_per_round_s"]
+        advisor = Advisor(accumulation_steps=4)
+        _feed(advisor, 6, quiet_s=compute / 4, overlapped_s=compute / 4, comm_s=comm,
+              round_s=max(compute, comm))  # fmt: skip
+        finding = advisor.finding() or ""
+        diloco_first = "diloco" in first
+        sides.add(diloco_first)
+        assert ("DiLoCo" in finding) == diloco_first, (rate, first, comm / compute, finding)
+        if diloco_first:
+            assert "[fault_tolerance] enable = true" in finding
+            assert 'semi_sync_method = "diloco"' in finding
+    assert sides == {True, False}  # a link on each side of the map
