@@ -1,7 +1,7 @@
 """ACCO beside torchft's DiLoCo and synchronous training: which reaches a held-out loss first on
 a slow link.
 
-    sudo python -m benchmarks.diloco                  # everything below, ~80 min here
+    sudo python -m benchmarks.diloco                  # everything below, ~95 min here
     python -m benchmarks.diloco --phase convergence   # the lr sweep and the seeds (no root)
     sudo python -m benchmarks.diloco --phase timing   # seconds per step on every link
     sudo python -m benchmarks.diloco --phase check    # one full run on a capped link
@@ -26,7 +26,9 @@ on each capped link (``benchmarks/netbed.py``, two network namespaces, one core 
 seconds per update, over whole DiLoCo sync periods. An arm's wall time to a loss is then its
 updates to that loss (linear between held-out points) times its seconds per update on the link;
 ``--phase check`` runs one arm in full on a capped link to test that product. The target is
-the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed.
+the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed, and its loss at
+¾ of its run (:func:`summary` says why); where DiLoCo's runs fall short of it, its long runs
+(``--diloco-updates``) count the updates it needs.
 
 DiLoCo's score is the synchronized model's: every held-out point is a multiple of H, right after
 a sync, when both replicas hold the same parameters, and each replica scores half of the held-out
