@@ -2,8 +2,8 @@
 (``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
 thread with its process groups and its per-round job (``communication``), the collectives
 (``collectives``), the estimate step (``peek``), the optimizers the flat shard can step
-(``shard_optimizer``), parameter ownership (``ownership``) and the shards as checkpoint DTensors
-(``placement``).
+(``shard_optimizer``), parameter ownership (``ownership``), a rank's saved state and its checks
+(``state``) and the shards as checkpoint DTensors (``placement``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
 """

@@ -7,8 +7,8 @@ settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The con
 allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
 ``communication`` (the thread, its process groups and the job it runs each round),
 ``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step the
-flat shard), ``ownership`` (one engine per parameter) and ``placement`` (the shards in
-checkpoints).
+flat shard), ``ownership`` (one engine per parameter), ``state`` (what a rank's state is, how it
+is saved, checked and loaded) and ``placement`` (where its shards sit in the model).
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
@@ -42,8 +42,8 @@ payload at once (synchronous ZeRO-1).
 
 Around the schedule, in the order of the class: the real weights θ (``flush()``,
 ``real_weights()``), checkpoints (``state_dict()``: DTensor shards that DCP reshards onto another
-number of data-parallel ranks, ``placement``) and closing (``close()``, which joins the
-thread and destroys its groups).
+number of data-parallel ranks; the format and its checks are ``state``'s) and closing
+(``close()``, which joins the thread and destroys its groups).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import time
 import warnings
 import weakref
@@ -80,13 +79,11 @@ from acco_hooks.engine.communication import (
     Job,
     RoundPlan,
     RoundResult,
-    all_gather_into,
     all_gather_shards,
     barrier_each,
     broadcast_from_first_rank,
     build_engine_groups,
     communicate,
-    reduce_scatter_accumulators,
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
@@ -98,23 +95,18 @@ from acco_hooks.engine.schedule import (
     candidate_schedules,
 )
 from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
-from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizer, first_step_state
+from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizer
+from acco_hooks.engine.state import (
+    load_live_parameters,
+    load_state,
+    save_live_parameters,
+    save_state,
+)
 from acco_hooks.engine.wire import WIRE_FORMATS, backend_can_send
 
-__all__ = ["ACCOEngine", "STATE_VERSION"]
+__all__ = ["ACCOEngine"]
 
 logger = logging.getLogger(__name__)
-
-# 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
-# added a carried ΣG̃), ``carried_reweigh`` says in which units a carried ΣG̃ is, the parameter
-# names and shapes are keyed by model part (4: one list, the same key on every pipeline stage),
-# and optimizer state is per element or per parameter by what the optimizer keeps (4: by shape).
-# 4: acco's carried weight c̃ is in ``estimate_count`` alone (3 kept each rank's share of it in
-# that rank's count) and ``update_weight`` replaces 3's ``unit_weights``.
-# 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
-# DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
-# 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
-STATE_VERSION = 5
 
 
 class RoundInFlight:
@@ -554,6 +546,12 @@ class ACCOEngine:
         self._round_started = now
 
     @property
+    def _estimate_kept(self) -> bool:
+        """The estimate round was sent narrower than the reduce dtype: the accumulators keep
+        its gradients (and the local counts its weight) for the update round to send."""
+        return self.schedule.estimate_dtype != self.settings.reduce_format
+
+    @property
     def _waits_for_own_round(self) -> bool:
         """Whether each round waits for its own communication (``ddp``; ``auto`` between its
         overlapped schedules)."""
@@ -585,13 +583,9 @@ class ACCOEngine:
             return
         if self._failure is not None:
             raise self._failure
-        # Backstop only: a dead peer fails the collective within the group's timeout.
-        timeout = self.settings.timeout
         try:
             with record_function("acco::wait"):
-                result = self._worker.wait(
-                    flight.future, timeout_s=None if timeout is None else timeout + 60.0
-                )
+                result = self._wait(flight.future)
         except Exception as exc:  # not KeyboardInterrupt: the communication itself goes on
             self._failure = ACCOCommunicationError(
                 f"acco_hooks: the communication of round {flight.round_index} failed on rank "
@@ -607,6 +601,17 @@ class ACCOEngine:
                 for g in self._buffers:
                     g.copy_gathered_into_params(difference=flight.plan.wire is not None)
             self._in_flight = None
+
+    def _wait(self, job: Future) -> Any:
+        """Wait for a job of the communication thread. The timeout is a backstop only: a dead
+        peer fails the collective within the groups' own ``timeout`` first."""
+        timeout = self.settings.timeout
+        return self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+
+    def _run_on_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the communication thread, which owns the engine's process
+        groups (a collective outside a round: a load's gather, the barrier at close), and wait."""
+        return self._wait(self._worker.submit(fn, *args))
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
@@ -741,37 +746,12 @@ class ACCOEngine:
         where the saved one would have. Inside :meth:`real_weights` they are still the live
         parameters the block replaced.
         """
-        live = self._live_outside
-        shards = []
-        for g in self._buffers:
-            shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=self.device)
-            tensors = g.locals if live is None else [live[n] for n in g.names]
-            start, offset = self.rank * g.shard_numel, 0
-            for tensor in tensors:  # the parts of this rank's range each parameter holds
-                lo, hi = max(start, offset), min(start + g.shard_numel, offset + tensor.numel())
-                if lo < hi:
-                    shard[lo - start : hi - start] = tensor.reshape(-1)[lo - offset : hi - offset]
-                offset += tensor.numel()
-            shards.append(shard)
-        return self._placement.chunks(shards)
+        return save_live_parameters(self)
 
     def load_live_state_dict(self, state: dict[str, Any]) -> None:
         """Put the live parameters of :meth:`live_state_dict` (filled by DCP, on any number of
         ranks) into the model: after the model's own ``load_state_dict`` and the engine's."""
-        shards = [torch.empty(g.shard_numel, dtype=g.gather_dtype, device=self.device)
-                  for g in self._buffers]  # fmt: skip
-        self._placement.fill(shards, state)
-        gathered = [torch.empty(g.padded_numel, dtype=g.gather_dtype, device=self.device)
-                    for g in self._buffers]  # fmt: skip
-        job = self._worker.submit(all_gather_into, gathered, shards, self._groups)
-        timeout = self.settings.timeout
-        self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
-        with torch.no_grad():
-            for g, flat in zip(self._buffers, gathered):
-                offset = 0
-                for tensor in g.locals:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+        load_live_parameters(self, state)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: bit-exactly on the same ranks, resharded on others.
@@ -806,102 +786,7 @@ class ACCOEngine:
                 its gradient is in the accumulators without its weight, and the resumed run
                 would count it again when it replays that micro-batch.
         """
-        uncounted = self.grads_received - self._grads_counted
-        if uncounted and not self.closed:
-            raise RuntimeError(
-                f"acco_hooks: state_dict() between backward() and step(): {uncounted} parameter "
-                "gradients are accumulated but their micro-batch is not counted yet, so a "
-                "resumed run that replays it would count it twice. Save after step() (or "
-                "before backward())"
-            )
-        self._finish_in_flight(apply=False)
-        flight = self._in_flight
-        narrow = flight is not None and flight.plan.wire is not None
-        partial = bool(self._round_microbatches)
-        half = self._between_estimate_and_update
-        if narrow:  # the pending result is θ̃ − θ, decoded: each rank's range of it, as any shard
-            for g in self._buffers:
-                g.gather_input.copy_(g.gathered[self.rank * g.shard_numel :][: g.shard_numel])
-        carried = None
-        if self.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
-            if half and not partial and self._estimate_kept and not self._carry_next_update:
-                carried = self._kept_estimate_sum()
-            else:
-                carried = [torch.zeros(g.shard_numel, device=self.device) if g.carried is None
-                           else g.carried for g in self._buffers]  # fmt: skip
-        chunks = self._placement.chunks
-        return {
-            "version": STATE_VERSION, "mode": self.settings.mode.value,
-            "optimizer_class": _class_name(self.optimizer), "world_size": self.world_size,
-            "fsdp_world_size": self.fsdp_world_size,
-            # by model part, as the shards: every pipeline stage's is saved
-            "params": dict(zip(self._placement.keys, self._placement.param_names)),
-            "param_shapes": dict(zip(self._placement.keys, self._placement.global_shapes)),
-            "accumulation_steps": self.settings.accumulation_steps,
-            "round_index": self.round_index, "num_updates": self.num_updates,
-            "skipped_rounds": self.skipped_rounds, "round_microbatches": self._round_microbatches,
-            "schedule": tuple(self.schedule), "estimate_next": self._estimate_next,
-            "updates_launched": self.updates_launched,
-            "auto": None if self._auto is None else {
-                **self._auto.state_dict(),
-                "agreed": None if self._agreed is None else tuple(self._agreed),
-            },
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "pending_job": None if flight is None else flight.plan.job.value,
-            "pending_wire": flight.plan.wire.name if narrow else None,
-            # per element, DTensors: every rank's part is saved, and any world loads it
-            "master": chunks([g.master for g in self._buffers]),
-            "pending_shard": chunks([g.gather_input for g in self._buffers]),
-            "carried": None if carried is None else chunks(carried),
-            # acco between its estimate round and its update: ΣG̃ is carried, and its weight;
-            # W, and, resumed from another world with ΣG̃ still in its units, what an update
-            # round weighed there (``_carried_reweigh``)
-            "estimate_count": self._estimate_count if half else 0.0,
-            "unit_weights": self._unit_weights, "weights_are_shares": self._weights_are_shares,
-            "update_weight": self._update_weight,
-            "carried_reweigh": self._reweigh_carried if half else None,
-            # resumed between a narrow estimate and its update: ΣG̃ is carried, not kept in the
-            # accumulators (which hold the update round's gradients alone)
-            "carry_next_update": self._carry_next_update,
-            "optimizer": self._optimizer_state(),
-            # Mid-round: model-sized, this rank's alone; a key no other rank writes
-            "partial_round": partial,
-            "rank_state": {f"rank{dist.get_rank() if dist.is_initialized() else 0}": {
-                "accumulator": [g.accumulator for g in self._buffers],
-                "local_count": self._local_count, "local_unit_weights": self._local_unit,
-                "grad_arrived": [list(a) for a in self._grad_arrived],
-            }} if partial else {},
-        }  # fmt: skip
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        """The shard optimizer's state: per-element tensors by parameter (as the master), per-
-        parameter values (the same on every rank) as torch keeps them, by what the optimizer
-        keeps (``shard_optimizer``), not by shape: a group's shard may have one element. Before
-        its first step, the state a first step creates, so that DCP has tensors to load into
-        (``stepped`` says it is not real)."""
-        saved = self.optimizer.state_dict()
-        stepped = bool(saved["state"])
-        state = saved["state"] if stepped else first_step_state(
-            self.optimizer, [g.master for g in self._buffers]
-        )  # fmt: skip
-        names = {name for entry in state.values() for name in entry}
-        layout = self._state_layout
-        per_element, shared, other = {}, {}, {}
-        for name in sorted(names):
-            values = [state.get(gi, {}).get(name) for gi in range(len(self._buffers))]
-            if name in layout.per_element and all(
-                v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,)
-                for v, g in zip(values, self._buffers)
-            ):  # only the groups that keep it (SGD without momentum keeps no buffer)
-                per_element[name] = self._placement.chunks(values)
-            elif name in layout.per_parameter:
-                shared[name] = values  # a step count: the same on every rank
-            else:
-                other[name] = values  # a key the probe never saw: this rank's own
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return {"param_groups": saved["param_groups"], "stepped": stepped,
-                "per_element": per_element, "shared": shared,
-                "rank_state": {f"rank{rank}": other} if other else {}}  # fmt: skip
+        return save_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output: of the same rank of a run of the same shape, or,
@@ -909,111 +794,14 @@ class ACCOEngine:
 
         Loading gathers the pending result's shards again, rebuilding it bit for bit.
         """
-        rank_key = f"rank{dist.get_rank() if dist.is_initialized() else 0}"
-        _check_compatible(state, self, rank_key)
-        self._finish_in_flight(apply=False)
-        own = state["rank_state"].get(rank_key) if state["partial_round"] else None
-        place = self._placement
-        place.fill([g.master for g in self._buffers], state["master"])
-        if state["pending_shard"] is not None:
-            place.fill([g.gather_input for g in self._buffers], state["pending_shard"])
-        # Between an estimate and its update, ΣG̃ is the carried half-batch, also where the
-        # estimate was sent narrower (the saving run kept it in its accumulators): the update
-        # adds it, and an engine that never carries gets the buffer for it now.
-        self._carry_next_update = bool(state["estimate_count"]) and (
-            own is None or (state["version"] >= 5 and state["carry_next_update"])
-        )  # fmt: skip
-        if self._carry_next_update:
-            for g in self._buffers:
-                if g.carried is None:
-                    g.carried = torch.zeros(g.shard_numel, device=self.device)
-        if state["carried"] is not None and self._buffers[0].carried is not None:
-            place.fill([g.carried for g in self._buffers], state["carried"])
-        with torch.no_grad():
-            for gi, g in enumerate(self._buffers):
-                g.accumulator.zero_()
-                if own is not None:
-                    g.accumulator.copy_(own["accumulator"][gi])
-        self._load_optimizer_state(state["optimizer"], rank_key)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.round_index, self.num_updates = state["round_index"], state["num_updates"]
-        self.skipped_rounds = state["skipped_rounds"]
-        self._round_microbatches = state["round_microbatches"]
-        if own is not None:
-            self._local_count = own["local_count"]
-            self._local_unit = state["version"] < 5 or own["local_unit_weights"]
-            self._grad_arrived = [list(a) for a in own["grad_arrived"]]
-        else:
-            self._local_count, self._local_unit = 0.0, True
-            self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
-        self._estimate_count = state["estimate_count"]
-        self._unit_weights = _saved_unit_weights(state)
-        self._reweigh_carried = _carried_reweigh(state, self)
-        self._update_weight = _update_weight_after_load(state, self, self._reweigh_carried)
-        self._estimate_next = state["estimate_next"]
-        self.updates_launched = state["updates_launched"]
-        # Resharded onto ranks that take another number of micro-batches per update (the same
-        # global batch), the next update starts on this engine's own schedule.
-        same_rounds = state["accumulation_steps"] == self.settings.accumulation_steps
-        if same_rounds:
-            self.schedule = Schedule(*state["schedule"])
-        if same_rounds and self._auto is not None and state["auto"] is not None:
-            self._auto.load_state_dict(state["auto"])
-            agreed = state["auto"]["agreed"]
-            self._agreed = None if agreed is None else Schedule(*agreed)
+        pending = load_state(self, state)  # checked first: a state refused changes nothing
         self._in_flight = None
-        if state["pending_job"] is not None:
+        if pending is not None:
             # The saved run had a finished, not yet applied result: every rank kept its shard of
             # it (θ, or a narrow estimate's decoded θ̃ − θ); gathering the shards again rebuilds
             # the full result bit for bit.
-            wire = state["pending_wire"]
-            wire = None if wire is None else WIRE_FORMATS[wire]
             future = self._worker.submit(all_gather_shards, self._buffers, self._groups)
-            self._in_flight = RoundInFlight(
-                future, RoundPlan(Job(state["pending_job"]), 0.0, wire=wire), self.round_index - 1
-            )
-
-    def _load_optimizer_state(self, saved: dict[str, Any], rank_key: str) -> None:
-        if not saved["stepped"]:
-            self.optimizer.state.clear()  # as built: no step yet
-            self.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
-            return
-        state: dict[int, dict[str, Any]] = {gi: {} for gi in range(len(self._buffers))}
-        for name, chunks in saved["per_element"].items():
-            flats = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=self.device)
-                     if key in chunks else None
-                     for g, key in zip(self._buffers, self._placement.keys)]  # fmt: skip
-            self._placement.fill(flats, chunks)
-            for gi, flat in enumerate(flats):
-                if flat is not None:
-                    state[gi][name] = flat
-        for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
-            for name, per_group in values.items():
-                for gi, value in enumerate(per_group):
-                    if value is not None:
-                        state[gi][name] = value
-        self.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
-
-    @property
-    def _between_estimate_and_update(self) -> bool:
-        """acco's estimate round was launched and its update round was not: ΣG̃ waits for it."""
-        return not self.schedule.synchronous and not self._estimate_next
-
-    @property
-    def _estimate_kept(self) -> bool:
-        """The estimate round was sent narrower than the reduce dtype: the accumulators keep
-        its gradients (and the local counts its weight) for the update round to send."""
-        return self.schedule.estimate_dtype != self.settings.reduce_format
-
-    def _kept_estimate_sum(self) -> list[Tensor]:
-        """ΣG̃ of a narrow estimate round as the reduce dtype's carried half-batch: the
-        accumulators reduce-scattered in fp32 (on the engine's thread, which owns its groups)."""
-        sums = [torch.empty(g.shard_numel, device=self.device) for g in self._buffers]
-        job = self._worker.submit(reduce_scatter_accumulators, sums, self._buffers, self._groups)
-        timeout = self.settings.timeout
-        self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
-        return sums
+            self._in_flight = RoundInFlight(future, pending, self.round_index - 1)
 
     def reset_master_from_params(self) -> None:
         """Take the fp32 master shard from the model's current parameters.
@@ -1092,10 +880,8 @@ class ACCOEngine:
             self._in_flight = None
 
     def _meet_peers(self) -> None:
-        timeout = self.settings.timeout
         try:
-            job = self._worker.submit(barrier_each, self.process_groups)
-            self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+            self._run_on_thread(barrier_each, self.process_groups)
         except Exception:  # noqa: BLE001 - a peer died meanwhile: tear down anyway
             logger.warning("acco_hooks: close(): a peer never reached the barrier", exc_info=True)
 
@@ -1210,240 +996,6 @@ def _check_round_inputs(
             "round: run backward() before step(), and set requires_grad=False on parameters "
             "that are not trained (or leave them out of the optimizer's params)"
         )
-
-
-def _check_compatible(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> None:
-    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``
-    that forbids loading it, before anything is loaded."""
-    mode, steps = engine.settings.mode, engine.settings.accumulation_steps
-    version = state.get("version")
-    if version not in (3, 4, STATE_VERSION) or (version == 3 and (
-        (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
-    )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint has engine state version "
-            f"{version!r}"
-            + (" saved inside acco's update round or with a narrow estimate pending"
-               if version == 3 else "")
-            + f", this acco_hooks reads versions 4 and {STATE_VERSION}, and 3 saved at a step "
-            "boundary (version 2 kept flat shards that only a run of the same shape could "
-            "load). Resume it with the acco_hooks that wrote it"
-        )
-    saved_class, own_class = state.get("optimizer_class"), _class_name(engine.optimizer)
-    if saved_class is not None and saved_class != own_class:  # version 3 did not say
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint's shard optimizer is {saved_class}, "
-            f"this engine steps {own_class}: their states do not mean the same. Build the "
-            f"optimizer with optimizer_class={saved_class} to resume"
-        )
-    if state["mode"] != mode:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
-            f"this engine has mode={mode!r}; build the optimizer with "
-            f"mode={state['mode']!r} to resume"
-        )
-    same_ranks = (state["world_size"], state["fsdp_world_size"]) == (
-        engine.world_size, engine.fsdp_world_size
-    )  # fmt: skip
-    if state["accumulation_steps"] != steps and same_ranks:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
-            f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "
-            "the resumed run would take another batch per update than the saved one. Build "
-            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
-        )
-    saved = Schedule(*state["schedule"])
-    if state["accumulation_steps"] == steps and saved not in engine.candidate_schedules:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved running "
-            f"{saved.describe()}, which this engine's estimate_microbatches="
-            f"{engine.settings.estimate_microbatches!r} and estimate_dtype="
-            f"{engine.settings.estimate_dtype!r} do not run: build the optimizer with the "
-            "saved run's estimate settings to resume"
-        )
-    place = engine._placement
-    if state["fsdp_world_size"] != engine.fsdp_world_size and not place.reshards_fsdp:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
-            f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
-            f"{engine.fsdp_world_size} ways, and in a way that keeps one vector per FSDP rank "
-            "(a parameter FSDP did not split along dim 0): resume with an FSDP "
-            f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
-        )
-    names, shapes = state["params"], state["param_shapes"]
-    if isinstance(names, dict):  # version 5: by model part (every pipeline stage its own)
-        names = [names.get(key) for key in place.keys] if set(names) == set(place.keys) else None
-        shapes = [shapes.get(key, ()) for key in place.keys]
-    if names != place.param_names or set(state["master"]) != set(place.keys) or [
-        [tuple(s) for s in g] for g in shapes
-    ] != place.global_shapes:
-        raise ValueError(
-            "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
-            "differ from this optimizer's; build it over the same parameters in the same order"
-            + (" (or it was saved with another FSDP degree by a run that kept one vector per "
-               "FSDP rank)" if state["fsdp_world_size"] != engine.fsdp_world_size else "")
-        )
-    _warn_if_matched_by_position(place.param_names, place.global_shapes)
-    has_lr_scheduler = engine.lr_scheduler is not None
-    if has_lr_scheduler != (state["lr_scheduler"] is not None):
-        raise ValueError(
-            "acco_hooks: load_state_dict: the checkpoint "
-            + ("has no" if state["lr_scheduler"] is None else "has an")
-            + " LR scheduler state but this optimizer "
-            + ("has one" if has_lr_scheduler else "has none")
-            + "; pass the same lr_scheduler argument as the saved run"
-        )
-    saved_shape = (state["world_size"], state["fsdp_world_size"])
-    shape = (engine.world_size, engine.fsdp_world_size)
-    what = (f"{saved_shape[0]} data-parallel ranks"
-            + (f" × FSDP {saved_shape[1]}" if saved_shape[1] > 1 else ""))  # fmt: skip
-    resume = (f"resume with {saved_shape[0]} data-parallel ranks"
-              + (f" and an FSDP degree of {saved_shape[1]}" if saved_shape[1] > 1 else ""))
-    if state["partial_round"] and rank_key not in state["rank_state"]:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved in the middle of a round "
-            f"(round {state['round_index']}, {state['round_microbatches']} micro-batches in), "
-            f"and this rank's accumulated gradients ({rank_key}) are not in what was loaded: "
-            + ("they exist only on the ranks of the saved run "
-               if saved_shape != shape else
-               "a distributed checkpoint loads only what the loading optimizer's state_dict() "
-               "holds, ")
-            + f"({what}). {resume[0].upper() + resume[1:]} from per-rank files "
-            "(acco_hooks.checkpoint), or save when step() ends a round"
-        )
-    if not place.matches(state["master"]):
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint holds another rank's part of the "
-            f"optimizer state (it was saved by {what}; this is rank {engine.rank} of "
-            f"{engine.world_size}): a per-rank file loads on the rank that wrote it, in a run "
-            f"of the same shape. To resume on other ranks, save with torch.distributed."
-            "checkpoint (dcp.save of opt.state_dict()) and dcp.load into this optimizer's "
-            "state_dict() before load_state_dict"
-        )
-    if saved_shape == shape:
-        return
-    others = [name for own in state["optimizer"]["rank_state"].values() for name in own]
-    if others:
-        raise ValueError(
-            f"acco_hooks: load_state_dict: the checkpoint was saved by {what}, this run has "
-            f"{engine.world_size}"
-            + (f" × FSDP {engine.fsdp_world_size}" if engine.fsdp_world_size > 1 else "")
-            + f"; the optimizer keeps state {sorted(set(others))} that is not one value per "
-            f"parameter element, which cannot be resharded: {resume}"
-        )
-
-
-# The names normalize_param_groups gives parameters passed without one
-_POSITIONAL_NAME = re.compile(r"params\[\d+\]\[\d+\]")
-
-
-def _warn_if_matched_by_position(names: list[list[str]], shapes: list[list[tuple]]) -> None:
-    """Parameters given without names load the checkpoint by position: where two share a shape,
-    a saved run that listed them in another order would swap their master weights and moments
-    unseen (the model loads by name)."""
-    repeated = sum(
-        len(group_shapes) - len(set(group_shapes))
-        for group_names, group_shapes in zip(names, shapes)
-        if any(_POSITIONAL_NAME.fullmatch(name) for name in group_names)
-    )  # fmt: skip
-    if repeated:
-        warnings.warn(
-            "acco_hooks: load_state_dict: the optimizer's parameters were given without names, "
-            "so the checkpoint's optimizer state is matched to them by position, and some of "
-            "them share a shape: had the saved run listed them in another order, they would "
-            "take each other's master weights and moments unnoticed. Build the optimizer over "
-            "model.named_parameters() (or (name, parameter) pairs) so that checkpoints match by "
-            "name",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _resharded(state: dict[str, Any], engine: ACCOEngine) -> bool:
-    """Whether ``state`` was saved by a run of another shape (ranks, FSDP degree, round size)."""
-    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
-    return saved != (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
-
-
-def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
-    """Resumed between acco's estimate round and its update in other units than the saved
-    ΣG̃'s: what an update round weighed in them, against which ΣG̃ and c̃ are reweighed
-    (``communicate``); ``None`` to keep them. A state saved right after such a load, before
-    that update, still holds ΣG̃ in the earlier units, and says what they weighed.
-    """
-    if not state["estimate_count"]:
-        return None
-    if state["version"] >= 5 and state["carried_reweigh"] is not None:
-        return state["carried_reweigh"]
-    return _saved_update_round_weight(state) if _resharded(state, engine) else None
-
-
-def _saved_update_round_weight(state: dict[str, Any]) -> float | None:
-    """What the saved run's update round weighed, when a new split changes it; ``None`` when
-    the weights are data units, which no split changes.
-
-    The update averages (ΣG̃ + ΣG) / (c̃ + c), and on the new world the carried half must weigh
-    what it would weigh there. What a weight counts decides:
-
-    * every micro-batch weighed 1 (a mean loss, ``step()``): a weight counts micro-batches, N·s
-      of them on N ranks × s; the update round weighed the estimate round's weight per
-      micro-batch times its own micro-batches;
-    * shares of an update (the Hugging Face Trainer's, ``weights_are_shares``): an update
-      weighs the same whatever its data, W, so the update round weighed W − c̃ (before the
-      first update finished, the estimate round's share per micro-batch stands in);
-    * any other weight counts what the loss sums over (tokens, ``step(weight=tokens)``):
-      ΣG̃ and c̃ do not depend on the split and are kept.
-
-    Version 4 kept the update round's weight while every update weighed the same, version 3
-    only whether every weight was 1.
-    """
-    version, carried = state["version"], state["estimate_count"]
-    schedule = Schedule(*state["schedule"])  # between its rounds: an estimate round ran
-    by_microbatches = carried * schedule.update_microbatches / schedule.estimate_microbatches
-    if version == 3:
-        return state["world_size"] * state["accumulation_steps"] if state["unit_weights"] else None
-    if version == 4:
-        weight = state["update_weight"]
-        return None if weight is None else weight or by_microbatches
-    if state["unit_weights"]:
-        return by_microbatches
-    if not state["weights_are_shares"]:
-        return None
-    whole = state["update_weight"]
-    return whole - carried if whole and whole > carried else by_microbatches
-
-
-def _saved_unit_weights(state: dict[str, Any]) -> bool:
-    """Whether every micro-batch of the saved run weighed 1 (version 4 did not say; an update
-    round of unit weights weighs ranks × FSDP ranks × accumulation_steps)."""
-    if state["version"] == 4:
-        return state["update_weight"] == (
-            state["world_size"] * state["fsdp_world_size"] * state["accumulation_steps"]
-        )  # fmt: skip
-    return bool(state["unit_weights"])
-
-
-def _update_weight_after_load(
-    state: dict[str, Any], engine: ACCOEngine, reweigh: float | None
-) -> float | None:
-    """The loaded engine's W: the saved one while it is in the units the engine's carried ΣG̃
-    is in (the same shape, or a reweigh pending); else measured anew (0.0) on this world,
-    unless the weights were data units (``None``)."""
-    if state["version"] < 5:  # 4's was an update round's, 3 kept none
-        return None if state.get("update_weight", 0.0) is None else 0.0
-    weight = state["update_weight"]
-    if weight is None or reweigh is not None or not _resharded(state, engine):
-        return weight
-    return 0.0
-
-
-def _local_dtype(chunks: dict[str, Any], key: str) -> torch.dtype:
-    chunk = chunks[key]
-    return chunk.data.dtype if hasattr(chunk, "offset") else chunk.dtype
-
-
-def _class_name(optimizer: torch.optim.Optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _some(names: list[str]) -> str:

@@ -1,0 +1,550 @@
+"""A rank's engine state: what it is, how it is saved, checked before a load, and resharded.
+
+An engine's state is everything a resumed run needs to go on where the saved one was, round for
+round (``ACCOEngine.state_dict``):
+
+* **per element, 1/N of the model** (DTensor or ShardedTensor chunks of each parameter group's
+  part vector, ``placement``; DCP saves every rank's and loads them on any number of ranks):
+  the fp32 master shard, the optimizer's per-element state, the shard of a finished result not
+  yet applied (``pending_shard``) and, in ``acco``, the carried half-batch ΣG̃;
+* **the same on every rank**: the round counters, the schedule (``auto``'s choice and what it
+  measured), the LR scheduler, the optimizer's per-parameter values (a step count), and the
+  weights of the update under way (acco's c̃, W, and where a resharded resume reweighs ΣG̃);
+* **one rank's own**, under a key of that rank (``rank_state``): saved in the middle of a round,
+  its accumulated gradients and their weight. Such a state resumes on the same ranks only.
+
+Besides, the *live* parameters (those the next round computes at; in ``acco`` possibly θ̃)
+are saved as master-shaped chunks (:func:`save_live_parameters`), for front-ends whose model
+checkpoint holds the real θ.
+
+A load first checks that the state fits this engine (:func:`check_loadable`), before anything
+changes. Loaded onto another number of ranks, the carried ΣG̃ may be in the saved world's units;
+the last part of this module says what an update round weighed there, so that the next update
+averages both halves in this world's (``communication`` reweighs).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from acco_hooks.engine.communication import (
+    Job,
+    RoundPlan,
+    all_gather_into,
+    reduce_scatter_accumulators,
+)
+from acco_hooks.engine.schedule import Schedule
+from acco_hooks.engine.shard_optimizer import first_step_state
+from acco_hooks.engine.wire import WIRE_FORMATS
+
+if TYPE_CHECKING:
+    from acco_hooks.engine.engine import ACCOEngine
+
+__all__ = [
+    "STATE_VERSION", "check_loadable", "load_live_parameters", "load_state", "save_live_parameters",
+    "save_state",
+]  # fmt: skip
+
+# 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
+# added a carried ΣG̃), ``carried_reweigh`` says in which units a carried ΣG̃ is, the parameter
+# names and shapes are keyed by model part (4: one list, the same key on every pipeline stage),
+# and optimizer state is per element or per parameter by what the optimizer keeps (4: by shape).
+# 4: acco's carried weight c̃ is in ``estimate_count`` alone (3 kept each rank's share of it in
+# that rank's count) and ``update_weight`` replaces 3's ``unit_weights``.
+# 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
+# DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
+# 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
+STATE_VERSION = 5
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save_state(engine: ACCOEngine) -> dict[str, Any]:
+    """The body of ``ACCOEngine.state_dict``, which documents it."""
+    uncounted = engine.grads_received - engine._grads_counted
+    if uncounted and not engine.closed:
+        raise RuntimeError(
+            f"acco_hooks: state_dict() between backward() and step(): {uncounted} parameter "
+            "gradients are accumulated but their micro-batch is not counted yet, so a "
+            "resumed run that replays it would count it twice. Save after step() (or "
+            "before backward())"
+        )
+    engine._finish_in_flight(apply=False)
+    flight = engine._in_flight
+    narrow = flight is not None and flight.plan.wire is not None
+    partial = bool(engine._round_microbatches)
+    # acco between its estimate round and its update round: ΣG̃ waits for the update
+    half = not engine.schedule.synchronous and not engine._estimate_next
+    if narrow:  # the pending result is θ̃ − θ, decoded: each rank's range of it, as any shard
+        for g in engine._buffers:
+            g.gather_input.copy_(g.gathered[engine.rank * g.shard_numel :][: g.shard_numel])
+    carried = None
+    if engine.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
+        if half and not partial and engine._estimate_kept and not engine._carry_next_update:
+            carried = _kept_estimate_sum(engine)
+        else:
+            carried = [torch.zeros(g.shard_numel, device=engine.device) if g.carried is None
+                       else g.carried for g in engine._buffers]  # fmt: skip
+    chunks = engine._placement.chunks
+    return {
+        "version": STATE_VERSION, "mode": engine.settings.mode.value,
+        "optimizer_class": _class_name(engine.optimizer), "world_size": engine.world_size,
+        "fsdp_world_size": engine.fsdp_world_size,
+        # by model part, as the shards: every pipeline stage's is saved
+        "params": dict(zip(engine._placement.keys, engine._placement.param_names)),
+        "param_shapes": dict(zip(engine._placement.keys, engine._placement.global_shapes)),
+        "accumulation_steps": engine.settings.accumulation_steps,
+        "round_index": engine.round_index, "num_updates": engine.num_updates,
+        "skipped_rounds": engine.skipped_rounds, "round_microbatches": engine._round_microbatches,
+        "schedule": tuple(engine.schedule), "estimate_next": engine._estimate_next,
+        "updates_launched": engine.updates_launched,
+        "auto": None if engine._auto is None else {
+            **engine._auto.state_dict(),
+            "agreed": None if engine._agreed is None else tuple(engine._agreed),
+        },
+        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "pending_job": None if flight is None else flight.plan.job.value,
+        "pending_wire": flight.plan.wire.name if narrow else None,
+        # per element, DTensors: every rank's part is saved, and any world loads it
+        "master": chunks([g.master for g in engine._buffers]),
+        "pending_shard": chunks([g.gather_input for g in engine._buffers]),
+        "carried": None if carried is None else chunks(carried),
+        # acco between its estimate round and its update: ΣG̃ is carried, and its weight;
+        # W, and, resumed from another world with ΣG̃ still in its units, what an update
+        # round weighed there (``_carried_reweigh``)
+        "estimate_count": engine._estimate_count if half else 0.0,
+        "unit_weights": engine._unit_weights, "weights_are_shares": engine._weights_are_shares,
+        "update_weight": engine._update_weight,
+        "carried_reweigh": engine._reweigh_carried if half else None,
+        # resumed between a narrow estimate and its update: ΣG̃ is carried, not kept in the
+        # accumulators (which hold the update round's gradients alone)
+        "carry_next_update": engine._carry_next_update,
+        "optimizer": _optimizer_state(engine),
+        # Mid-round: model-sized, this rank's alone; a key no other rank writes
+        "partial_round": partial,
+        "rank_state": {_rank_key(): {
+            "accumulator": [g.accumulator for g in engine._buffers],
+            "local_count": engine._local_count, "local_unit_weights": engine._local_unit,
+            "grad_arrived": [list(a) for a in engine._grad_arrived],
+        }} if partial else {},
+    }  # fmt: skip
+
+
+def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
+    """The shard optimizer's state: per-element tensors by parameter (as the master), per-
+    parameter values (the same on every rank) as torch keeps them, by what the optimizer
+    keeps (``shard_optimizer``), not by shape: a group's shard may have one element. Before
+    its first step, the state a first step creates, so that DCP has tensors to load into
+    (``stepped`` says it is not real)."""
+    saved = engine.optimizer.state_dict()
+    stepped = bool(saved["state"])
+    state = saved["state"] if stepped else first_step_state(
+        engine.optimizer, [g.master for g in engine._buffers]
+    )  # fmt: skip
+    names = {name for entry in state.values() for name in entry}
+    layout = engine._state_layout
+    per_element, shared, other = {}, {}, {}
+    for name in sorted(names):
+        values = [state.get(gi, {}).get(name) for gi in range(len(engine._buffers))]
+        if name in layout.per_element and all(
+            v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,)
+            for v, g in zip(values, engine._buffers)
+        ):  # only the groups that keep it (SGD without momentum keeps no buffer)
+            per_element[name] = engine._placement.chunks(values)
+        elif name in layout.per_parameter:
+            shared[name] = values  # a step count: the same on every rank
+        else:
+            other[name] = values  # a key the probe never saw: this rank's own
+    return {"param_groups": saved["param_groups"], "stepped": stepped,
+            "per_element": per_element, "shared": shared,
+            "rank_state": {_rank_key(): other} if other else {}}  # fmt: skip
+
+
+def _kept_estimate_sum(engine: ACCOEngine) -> list[Tensor]:
+    """ΣG̃ of a narrow estimate round as the reduce dtype's carried half-batch: the
+    accumulators reduce-scattered in fp32 (on the engine's thread, which owns its groups)."""
+    sums = [torch.empty(g.shard_numel, device=engine.device) for g in engine._buffers]
+    engine._run_on_thread(reduce_scatter_accumulators, sums, engine._buffers, engine._groups)
+    return sums
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_state(engine: ACCOEngine, state: dict[str, Any]) -> RoundPlan | None:
+    """The body of ``ACCOEngine.load_state_dict``, which documents it. Returns the plan of
+    the saved run's finished, not yet applied result, whose shards are back in the
+    engine's buffers: the engine gathers them again (``None``: there was none)."""
+    rank_key = _rank_key()
+    check_loadable(state, engine, rank_key)
+    engine._finish_in_flight(apply=False)
+    own = state["rank_state"].get(rank_key) if state["partial_round"] else None
+    place = engine._placement
+    place.fill([g.master for g in engine._buffers], state["master"])
+    if state["pending_shard"] is not None:
+        place.fill([g.gather_input for g in engine._buffers], state["pending_shard"])
+    # Between an estimate and its update, ΣG̃ is the carried half-batch, also where the
+    # estimate was sent narrower (the saving run kept it in its accumulators): the update
+    # adds it, and an engine that never carries gets the buffer for it now.
+    engine._carry_next_update = bool(state["estimate_count"]) and (
+        own is None or (state["version"] >= 5 and state["carry_next_update"])
+    )  # fmt: skip
+    if engine._carry_next_update:
+        for g in engine._buffers:
+            if g.carried is None:
+                g.carried = torch.zeros(g.shard_numel, device=engine.device)
+    if state["carried"] is not None and engine._buffers[0].carried is not None:
+        place.fill([g.carried for g in engine._buffers], state["carried"])
+    with torch.no_grad():
+        for gi, g in enumerate(engine._buffers):
+            g.accumulator.zero_()
+            if own is not None:
+                g.accumulator.copy_(own["accumulator"][gi])
+    _load_optimizer_state(engine, state["optimizer"], rank_key)
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    engine.round_index, engine.num_updates = state["round_index"], state["num_updates"]
+    engine.skipped_rounds = state["skipped_rounds"]
+    engine._round_microbatches = state["round_microbatches"]
+    if own is not None:
+        engine._local_count = own["local_count"]
+        engine._local_unit = state["version"] < 5 or own["local_unit_weights"]
+        engine._grad_arrived = [list(a) for a in own["grad_arrived"]]
+    else:
+        engine._local_count, engine._local_unit = 0.0, True
+        engine._grad_arrived = [[False] * len(g.params) for g in engine._buffers]
+    engine._estimate_count = state["estimate_count"]
+    engine._unit_weights = _saved_unit_weights(state)
+    engine._reweigh_carried = _carried_reweigh(state, engine)
+    engine._update_weight = _update_weight_after_load(state, engine, engine._reweigh_carried)
+    engine._estimate_next = state["estimate_next"]
+    engine.updates_launched = state["updates_launched"]
+    # Resharded onto ranks that take another number of micro-batches per update (the same
+    # global batch), the next update starts on this engine's own schedule.
+    same_rounds = state["accumulation_steps"] == engine.settings.accumulation_steps
+    if same_rounds:
+        engine.schedule = Schedule(*state["schedule"])
+    if same_rounds and engine._auto is not None and state["auto"] is not None:
+        engine._auto.load_state_dict(state["auto"])
+        agreed = state["auto"]["agreed"]
+        engine._agreed = None if agreed is None else Schedule(*agreed)
+    if state["pending_job"] is None:
+        return None
+    wire = state["pending_wire"]
+    return RoundPlan(
+        Job(state["pending_job"]), 0.0, wire=None if wire is None else WIRE_FORMATS[wire]
+    )
+
+
+def _load_optimizer_state(engine: ACCOEngine, saved: dict[str, Any], rank_key: str) -> None:
+    if not saved["stepped"]:
+        engine.optimizer.state.clear()  # as built: no step yet
+        engine.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+        return
+    state: dict[int, dict[str, Any]] = {gi: {} for gi in range(len(engine._buffers))}
+    for name, chunks in saved["per_element"].items():
+        flats = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=engine.device)
+                 if key in chunks else None
+                 for g, key in zip(engine._buffers, engine._placement.keys)]  # fmt: skip
+        engine._placement.fill(flats, chunks)
+        for gi, flat in enumerate(flats):
+            if flat is not None:
+                state[gi][name] = flat
+    for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
+        for name, per_group in values.items():
+            for gi, value in enumerate(per_group):
+                if value is not None:
+                    state[gi][name] = value
+    engine.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+# ---------------------------------------------------------------- checked before a load
+
+
+def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> None:
+    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``
+    that forbids loading it, before anything is loaded."""
+    mode, steps = engine.settings.mode, engine.settings.accumulation_steps
+    version = state.get("version")
+    if version not in (3, 4, STATE_VERSION) or (version == 3 and (
+        (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
+    )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint has engine state version "
+            f"{version!r}"
+            + (" saved inside acco's update round or with a narrow estimate pending"
+               if version == 3 else "")
+            + f", this acco_hooks reads versions 4 and {STATE_VERSION}, and 3 saved at a step "
+            "boundary (version 2 kept flat shards that only a run of the same shape could "
+            "load). Resume it with the acco_hooks that wrote it"
+        )
+    saved_class, own_class = state.get("optimizer_class"), _class_name(engine.optimizer)
+    if saved_class is not None and saved_class != own_class:  # version 3 did not say
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint's shard optimizer is {saved_class}, "
+            f"this engine steps {own_class}: their states do not mean the same. Build the "
+            f"optimizer with optimizer_class={saved_class} to resume"
+        )
+    if state["mode"] != mode:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved in mode={state['mode']!r}, "
+            f"this engine has mode={mode!r}; build the optimizer with "
+            f"mode={state['mode']!r} to resume"
+        )
+    same_ranks = (state["world_size"], state["fsdp_world_size"]) == (
+        engine.world_size, engine.fsdp_world_size
+    )  # fmt: skip
+    if state["accumulation_steps"] != steps and same_ranks:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with accumulation_steps="
+            f"{state['accumulation_steps']}, this optimizer has accumulation_steps={steps}: "
+            "the resumed run would take another batch per update than the saved one. Build "
+            f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
+        )
+    saved = Schedule(*state["schedule"])
+    if state["accumulation_steps"] == steps and saved not in engine.candidate_schedules:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved running "
+            f"{saved.describe()}, which this engine's estimate_microbatches="
+            f"{engine.settings.estimate_microbatches!r} and estimate_dtype="
+            f"{engine.settings.estimate_dtype!r} do not run: build the optimizer with the "
+            "saved run's estimate settings to resume"
+        )
+    place = engine._placement
+    if state["fsdp_world_size"] != engine.fsdp_world_size and not place.reshards_fsdp:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
+            f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
+            f"{engine.fsdp_world_size} ways, and in a way that keeps one vector per FSDP rank "
+            "(a parameter FSDP did not split along dim 0): resume with an FSDP "
+            f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
+        )
+    names, shapes = state["params"], state["param_shapes"]
+    if isinstance(names, dict):  # version 5: by model part (every pipeline stage its own)
+        names = [names.get(key) for key in place.keys] if set(names) == set(place.keys) else None
+        shapes = [shapes.get(key, ()) for key in place.keys]
+    if names != place.param_names or set(state["master"]) != set(place.keys) or [
+        [tuple(s) for s in g] for g in shapes
+    ] != place.global_shapes:
+        raise ValueError(
+            "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
+            "differ from this optimizer's; build it over the same parameters in the same order"
+            + (" (or it was saved with another FSDP degree by a run that kept one vector per "
+               "FSDP rank)" if state["fsdp_world_size"] != engine.fsdp_world_size else "")
+        )
+    _warn_if_matched_by_position(place.param_names, place.global_shapes)
+    has_lr_scheduler = engine.lr_scheduler is not None
+    if has_lr_scheduler != (state["lr_scheduler"] is not None):
+        raise ValueError(
+            "acco_hooks: load_state_dict: the checkpoint "
+            + ("has no" if state["lr_scheduler"] is None else "has an")
+            + " LR scheduler state but this optimizer "
+            + ("has one" if has_lr_scheduler else "has none")
+            + "; pass the same lr_scheduler argument as the saved run"
+        )
+    saved_shape = (state["world_size"], state["fsdp_world_size"])
+    shape = (engine.world_size, engine.fsdp_world_size)
+    what = (f"{saved_shape[0]} data-parallel ranks"
+            + (f" × FSDP {saved_shape[1]}" if saved_shape[1] > 1 else ""))  # fmt: skip
+    resume = (f"resume with {saved_shape[0]} data-parallel ranks"
+              + (f" and an FSDP degree of {saved_shape[1]}" if saved_shape[1] > 1 else ""))
+    if state["partial_round"] and rank_key not in state["rank_state"]:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved in the middle of a round "
+            f"(round {state['round_index']}, {state['round_microbatches']} micro-batches in), "
+            f"and this rank's accumulated gradients ({rank_key}) are not in what was loaded: "
+            + ("they exist only on the ranks of the saved run "
+               if saved_shape != shape else
+               "a distributed checkpoint loads only what the loading optimizer's state_dict() "
+               "holds, ")
+            + f"({what}). {resume[0].upper() + resume[1:]} from per-rank files "
+            "(acco_hooks.checkpoint), or save when step() ends a round"
+        )
+    if not place.matches(state["master"]):
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint holds another rank's part of the "
+            f"optimizer state (it was saved by {what}; this is rank {engine.rank} of "
+            f"{engine.world_size}): a per-rank file loads on the rank that wrote it, in a run "
+            f"of the same shape. To resume on other ranks, save with torch.distributed."
+            "checkpoint (dcp.save of opt.state_dict()) and dcp.load into this optimizer's "
+            "state_dict() before load_state_dict"
+        )
+    if saved_shape == shape:
+        return
+    others = [name for own in state["optimizer"]["rank_state"].values() for name in own]
+    if others:
+        raise ValueError(
+            f"acco_hooks: load_state_dict: the checkpoint was saved by {what}, this run has "
+            f"{engine.world_size}"
+            + (f" × FSDP {engine.fsdp_world_size}" if engine.fsdp_world_size > 1 else "")
+            + f"; the optimizer keeps state {sorted(set(others))} that is not one value per "
+            f"parameter element, which cannot be resharded: {resume}"
+        )
+
+
+# The names normalize_param_groups gives parameters passed without one
+_POSITIONAL_NAME = re.compile(r"params\[\d+\]\[\d+\]")
+
+
+def _warn_if_matched_by_position(names: list[list[str]], shapes: list[list[tuple]]) -> None:
+    """Parameters given without names load the checkpoint by position: where two share a shape,
+    a saved run that listed them in another order would swap their master weights and moments
+    unseen (the model loads by name)."""
+    repeated = sum(
+        len(group_shapes) - len(set(group_shapes))
+        for group_names, group_shapes in zip(names, shapes)
+        if any(_POSITIONAL_NAME.fullmatch(name) for name in group_names)
+    )  # fmt: skip
+    if repeated:
+        warnings.warn(
+            "acco_hooks: load_state_dict: the optimizer's parameters were given without names, "
+            "so the checkpoint's optimizer state is matched to them by position, and some of "
+            "them share a shape: had the saved run listed them in another order, they would "
+            "take each other's master weights and moments unnoticed. Build the optimizer over "
+            "model.named_parameters() (or (name, parameter) pairs) so that checkpoints match by "
+            "name",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+# ---------------------------------------------------------------- resharded: the carried ΣG̃'s units
+
+
+def _resharded(state: dict[str, Any], engine: ACCOEngine) -> bool:
+    """Whether ``state`` was saved by a run of another shape (ranks, FSDP degree, round size)."""
+    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
+    return saved != (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
+
+
+def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
+    """Resumed between acco's estimate round and its update in other units than the saved
+    ΣG̃'s: what an update round weighed in them, against which ΣG̃ and c̃ are reweighed
+    (``communicate``); ``None`` to keep them. A state saved right after such a load, before
+    that update, still holds ΣG̃ in the earlier units, and says what they weighed.
+    """
+    if not state["estimate_count"]:
+        return None
+    if state["version"] >= 5 and state["carried_reweigh"] is not None:
+        return state["carried_reweigh"]
+    return _saved_update_round_weight(state) if _resharded(state, engine) else None
+
+
+def _saved_update_round_weight(state: dict[str, Any]) -> float | None:
+    """What the saved run's update round weighed, when a new split changes it; ``None`` when
+    the weights are data units, which no split changes.
+
+    The update averages (ΣG̃ + ΣG) / (c̃ + c), and on the new world the carried half must weigh
+    what it would weigh there. What a weight counts decides:
+
+    * every micro-batch weighed 1 (a mean loss, ``step()``): a weight counts micro-batches, N·s
+      of them on N ranks × s; the update round weighed the estimate round's weight per
+      micro-batch times its own micro-batches;
+    * shares of an update (the Hugging Face Trainer's, ``weights_are_shares``): an update
+      weighs the same whatever its data, W, so the update round weighed W − c̃ (before the
+      first update finished, the estimate round's share per micro-batch stands in);
+    * any other weight counts what the loss sums over (tokens, ``step(weight=tokens)``):
+      ΣG̃ and c̃ do not depend on the split and are kept.
+
+    Version 4 kept the update round's weight while every update weighed the same, version 3
+    only whether every weight was 1.
+    """
+    version, carried = state["version"], state["estimate_count"]
+    schedule = Schedule(*state["schedule"])  # between its rounds: an estimate round ran
+    by_microbatches = carried * schedule.update_microbatches / schedule.estimate_microbatches
+    if version == 3:
+        return state["world_size"] * state["accumulation_steps"] if state["unit_weights"] else None
+    if version == 4:
+        weight = state["update_weight"]
+        return None if weight is None else weight or by_microbatches
+    if state["unit_weights"]:
+        return by_microbatches
+    if not state["weights_are_shares"]:
+        return None
+    whole = state["update_weight"]
+    return whole - carried if whole and whole > carried else by_microbatches
+
+
+def _saved_unit_weights(state: dict[str, Any]) -> bool:
+    """Whether every micro-batch of the saved run weighed 1 (version 4 did not say; an update
+    round of unit weights weighs ranks × FSDP ranks × accumulation_steps)."""
+    if state["version"] == 4:
+        return state["update_weight"] == (
+            state["world_size"] * state["fsdp_world_size"] * state["accumulation_steps"]
+        )  # fmt: skip
+    return bool(state["unit_weights"])
+
+
+def _update_weight_after_load(
+    state: dict[str, Any], engine: ACCOEngine, reweigh: float | None
+) -> float | None:
+    """The loaded engine's W: the saved one while it is in the units the engine's carried ΣG̃
+    is in (the same shape, or a reweigh pending); else measured anew (0.0) on this world,
+    unless the weights were data units (``None``)."""
+    if state["version"] < 5:  # 4's was an update round's, 3 kept none
+        return None if state.get("update_weight", 0.0) is None else 0.0
+    weight = state["update_weight"]
+    if weight is None or reweigh is not None or not _resharded(state, engine):
+        return weight
+    return 0.0
+
+
+# ---------------------------------------------------------------- the live parameters
+
+
+def save_live_parameters(engine: ACCOEngine) -> dict[str, Any]:
+    """The body of ``ACCOEngine.live_state_dict``, which documents it."""
+    live = engine._live_outside
+    shards = []
+    for g in engine._buffers:
+        shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=engine.device)
+        tensors = g.locals if live is None else [live[n] for n in g.names]
+        start, offset = engine.rank * g.shard_numel, 0
+        for tensor in tensors:  # the parts of this rank's range each parameter holds
+            lo, hi = max(start, offset), min(start + g.shard_numel, offset + tensor.numel())
+            if lo < hi:
+                shard[lo - start : hi - start] = tensor.reshape(-1)[lo - offset : hi - offset]
+            offset += tensor.numel()
+        shards.append(shard)
+    return engine._placement.chunks(shards)
+
+
+def load_live_parameters(engine: ACCOEngine, state: dict[str, Any]) -> None:
+    """The body of ``ACCOEngine.load_live_state_dict``, which documents it."""
+    shards = [torch.empty(g.shard_numel, dtype=g.gather_dtype, device=engine.device)
+              for g in engine._buffers]  # fmt: skip
+    engine._placement.fill(shards, state)
+    gathered = [torch.empty(g.padded_numel, dtype=g.gather_dtype, device=engine.device)
+                for g in engine._buffers]  # fmt: skip
+    engine._run_on_thread(all_gather_into, gathered, shards, engine._groups)
+    with torch.no_grad():
+        for g, flat in zip(engine._buffers, gathered):
+            offset = 0
+            for tensor in g.locals:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _local_dtype(chunks: dict[str, Any], key: str) -> torch.dtype:
+    chunk = chunks[key]
+    return chunk.data.dtype if hasattr(chunk, "offset") else chunk.dtype
+
+
+def _rank_key() -> str:
+    """The key of what this rank alone holds (its accumulators mid-round, optimizer state that
+    is not per element): its global rank, which a per-rank file is named by."""
+    return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+
+def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
