@@ -32,6 +32,8 @@ SUPPORTED_VERSIONS: dict[str, tuple[str, str | None, str]] = {
     "torchtitan": ("0.2.2", "0.3.0",
                    "pip install 'torchtitan==0.2.2' (scripts/setup.sh does it), or "
                    "ACCO_TITAN=0.3.0 bash scripts/setup.sh for torchtitan 0.3.0 with torch 2.15"),
+    # torchft's Manager and lighthouse (manager=): the release CI runs, every 0.2.x
+    "torchft": ("0.2.0", "0.2", "pip install 'acco_hooks[ft]' (torchft 0.2)"),
 }  # fmt: skip
 
 # torchtitan release -> the lowest torch it is tested with (CI: 2.13.0 and 2.15.0)
@@ -43,7 +45,7 @@ UNTESTED_VERSIONS_ENV = "ACCO_HOOKS_UNTESTED_VERSIONS"
 
 
 class UnsupportedVersionError(RuntimeError):
-    """A Python, torch or torchtitan outside the range acco_hooks supports."""
+    """A Python, torch, torchtitan or torchft outside the range acco_hooks supports."""
 
 
 class UntestedVersionWarning(UserWarning):
@@ -78,7 +80,8 @@ def check_supported_versions(**installed: str | None) -> None:
     """Raise :class:`UnsupportedVersionError` if any given version is outside its range.
 
     Args:
-        **installed: ``python=``, ``torch=``, ``torchtitan=``: the installed version strings.
+        **installed: ``python=``, ``torch=``, ``torchtitan=``, ``torchft=``: the installed
+            version strings.
             ``None`` skips a check (e.g. torchtitan when it is not used).
 
     Raises:

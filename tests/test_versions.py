@@ -32,6 +32,7 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     titan = {Requirement(r).name: Requirement(r) for r in project["optional-dependencies"]["titan"]}
+    ft = {Requirement(r).name: Requirement(r) for r in project["optional-dependencies"]["ft"]}
 
     def expected(name: str) -> SpecifierSet:
         low, high, _ = SUPPORTED_VERSIONS[name]
@@ -47,13 +48,14 @@ def test_pyproject_declares_the_ranges_the_program_checks() -> None:
     assert SpecifierSet(project["requires-python"]) == expected("python")
     assert requirements["torch"].specifier == expected("torch")
     assert titan["torchtitan"].specifier == expected("torchtitan")
+    assert ft["torchft"].specifier == expected("torchft")
 
 
 @pytest.mark.parametrize(
     ("name", "version"),
     [("python", "3.11.7"), ("python", "3.13.0"), ("torch", "2.13.0+cpu"), ("torch", "2.13.0"),
      ("torch", "2.14.0.dev20261101+cu128"), ("torch", "2.15.0+cu132"), ("torch", "2.15.1"),
-     ("torchtitan", "0.2.2"), ("torchtitan", "0.3.0")],
+     ("torchtitan", "0.2.2"), ("torchtitan", "0.3.0"), ("torchft", "0.2.0")],
 )  # fmt: skip
 def test_supported_versions_pass(name: str, version: str) -> None:
     check_supported_versions(**{name: version})

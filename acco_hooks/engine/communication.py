@@ -63,6 +63,7 @@ from torch.autograd.profiler import record_function
 from acco_hooks.engine.buffers import GroupBuffers
 from acco_hooks.engine.collectives import all_gather, reduce_scatter_sum
 from acco_hooks.engine.peek import peek
+from acco_hooks.engine.replicas import ReplicaGroups
 from acco_hooks.engine.wire import (
     WireFormat,
     all_gather_difference,
@@ -223,6 +224,8 @@ class EngineGroups:
     rank: int
     fsdp_world_size: int
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
+    # torchft: this group is one replica group of several, summed over through their manager
+    replicas: ReplicaGroups | None = None
 
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
@@ -231,8 +234,9 @@ class EngineGroups:
 
 
 def build_engine_groups(
-    process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None
-) -> EngineGroups:
+    process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None,
+    replicas: ReplicaGroups | None = None,
+) -> EngineGroups:  # fmt: skip
     """Dedicated copies of the data-parallel, count and norm groups (see the module docstring)."""
     data_parallel_ranks = _ranks_of(process_group)
     data = _dedicated_group(data_parallel_ranks, timeout)
@@ -248,7 +252,7 @@ def build_engine_groups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
         rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
-        fsdp_ranks=fsdp_ranks,
+        fsdp_ranks=fsdp_ranks, replicas=replicas,
     )  # fmt: skip
 
 
@@ -348,6 +352,7 @@ class RoundPlan(NamedTuple):
 
     job: Job
     local_count: float  # this rank's Σ micro-batch weights in the payload
+    round_index: int = 0  # the round whose gradients it carries
     unit_weights: bool = True  # every micro-batch in this rank's payload weighed exactly 1
     # An estimate sent narrower than the update (``estimate_dtype``): its gradients are
     # reduce-scattered in this format and θ̃ − θ is all-gathered in it. None: the reduce dtype,
@@ -413,6 +418,13 @@ def communicate(
                 g.shard_sum.copy_(g.comm_input)
             else:
                 reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
+    device = buffers[0].master.device
+    weights = torch.tensor([plan.local_count, 0.0 if plan.unit_weights else 1.0,
+                            *(plan.arrived or ())], dtype=torch.float64, device=device)  # fmt: skip
+    if groups.replicas is not None:  # torchft: rank r's shard and weights, over the groups
+        with record_function("acco::sum_over_replicas"):
+            groups.replicas.sum([g.shard_sum for g in buffers] + [weights], plan.round_index,
+                                [g.master for g in buffers])  # fmt: skip
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
     carried = [g.carried for g in buffers] if plan.carry else []
@@ -425,10 +437,7 @@ def communicate(
     # the weights are means of micro-batches (what a resharded resume reweighs).
     sums = [g.shard_sum for g in buffers] + (carried if add_carried else [])
     finite = all(bool(torch.isfinite(t).all()) for t in sums)
-    device = buffers[0].master.device
-    counts = torch.tensor([plan.local_count, 0.0 if finite else 1.0,
-                           0.0 if plan.unit_weights else 1.0, *(plan.arrived or ())],
-                          dtype=torch.float64, device=device)  # fmt: skip
+    counts = torch.cat([weights[:1], weights.new_tensor([0.0 if finite else 1.0]), weights[1:]])
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
     round_count, nonfinite = counts[0].item(), counts[1].item() > 0

@@ -87,6 +87,7 @@ from acco_hooks.engine.communication import (
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
+from acco_hooks.engine.replicas import ReplicaGroups
 from acco_hooks.engine.placement import ShardPlacement
 from acco_hooks.engine.schedule import (
     AUTO_ESTIMATE_DTYPES,
@@ -202,6 +203,7 @@ class ACCOEngine:
         fsdp_process_group: Any = None,
         weights_are_shares: bool = False,
         gradients_may_skip_ranks: bool = False,
+        manager: Any = None,
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
@@ -223,9 +225,18 @@ class ACCOEngine:
                               for g in param_groups], optimizer_kwargs, self.device,
         )  # fmt: skip
 
+        replicas = None
+        if manager is not None:  # refused here too, before any process group exists
+            replicas = ReplicaGroups(
+                manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
+                                              param_groups, process_group),
+                mode=settings.mode.value,
+                narrow_estimate=settings.estimate_format != settings.reduce_format,
+                split_by=" and ".join(split_by) or None, timeout=settings.timeout,
+            )  # fmt: skip
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
-            process_group, fsdp_process_group, norm_process_group, settings.timeout
+            process_group, fsdp_process_group, norm_process_group, settings.timeout, replicas
         )
         self.world_size, self.rank = self._groups.world_size, self._groups.rank
         self.fsdp_world_size = self._groups.fsdp_world_size
@@ -501,7 +512,7 @@ class ACCOEngine:
         )
         update_carries = carry and not estimate
         plan = RoundPlan(
-            Job.ESTIMATE if estimate else Job.UPDATE, self._local_count,
+            Job.ESTIMATE if estimate else Job.UPDATE, self._local_count, self.round_index,
             unit_weights=self._local_unit,
             wire=WIRE_FORMATS[schedule.estimate_dtype] if keeps else None,
             carry=carry, keeps_accumulator=keeps,
@@ -604,9 +615,13 @@ class ACCOEngine:
 
     def _wait(self, job: Future) -> Any:
         """Wait for a job of the communication thread. The timeout is a backstop only: a dead
-        peer fails the collective within the groups' own ``timeout`` first."""
-        timeout = self.settings.timeout
-        return self._worker.wait(job, timeout_s=None if timeout is None else timeout + 60.0)
+        peer fails the collective within the groups' own ``timeout`` first (with torchft, the
+        round's search for a quorum that commits ends within its patience, plus one attempt)."""
+        timeout, replicas = self.settings.timeout, self._groups.replicas
+        if timeout is None:
+            return self._worker.wait(job)
+        patience = 0.0 if replicas is None else replicas.patience_s + timeout
+        return self._worker.wait(job, timeout_s=timeout + patience + 60.0)
 
     def _run_on_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the communication thread, which owns the engine's process
@@ -895,6 +910,19 @@ class ACCOEngine:
 # ---------------------------------------------------------------- the schedule
 
 
+def _replica_description(
+    settings: EngineSettings, optimizer_class: type, optimizer_kwargs: dict[str, Any],
+    param_groups: list[dict[str, Any]], process_group: Any,
+) -> str:  # fmt: skip
+    """What every torchft replica group must build the same, as text (``replicas``)."""
+    group_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+    layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
+              for g in param_groups]  # fmt: skip
+    options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]
+    return repr((settings, _class_name(optimizer_class), sorted(optimizer_kwargs.items()),
+                 layout, options, group_size))  # fmt: skip
+
+
 def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
     """The formats the engine may send an estimate round in, by name: none in ``ddp`` and
     ``dpu``, ``estimate_dtype`` in ``acco``; in ``auto`` that one, or the reduce dtype and each
@@ -996,6 +1024,10 @@ def _check_round_inputs(
             "round: run backward() before step(), and set requires_grad=False on parameters "
             "that are not trained (or leave them out of the optimizer's params)"
         )
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _some(names: list[str]) -> str:

@@ -1,0 +1,175 @@
+"""ACCO across torchft replica groups: a lost group drops out, the others keep stepping.
+
+One lighthouse for the job, then one ``torchrun`` per replica group (a node, typically)::
+
+    torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
+    export TORCHFT_LIGHTHOUSE=http://$HEAD:29510
+    # on each node i (its own --master_port when two share a host):
+    torchrun --nproc_per_node 2 --master_port 2950$i \\
+        -m examples.torchft_train --replica-id $i --groups 2 --out /tmp/ft
+
+Inside a group, the engine shards its optimizer over the group's ranks (ZeRO-1) as usual; at
+each round end its communication thread sums rank r's shard over the groups through the
+torchft ``Manager`` (``acco_hooks/engine/replicas.py``). Every group builds the same model from
+the same seed; rank r of group i reads the data of data-parallel rank ``i * group_size + r`` of
+the job, so that with every group alive the run equals one run over all the ranks
+(``--groups G`` without ``--replica-id``: one torchrun of G x group_size processes, no torchft).
+
+Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
+run: ``params_ref_r{rank}.pt``), with the updates it ran and the groups of its last round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from acco_hooks import ACCOOptimizer
+from scaffolding.process_exit import finish
+
+SAMPLES = 8  # per rank and micro-batch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="where each rank writes its final parameters")
+    p.add_argument("--replica-id", type=int, default=None,
+                   help="this replica group's index; omit for the reference run without torchft")
+    p.add_argument("--groups", type=int, required=True, help="replica groups in the job")
+    p.add_argument("--mode", default="acco", choices=["acco", "dpu", "ddp"])
+    p.add_argument("--rounds", type=int, default=12, help="rounds to train")
+    p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per round")
+    p.add_argument("--max-grad-norm", type=float, default=None)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a collective may wait for a silent peer")
+    p.add_argument("--microbatch-seconds", type=float, default=0.0,
+                   help="extra compute time per micro-batch, to stand for a real model")
+    # A node lost at a chosen point (what tests/engine/test_torchft.py does to the job); each
+    # torchrun must then run in a session of its own (setsid), which the kill takes whole.
+    p.add_argument("--kill-group", type=int, default=None,
+                   help="this replica group SIGKILLs itself (all its processes) at --kill-at")
+    p.add_argument("--kill-at", default="mid_round",
+                   choices=["mid_round", "after_estimate", "in_reduction"],
+                   help="mid_round: in round --kill-round, after its first micro-batch; "
+                   "after_estimate: once estimate round --kill-round was summed, before its "
+                   "update; in_reduction: as the round's sum over the groups starts")
+    p.add_argument("--kill-round", type=int, default=4)
+    # The reference of such a run: the same ranks without torchft, the lost group's ranks
+    # contributing nothing from this round on
+    p.add_argument("--stop-group", type=int, default=None)
+    p.add_argument("--stop-round", type=int, default=None)
+    return p.parse_args()
+
+
+def kill_this_group(out: Path) -> None:
+    """What losing the node does: every process of this replica group dies at once. The time
+    goes to ``out/killed_at`` first (for the recovery time)."""
+    (out / "killed_at").write_text(repr(time.time()))
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def microbatch(index: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank ``dp_rank``'s micro-batch ``index``: the same in every launch."""
+    g = torch.Generator().manual_seed(104729 * index + dp_rank)
+    return torch.randn(SAMPLES, 16, generator=g), torch.randn(SAMPLES, 4, generator=g)
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # every group starts from the same parameters
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", timeout=timeout)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank, group_size = dist.get_rank(), dist.get_world_size()
+    manager = None
+    if args.replica_id is None:  # the reference: one group of every rank, no torchft
+        dp_rank, tag = rank, f"ref_r{rank}"
+    else:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        dying = args.kill_group == args.replica_id and args.kill_at == "in_reduction"
+        manager = (_dying_manager(Manager, args.kill_round, out) if dying else Manager)(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            min_replica_size=1,
+            replica_id=f"acco_{args.replica_id}", timeout=timeout, connect_timeout=timeout,
+            # every group builds the same model from the same seed: nothing to copy at step 0
+            init_sync=False,
+        )  # fmt: skip
+        dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
+    model = build_model(args.seed)
+    opt = ACCOOptimizer(
+        model.named_parameters(), torch.optim.AdamW, mode=args.mode,
+        accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
+        timeout=args.timeout, manager=manager, lr=args.lr,
+    )  # fmt: skip
+    engine = opt.engine
+    round_ends = []  # (rounds ended, updates applied, time) at each round end
+    dies = args.replica_id is not None and args.kill_group == args.replica_id
+    ranks_per_group = group_size if manager is not None else group_size // args.groups
+    stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
+    for index in range(args.rounds * args.accumulation_steps):
+        if stopped and index // args.accumulation_steps >= args.stop_round:
+            engine.skip_microbatch()  # the reference: this group contributes nothing more
+            continue
+        x, y = microbatch(index, dp_rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        time.sleep(args.microbatch_seconds)
+        ended = opt.step()
+        if ended:
+            round_ends.append((engine.round_index, engine.num_updates, time.time()))
+        if dies and (ended, engine.round_index) == {
+            "mid_round": (False, args.kill_round),  # the round's first micro-batch is in
+            "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended
+        }.get(args.kill_at):
+            _kill_when_summed(engine, out)
+    opt.flush()
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "updates": engine.num_updates, "round_ends": round_ends},
+               out / f"params_{tag}.pt")  # fmt: skip
+    opt.close()
+    if manager is not None:
+        manager.shutdown(wait=False)
+    finish(0)
+
+
+def _kill_when_summed(engine: Any, out: Path) -> None:
+    """Die once the round in flight was summed over the groups (and so committed by all)."""
+    while engine.communication_in_flight:
+        time.sleep(0.01)
+    kill_this_group(out)
+
+
+def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:
+    """A torchft Manager whose group dies in the middle of the sum of round ``round_index``:
+    its quorum formed, its first tensor on the way (each round is one committed torchft step,
+    so its step is the round's index)."""
+
+    class DyingManager(manager_class):
+        def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            work = super().allreduce(tensor, *args, **kwargs)
+            if self.current_step() == round_index:
+                kill_this_group(out)
+            return work
+
+    return DyingManager
+
+
+if __name__ == "__main__":
+    main()

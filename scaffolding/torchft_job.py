@@ -1,0 +1,107 @@
+"""A torchft job on one machine: a lighthouse and one ``torchrun`` per replica group.
+
+What a cluster does with one node per group (``examples/torchft_train.py`` shows the commands),
+here on loopback for the tests and ``benchmarks/torchft_recovery.py``: each group's ``torchrun``
+runs in a session of its own, so that losing a "node" (a group SIGKILLing its session) takes
+exactly that group, and everything this module started is killed when it returns, also on an
+error or a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = ["free_port", "run_groups", "run_reference"]
+
+EXAMPLE = "examples.torchft_train"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_groups(
+    groups: int, group_size: int, args: Sequence[str], out: Path, *, timeout_s: float = 240.0,
+    heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
+) -> list[int]:  # fmt: skip
+    """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
+    under one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
+    goes to ``out/g{i}.log``; ``replica_args`` adds arguments to some groups."""
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+    if lighthouse is None:
+        raise RuntimeError("torchft_lighthouse not found: pip install 'acco_hooks[ft]'")
+    port = free_port()
+    with _sessions() as started:
+        started.append(_start(
+            [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+             "--bind", f"[::]:{port}"], {}, out / "lighthouse.log",
+        ))  # fmt: skip
+        jobs = []
+        for i in range(groups):
+            env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+                   "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
+            argv = [*_torchrun(group_size), "--replica-id", str(i), "--groups", str(groups),
+                    "--out", str(out), *args, *(replica_args or {}).get(i, ())]  # fmt: skip
+            jobs.append(_start(argv, env, out / f"g{i}.log"))
+        started.extend(jobs)
+        return _wait(jobs, timeout_s)
+
+
+def run_reference(groups: int, group_size: int, args: Sequence[str], out: Path,
+                  timeout_s: float = 120.0) -> int:  # fmt: skip
+    """The same job as one group of ``groups * group_size`` processes, without torchft."""
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [*_torchrun(groups * group_size), "--groups", str(groups), "--out", str(out), *args]
+    with _sessions() as started:
+        started.append(_start(argv, {}, out / "reference.log"))
+        return _wait(started, timeout_s)[0]
+
+
+def _torchrun(processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", str(free_port()), "-m", EXAMPLE]  # fmt: skip
+
+
+def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            argv, cwd=ROOT, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own session: a group's kill takes that group alone
+        )  # fmt: skip
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"a torchft job's process ran past {timeout_s:.0f} s") from None
+    return [proc.returncode for proc in procs]
+
+
+@contextlib.contextmanager
+def _sessions() -> Iterator[list[subprocess.Popen]]:
+    """The processes started inside; each one's session is killed on the way out."""
+    started: list[subprocess.Popen] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

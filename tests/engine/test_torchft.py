@@ -1,0 +1,148 @@
+"""ACCO across torchft replica groups: exact with every group alive, exact when one is lost.
+
+Each job is ``examples/torchft_train.py``: a torchft lighthouse and one ``torchrun`` per replica
+group, each group in a session of its own (``scaffolding.torchft_job``). Its oracle is the same
+script as ONE group of every rank without torchft (the plain engine, whose own numerics the
+engine tests hold against the spec's reference): with every group alive the two must agree; when
+a group is SIGKILLed, the survivors must agree with a reference run in which that group's ranks
+contribute nothing (``skip_microbatch``) from the round its contributions stopped in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaffolding.torchft_job import ROOT, free_port, run_groups, run_reference
+
+pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
+
+ROUNDS = 12
+
+
+def _params(out: Path, tag: str) -> dict:
+    return torch.load(out / f"params_{tag}.pt")
+
+
+def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) -> None:
+    reference = _params(out, "ref_r0")
+    for g in groups:
+        for r in range(group_size):
+            run = _params(out, f"g{g}_r{r}")
+            assert run["updates"] == reference["updates"]
+            for name, expected in reference["params"].items():
+                torch.testing.assert_close(run["params"][name], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("groups", "group_size", "mode", "extra"),
+    [(2, 1, "acco", []), (2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
+     (3, 2, "acco", []), (2, 1, "dpu", []), (2, 2, "ddp", [])],
+)  # fmt: skip
+def test_every_group_alive_equals_one_run_over_every_rank(
+    tmp_path: Path, groups: int, group_size: int, mode: str, extra: list[str]
+) -> None:
+    args = ["--mode", mode, "--rounds", str(ROUNDS), *extra]
+    assert run_groups(groups, group_size, args, tmp_path) == [0] * groups
+    assert run_reference(groups, group_size, args, tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, list(range(groups)), group_size)
+    first = _params(tmp_path, "g0_r0")
+    torch.manual_seed(0)  # the example's model: training moved it
+    initial = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    assert not torch.equal(first["params"]["0.weight"], initial[0].weight.detach())
+
+
+# (kill_at, groups, group_size, mode, kill_round, the round the lost group's contributions
+# stop in): mid-round and in the sum, the round it died in; after an estimate, the update
+# that follows (the estimate was summed with it)
+KILLS = [
+    ("mid_round", 2, 1, "acco", 5, 5),
+    ("after_estimate", 2, 2, "acco", 4, 5),
+    ("in_reduction", 2, 1, "acco", 4, 4),
+    ("in_reduction", 3, 1, "acco", 5, 5),
+    ("in_reduction", 2, 2, "dpu", 3, 3),
+]
+
+
+@pytest.mark.parametrize(("kill_at", "groups", "group_size", "mode", "kill_round", "stop"), KILLS)
+def test_a_lost_group_leaves_the_survivors_stepping_exactly(
+    tmp_path: Path, kill_at: str, groups: int, group_size: int, mode: str, kill_round: int,
+    stop: int,
+) -> None:  # fmt: skip
+    lost = groups - 1
+    args = ["--mode", mode, "--rounds", str(ROUNDS), "--timeout", "10"]
+    kill = ["--kill-group", str(lost), "--kill-at", kill_at, "--kill-round", str(kill_round)]
+    status = run_groups(groups, group_size, args, tmp_path, replica_args={lost: kill})
+    assert status[:lost] == [0] * lost, "every survivor finishes, no restart"
+    assert status[lost] != 0
+    assert (tmp_path / "killed_at").exists()
+    assert not list(tmp_path.glob(f"params_g{lost}_*"))
+    if kill_at == "in_reduction":  # the failed sum was taken again, not lost
+        log = (tmp_path / "g0.log").read_text()
+        assert f"round {kill_round} committed at attempt 2" in log, log[-3000:]
+    stop_args = ["--stop-group", str(lost), "--stop-round", str(stop)]
+    assert run_reference(groups, group_size, [*args, *stop_args], tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, list(range(lost)), group_size)
+
+
+@pytest.mark.parametrize(
+    ("differs", "named"),
+    [(["--lr", "0.02"], "settings"), (["--seed", "1"], "initial parameters")],
+)
+def test_groups_that_differ_are_refused_by_name(
+    tmp_path: Path, differs: list[str], named: str
+) -> None:
+    status = run_groups(2, 1, ["--rounds", "4", "--timeout", "10"], tmp_path,
+                        replica_args={1: differs})  # fmt: skip
+    assert status == [1, 1]
+    for g in (0, 1):
+        log = (tmp_path / f"g{g}.log").read_text()
+        assert f"the replica groups differ in their {named}" in log, log[-3000:]
+
+
+def test_no_lighthouse_is_a_clear_error(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+         "--master_port", str(free_port()), "-m", "examples.torchft_train", "--replica-id", "0",
+         "--groups", "1", "--out", str(tmp_path), "--timeout", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TORCHFT_LIGHTHOUSE": "http://localhost:1"},
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert "failed to connect to http://localhost:1" in run.stdout + run.stderr
+
+
+def _engine_error(code: str) -> str:
+    """What building an engine with ``code``'s arguments raises, in a fresh process."""
+    script = (
+        "import torch\nfrom acco_hooks import ACCOOptimizer\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        f"try:\n    {code}\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    return run.stdout
+
+
+def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -> None:
+    build = "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, manager=object(), {})"
+    assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
+        build.format("mode='acco'")
+    )
+    assert "mode='auto' with a torchft manager is not supported yet" in _engine_error(
+        build.format("mode='auto', accumulation_steps=2")
+    )
+    assert "estimate_dtype narrower" in _engine_error(
+        build.format("mode='acco', estimate_dtype=torch.bfloat16")
+    )
+
+
+def test_without_torchft_the_error_names_the_extra() -> None:
+    hidden = "import sys; sys.modules['torchft'] = None\n    "
+    build = "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, manager=object())"
+    assert "pip install 'acco_hooks[ft]'" in _engine_error(hidden + build)
