@@ -3,7 +3,10 @@
     python -m benchmarks.memory_8b          # seconds; writes docs/results/memory_8b.json
 
 For every ``torchtitan_configs/llama3_8b_*.toml`` on 2, 4, 8 and 16 nodes of 8 GPUs, the GiB
-one GPU holds, by the categories docs/torchtitan.md lists ("Memory per GPU before you launch").
+one GPU holds, by the categories docs/torchtitan.md lists ("Memory per GPU before you launch"),
+and what the optimizer state and the total become under torchft with a replica group per node
+(per model replica where it spans nodes; ``manager=``: each group shards a whole optimizer
+state over its own ranks).
 The parameter count is exact (the 8B model built on the meta device); the rest is arithmetic
 on the engine's buffer layout (``acco_hooks/engine/buffers.py``). A pipeline stage holds 1/PP
 of the model, embedding and output counted as the even split. Activations are an estimate:
@@ -66,8 +69,17 @@ def per_gpu_bytes(config_path: pathlib.Path, nodes: int, facts: dict[str, int]) 
         "activations_estimate": activations,
     }
     total = sum(v for k, v in figures.items() if k != "replicas")
+    # Under torchft (manager=) with the smallest replica groups (one node; one model replica
+    # where it spans nodes, 3-D) each group holds a whole optimizer state, sharded over its own
+    # data-parallel ranks only: the replicas inside one node.
+    replicas_per_node = max(1, GPUS_PER_NODE // (tp * pp * shard))
+    optimizer_ft = local * shard_side / replicas_per_node
     row = {k: (v if k == "replicas" else round(v / GIB, 2)) for k, v in figures.items()}
     row["total"] = round(total / GIB, 2)
+    row["optimizer_torchft"] = round(optimizer_ft / GIB, 2)
+    row["total_torchft"] = round(
+        (total - figures["optimizer"] + optimizer_ft) / GIB, 2
+    )
     row["runs"] = replicas >= 2  # ACCO (and its ddp mode) needs two replicas
     row["fits_h100_80gb"] = row["total"] <= H100_BUDGET_GIB
     return row
@@ -84,7 +96,7 @@ def main() -> None:
     results = {"params": facts["params"], "gpus_per_node": GPUS_PER_NODE, "configs": {}}
     print(f"Llama-3 8B: {facts['params']:,} parameters; GiB per GPU ({GPUS_PER_NODE} GPUs/node)")
     print(f"{'config':<26}{'nodes':>6}{'R':>4}{'params':>8}{'grads':>8}{'comm':>7}{'optim':>7}"
-          f"{'act*':>7}{'total':>8}  note")  # fmt: skip
+          f"{'act*':>7}{'total':>8}{'ft:optim':>9}{'ft:total':>9}  note")  # fmt: skip
     for path in sorted((ROOT / "torchtitan_configs").glob("llama3_8b_*.toml")):
         rows = results["configs"][path.name] = {}
         for nodes in NODES:
@@ -92,8 +104,11 @@ def main() -> None:
             print(f"{path.stem:<26}{nodes:>6}{row['replicas']:>4}{row['params']:>8}"
                   f"{row['grads']:>8}{row['comm_buffer']:>7}{row['optimizer']:>7}"
                   f"{row['activations_estimate']:>7}"
-                  f"{row['total']:>8}  {_note(row)}")  # fmt: skip
+                  f"{row['total']:>8}{row['optimizer_torchft']:>9}"
+                  f"{row['total_torchft']:>9}  {_note(row)}")  # fmt: skip
     print("act*: an estimate (selective activation checkpointing), see the module docstring")
+    print("ft:*: under torchft, a replica group per node (per model replica in 3-D): the "
+          "optimizer state is sharded over the group's data-parallel ranks only")
     write_result(OUT, results)
     print(f"wrote {OUT}")
 

@@ -120,7 +120,8 @@ def main() -> None:
         timeout=args.timeout, manager=manager, lr=args.lr,
     )  # fmt: skip
     engine = opt.engine
-    round_ends = []  # (rounds ended, updates applied, time) at each round end
+    # at each round end: rounds ended, updates applied, the time, how long the end waited
+    round_ends = []
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
     stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
@@ -133,7 +134,8 @@ def main() -> None:
         time.sleep(args.microbatch_seconds)
         ended = opt.step()
         if ended:
-            round_ends.append((engine.round_index, engine.num_updates, time.time()))
+            round_ends.append((engine.round_index, engine.num_updates, time.time(),
+                               engine.last_wait_s))  # fmt: skip
         if dies and (ended, engine.round_index) == {
             "mid_round": (False, args.kill_round),  # the round's first micro-batch is in
             "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended

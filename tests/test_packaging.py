@@ -3,8 +3,9 @@
 * Every top-level module imported anywhere in the project is the standard library's, the
   project's own, or provided by a distribution that ``pyproject.toml`` declares for that part of
   the tree: the engine and its torch front-ends need torch alone, ``acco_hooks.titan`` the
-  ``titan`` extra, ``acco_hooks.hf`` the ``hf`` extra, the checkout's main job, examples and
-  scaffolding those two, the benchmarks ``bench``, the tests ``test``. A test follows the
+  ``titan`` extra, ``acco_hooks.hf`` the ``hf`` extra, the sum over torchft replica groups
+  (``engine/replicas.py``, when given a manager) the ``ft`` extra, the checkout's main job,
+  examples and scaffolding those three, the benchmarks ``bench``, the tests ``test``. A test follows the
   project modules it imports, so an undeclared import in a benchmark that a test uses fails
   here too.
 * ``import acco_hooks`` imports neither torchtitan nor transformers, and importing any
@@ -121,14 +122,17 @@ def _files(*parts: str, without: tuple[str, ...] = ()) -> list[pathlib.Path]:
 @pytest.mark.parametrize(
     ("trees", "without", "extras"),
     [
-        (("acco_hooks",), ("acco_hooks/titan", "acco_hooks/hf"), ()),
+        (("acco_hooks",), ("acco_hooks/titan", "acco_hooks/hf", "acco_hooks/engine/replicas.py"),
+         ()),
         (("acco_hooks/titan",), (), ("titan",)),
         (("acco_hooks/hf",), (), ("hf",)),
-        (("train_titan.py", "scaffolding", "examples"), (), ("titan", "hf")),
+        # torchft, imported when an engine is given a manager (the error names the extra)
+        (("acco_hooks/engine/replicas.py",), (), ("ft",)),
+        (("train_titan.py", "scaffolding", "examples"), (), ("titan", "hf", "ft")),
         (("benchmarks",), (), ("bench",)),
         (("tests",), (), ("test",)),
     ],
-    ids=["engine", "titan", "hf", "checkout", "benchmarks", "tests"],
+    ids=["engine", "titan", "hf", "torchft", "checkout", "benchmarks", "tests"],
 )
 def test_every_import_is_declared_in_pyproject(trees, without, extras) -> None:
     allowed = declared(*extras)

@@ -3,7 +3,8 @@
 thread with its process groups and its per-round job (``communication``), the collectives
 (``collectives``), the estimate step (``peek``), the optimizers the flat shard can step
 (``shard_optimizer``), parameter ownership (``ownership``), a rank's saved state and its checks
-(``state``) and the shards as checkpoint DTensors (``placement``).
+(``state``), the shards as checkpoint DTensors (``placement``) and the sum over torchft replica
+groups (``replicas``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
 """

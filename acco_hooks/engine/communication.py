@@ -34,7 +34,8 @@ groups for it (once, in the same order on every rank) and destroys them when it 
                                ─► all-gather the new shard (θ_{t+1} or θ̃_{t+1})
 
 An estimate sent narrower than the update (``estimate_dtype``) travels as encoded bytes both
-ways and gathers θ̃ − θ instead of θ̃ (``wire``).
+ways and gathers θ̃ − θ instead of θ̃ (``wire``). Under a torchft manager the reduce-scattered
+shard and the round's weights are then summed over the replica groups (``replicas``).
 
 Only this thread touches the shard side of the buffers (``shard_sum``, ``master``,
 ``gather_input``), the shard optimizer and the engine's process groups while a job runs; the

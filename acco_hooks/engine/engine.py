@@ -8,7 +8,8 @@ allowed values and its check), ``buffers`` (the flat buffer layout and its memor
 ``communication`` (the thread, its process groups and the job it runs each round),
 ``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step the
 flat shard), ``ownership`` (one engine per parameter), ``state`` (what a rank's state is, how it
-is saved, checked and loaded) and ``placement`` (where its shards sit in the model).
+is saved, checked and loaded), ``placement`` (where its shards sit in the model) and
+``replicas`` (the sum over torchft replica groups).
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
@@ -87,8 +88,8 @@ from acco_hooks.engine.communication import (
     release_communication,
 )
 from acco_hooks.engine.peek import has_functional_peek
-from acco_hooks.engine.replicas import ReplicaGroups
 from acco_hooks.engine.placement import ShardPlacement
+from acco_hooks.engine.replicas import ReplicaGroups
 from acco_hooks.engine.schedule import (
     AUTO_ESTIMATE_DTYPES,
     AutoSchedule,
@@ -156,6 +157,10 @@ class ACCOEngine:
             round (DDP's ``find_unused_parameters``): every parameter must get one on at
             least one rank, which the round's communication checks over every rank, instead of
             each rank at its round end.
+        manager: a ``torchft.Manager``: ``process_group`` is then one replica group of a
+            torchft job, and each round's shard is summed over the groups of the current
+            quorum through it; a group lost mid-run drops out and the others train on
+            (``replicas``, docs/multinode.md). Plain data parallelism inside a group only.
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -617,7 +622,8 @@ class ACCOEngine:
         """Wait for a job of the communication thread. The timeout is a backstop only: a dead
         peer fails the collective within the groups' own ``timeout`` first (with torchft, the
         round's search for a quorum that commits ends within its patience, plus one attempt)."""
-        timeout, replicas = self.settings.timeout, self._groups.replicas
+        timeout = self.settings.timeout
+        replicas = None if self._groups is None else self._groups.replicas
         if timeout is None:
             return self._worker.wait(job)
         patience = 0.0 if replicas is None else replicas.patience_s + timeout
@@ -919,7 +925,7 @@ def _replica_description(
     layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
               for g in param_groups]  # fmt: skip
     options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]
-    return repr((settings, _class_name(optimizer_class), sorted(optimizer_kwargs.items()),
+    return repr((settings, optimizer_class, sorted(optimizer_kwargs.items()),
                  layout, options, group_size))  # fmt: skip
 
 
@@ -1024,10 +1030,6 @@ def _check_round_inputs(
             "round: run backward() before step(), and set requires_grad=False on parameters "
             "that are not trained (or leave them out of the optimizer's params)"
         )
-
-
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _some(names: list[str]) -> str:

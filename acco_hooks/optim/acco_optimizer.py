@@ -54,7 +54,9 @@ class ACCOOptimizer(EngineFrontEnd):
             ``reduce_dtype``, ``max_grad_norm``, ``nonfinite``, ``timeout``, or
             ``settings=EngineSettings(...)``), the engine's other arguments
             (``process_group``: the data-parallel group or 1-D mesh, default the whole world;
-            ``lr_scheduler``: ``callable(optimizer) -> LRScheduler``, see the warning above),
+            ``lr_scheduler``: ``callable(optimizer) -> LRScheduler``, see the warning above;
+            ``manager``: a ``torchft.Manager``, for replica groups that outlive a lost group,
+            ``examples/torchft_train.py``),
             then the keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...). See
             :class:`~acco_hooks.engine.ACCOEngine`.
 
