@@ -64,6 +64,12 @@ def parse_args() -> argparse.Namespace:
                    "after_estimate: once estimate round --kill-round was summed, before its "
                    "update; in_reduction: as the round's sum over the groups starts")
     p.add_argument("--kill-round", type=int, default=4)
+    # A group that joins a running job (refused until healing is built): it waits for a file
+    # the running group writes at a round
+    p.add_argument("--mark-round", type=int, default=None,
+                   help="write --out/round_N once N rounds ended (local rank 0)")
+    p.add_argument("--wait-for", default=None,
+                   help="wait for this file in --out before joining (building the manager)")
     # The reference of such a run: the same ranks without torchft, the lost group's ranks
     # contributing nothing from this round on
     p.add_argument("--stop-group", type=int, default=None)
@@ -98,6 +104,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rank, group_size = dist.get_rank(), dist.get_world_size()
     manager = None
+    if args.wait_for is not None:
+        deadline = time.monotonic() + 4 * args.timeout
+        while not (out / args.wait_for).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{args.wait_for} did not appear in {out}")
+            time.sleep(0.05)
     if args.replica_id is None:  # the reference: one group of every rank, no torchft
         dp_rank, tag = rank, f"ref_r{rank}"
     else:
@@ -133,6 +145,8 @@ def main() -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         time.sleep(args.microbatch_seconds)
         ended = opt.step()
+        if ended and engine.round_index == args.mark_round and rank == 0:
+            (out / f"round_{args.mark_round}").write_text("")
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
                                engine.last_wait_s))  # fmt: skip

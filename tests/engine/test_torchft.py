@@ -5,7 +5,9 @@ group, each group in a session of its own (``scaffolding.torchft_job``). Its ora
 script as ONE group of every rank without torchft (the plain engine, whose own numerics the
 engine tests hold against the spec's reference): with every group alive the two must agree; when
 a group is SIGKILLed, the survivors must agree with a reference run in which that group's ranks
-contribute nothing (``skip_microbatch``) from the round its contributions stopped in.
+contribute nothing (``skip_microbatch``) from the round its contributions stopped in; a group
+that joins a running job is refused (healing is not built) and the running group's parameters
+are those of a run without it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ def test_a_lost_group_leaves_the_survivors_stepping_exactly(
     stop_args = ["--stop-group", str(lost), "--stop-round", str(stop)]
     assert run_reference(groups, group_size, [*args, *stop_args], tmp_path) == 0
     _assert_equal_to_reference(tmp_path, list(range(lost)), group_size)
+
+
+def test_a_group_that_joins_a_running_job_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    args = ["--rounds", "300", "--microbatch-seconds", "0.01", "--timeout", "10"]
+    late = {1: ["--wait-for", "round_10"], 0: ["--mark-round", "10"]}
+    assert run_groups(2, 1, args, tmp_path, replica_args=late) == [0, 1]
+    log = (tmp_path / "g1.log").read_text()
+    assert "this replica group joined a job that is at round" in log, log[-3000:]
+    # the running group trained as if alone: the same as one group without torchft
+    assert run_reference(1, 1, args, tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0], 1)
 
 
 @pytest.mark.parametrize(
