@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
+    p.add_argument("--init-sync", action="store_true",
+                   help="torchft's init_sync=True: every group but one sits out round 0")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective may wait for a silent peer")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
@@ -122,7 +124,7 @@ def main() -> None:
             min_replica_size=1,
             replica_id=f"acco_{args.replica_id}", timeout=timeout, connect_timeout=timeout,
             # every group builds the same model from the same seed: nothing to copy at step 0
-            init_sync=False,
+            init_sync=args.init_sync,
         )  # fmt: skip
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
     model = build_model(args.seed)

@@ -123,7 +123,9 @@ class ReplicaGroups:
         """
         manager = self.manager
         marks = torch.tensor(self._fingerprint(round_index, master), dtype=torch.float64)
-        marks = torch.cat([marks, marks * marks])
+        # 1 for "this group's tensors are in the sum": torchft zeroes what a group that is not
+        # taking part (one it is healing) sends, and counts groups its own way
+        marks = torch.cat([marks.new_ones(1), marks, marks * marks])
         deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
         attempt = 0
         while True:
@@ -134,9 +136,9 @@ class ReplicaGroups:
             works = [manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in (*sums, seen)]
             for work in works:
                 work.wait()
-            participants = manager.num_participants()
             if manager.should_commit():
-                _check_fingerprints(seen, marks, participants, round_index)
+                participants = round(seen[0].item())
+                _check_fingerprints(seen[1:], marks[1:], participants, round_index)
                 torch._foreach_copy_(tensors, sums)
                 self.rounds_committed = round_index + 1
                 if attempt > 1:

@@ -92,6 +92,16 @@ def test_a_lost_group_leaves_the_survivors_stepping_exactly(
     _assert_equal_to_reference(tmp_path, list(range(lost)), group_size)
 
 
+def test_with_torchfts_init_sync_the_groups_agree(tmp_path: Path) -> None:
+    """torchft heals all groups but one at step 0 (they sit out round 0): fewer gradients in
+    that round, but every group holds the same parameters."""
+    assert run_groups(2, 2, ["--init-sync"], tmp_path) == [0, 0]
+    first = _params(tmp_path, "g0_r0")
+    for tag in ("g0_r1", "g1_r0", "g1_r1"):
+        for name, value in _params(tmp_path, tag)["params"].items():
+            assert torch.equal(value, first["params"][name])
+
+
 def test_a_group_that_joins_a_running_job_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     args = ["--rounds", "300", "--microbatch-seconds", "0.01", "--timeout", "10"]
     late = {1: ["--wait-for", "round_10"], 0: ["--mark-round", "10"]}
