@@ -16,7 +16,7 @@ the training loop computes the next round as usual.
 in it and asks ``should_commit``. A group that died makes the sum fail on the others; no group
 commits, nothing of the round is applied, and the same payload (kept aside, since a failed
 collective may leave its buffer half-summed) is summed again in a new quorum without the dead
-group, until a quorum commits or ``timeout`` runs out. The average is then over the groups that
+group, until a quorum commits or the round's patience (twice ``timeout``) runs out. The average is then over the groups that
 took part (the weights as without torchft), and in ``acco`` the carried half-batch and its
 weight are the committed estimate round's on every survivor: the estimate/update pairing holds
 across the change.
