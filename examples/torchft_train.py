@@ -4,7 +4,7 @@ One lighthouse for the job, then one ``torchrun`` per replica group (a node, typ
 
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
     export TORCHFT_LIGHTHOUSE=http://$HEAD:29510
-    # on each node i (its own --master_port when two share a host):
+    # on each node i (its own --master_port and TORCHFT_MANAGER_PORT when two share a host):
     torchrun --nproc_per_node 2 --master_port 2950$i \\
         -m examples.torchft_train --replica-id $i --groups 2 --out /tmp/ft
 
@@ -16,7 +16,8 @@ the job, so that with every group alive the run equals one run over all the rank
 (``--groups G`` without ``--replica-id``: one torchrun of G x group_size processes, no torchft).
 
 Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
-run: ``params_ref_r{rank}.pt``), with the updates it ran and the groups of its last round.
+run: ``params_ref_r{rank}.pt``), with the updates it applied and, for each round end, the
+rounds ended, the updates applied, the time and how long the round end waited.
 """
 
 from __future__ import annotations
