@@ -69,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-round", type=int, default=4)
     # A group that joins a running job (refused until healing is built): it waits for a file
     # the running group writes at a round
+    p.add_argument("--start-together", action="store_true",
+                   help="wait until every group's Manager is up (files in --out) before the "
+                   "first round, so that the first quorum holds every group; a group that "
+                   "comes later is a joiner, refused until healing is built")
     p.add_argument("--mark-round", type=int, default=None,
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
@@ -108,11 +112,7 @@ def main() -> None:
     rank, group_size = dist.get_rank(), dist.get_world_size()
     manager = None
     if args.wait_for is not None:
-        deadline = time.monotonic() + 4 * args.timeout
-        while not (out / args.wait_for).exists():
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{args.wait_for} did not appear in {out}")
-            time.sleep(0.05)
+        _wait_for(out, [args.wait_for], 4 * args.timeout)
     if args.replica_id is None:  # the reference: one group of every rank, no torchft
         dp_rank, tag = rank, f"ref_r{rank}"
     else:
@@ -128,6 +128,10 @@ def main() -> None:
             init_sync=args.init_sync,
         )  # fmt: skip
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
+        if args.start_together:  # every Manager heartbeats before any group asks for a quorum
+            (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
+            _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(args.groups)
+                            for r in range(group_size)], 4 * args.timeout)  # fmt: skip
     model = build_model(args.seed)
     opt = ACCOOptimizer(
         model.named_parameters(), torch.optim.AdamW, mode=args.mode,
@@ -166,6 +170,14 @@ def main() -> None:
     if manager is not None:
         manager.shutdown(wait=False)
     finish(0)
+
+
+def _wait_for(out: Path, names: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all((out / name).exists() for name in names):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not all of {names} appeared in {out} within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _kill_when_summed(engine: Any, out: Path) -> None:

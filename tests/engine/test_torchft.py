@@ -105,7 +105,7 @@ def test_with_torchfts_init_sync_the_groups_agree(tmp_path: Path) -> None:
 def test_a_group_that_joins_a_running_job_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     args = ["--rounds", "300", "--microbatch-seconds", "0.01", "--timeout", "10"]
     late = {1: ["--wait-for", "round_10"], 0: ["--mark-round", "10"]}
-    assert run_groups(2, 1, args, tmp_path, replica_args=late) == [0, 1]
+    assert run_groups(2, 1, args, tmp_path, replica_args=late, start_together=False) == [0, 1]
     log = (tmp_path / "g1.log").read_text()
     assert "this replica group joined a job that is at round" in log, log[-3000:]
     # the running group trained as if alone: the same as one group without torchft
