@@ -39,6 +39,7 @@ from acco_hooks.engine.communication import (
     all_gather_into,
     reduce_scatter_accumulators,
 )
+from acco_hooks.engine.placement import to_local_chunks
 from acco_hooks.engine.schedule import Schedule
 from acco_hooks.engine.shard_optimizer import first_step_state
 from acco_hooks.engine.wire import WIRE_FORMATS
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
     from acco_hooks.engine.engine import ACCOEngine
 
 __all__ = [
-    "STATE_VERSION", "check_loadable", "load_live_parameters", "load_state", "save_live_parameters",
-    "save_state",
+    "STATE_VERSION", "check_loadable", "handover_state", "load_handover", "load_live_parameters",
+    "load_state", "round_counters", "save_live_parameters", "save_state",
 ]  # fmt: skip
 
 # 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
@@ -94,21 +95,8 @@ def save_state(engine: ACCOEngine) -> dict[str, Any]:
                        else g.carried for g in engine._buffers]  # fmt: skip
     chunks = engine._placement.chunks
     return {
-        "version": STATE_VERSION, "mode": engine.settings.mode.value,
-        "optimizer_class": _class_name(engine.optimizer), "world_size": engine.world_size,
-        "fsdp_world_size": engine.fsdp_world_size,
-        # by model part, as the shards: every pipeline stage's is saved
-        "params": dict(zip(engine._placement.keys, engine._placement.param_names)),
-        "param_shapes": dict(zip(engine._placement.keys, engine._placement.global_shapes)),
-        "accumulation_steps": engine.settings.accumulation_steps,
-        "round_index": engine.round_index, "num_updates": engine.num_updates,
-        "skipped_rounds": engine.skipped_rounds, "round_microbatches": engine._round_microbatches,
-        "schedule": tuple(engine.schedule), "estimate_next": engine._estimate_next,
-        "updates_launched": engine.updates_launched,
-        "auto": None if engine._auto is None else {
-            **engine._auto.state_dict(),
-            "agreed": None if engine._agreed is None else tuple(engine._agreed),
-        },
+        **_header(engine), **round_counters(engine),
+        "round_microbatches": engine._round_microbatches,
         "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
         "pending_job": None if flight is None else flight.plan.job.value,
         "pending_wire": flight.plan.wire.name if narrow else None,
@@ -116,6 +104,45 @@ def save_state(engine: ACCOEngine) -> dict[str, Any]:
         "master": chunks([g.master for g in engine._buffers]),
         "pending_shard": chunks([g.gather_input for g in engine._buffers]),
         "carried": None if carried is None else chunks(carried),
+        "optimizer": _optimizer_state(engine),
+        # Mid-round: model-sized, this rank's alone; a key no other rank writes
+        "partial_round": partial,
+        "rank_state": {_rank_key(): {
+            "accumulator": [g.accumulator for g in engine._buffers],
+            "local_count": engine._local_count, "local_unit_weights": engine._local_unit,
+            "grad_arrived": [list(a) for a in engine._grad_arrived],
+        }} if partial else {},
+    }  # fmt: skip
+
+
+def _header(engine: ACCOEngine) -> dict[str, Any]:
+    """What a state must match to be loaded (``check_loadable``)."""
+    return {
+        "version": STATE_VERSION, "mode": engine.settings.mode.value,
+        "optimizer_class": _class_name(engine.optimizer), "world_size": engine.world_size,
+        "fsdp_world_size": engine.fsdp_world_size,
+        # by model part, as the shards: every pipeline stage's is saved
+        "params": dict(zip(engine._placement.keys, engine._placement.param_names)),
+        "param_shapes": dict(zip(engine._placement.keys, engine._placement.global_shapes)),
+        "accumulation_steps": engine.settings.accumulation_steps,
+    }  # fmt: skip
+
+
+def round_counters(engine: ACCOEngine) -> dict[str, Any]:
+    """The training loop's side of the state, the same on every rank: where the rounds are and
+    what the update under way weighs. Plain values, a copy: read on the training loop's thread
+    (``handover_state`` serves a copy taken at a round end from another thread)."""
+    # acco between its estimate round and its update round: ΣG̃ waits for the update
+    half = not engine.schedule.synchronous and not engine._estimate_next
+    return {
+        "round_index": engine.round_index, "num_updates": engine.num_updates,
+        "skipped_rounds": engine.skipped_rounds,
+        "schedule": tuple(engine.schedule), "estimate_next": engine._estimate_next,
+        "updates_launched": engine.updates_launched,
+        "auto": None if engine._auto is None else {
+            **engine._auto.state_dict(),
+            "agreed": None if engine._agreed is None else tuple(engine._agreed),
+        },
         # acco between its estimate round and its update: ΣG̃ is carried, and its weight;
         # W, and, resumed from another world with ΣG̃ still in its units, what an update
         # round weighed there (``_carried_reweigh``)
@@ -126,14 +153,6 @@ def save_state(engine: ACCOEngine) -> dict[str, Any]:
         # resumed between a narrow estimate and its update: ΣG̃ is carried, not kept in the
         # accumulators (which hold the update round's gradients alone)
         "carry_next_update": engine._carry_next_update,
-        "optimizer": _optimizer_state(engine),
-        # Mid-round: model-sized, this rank's alone; a key no other rank writes
-        "partial_round": partial,
-        "rank_state": {_rank_key(): {
-            "accumulator": [g.accumulator for g in engine._buffers],
-            "local_count": engine._local_count, "local_unit_weights": engine._local_unit,
-            "grad_arrived": [list(a) for a in engine._grad_arrived],
-        }} if partial else {},
     }  # fmt: skip
 
 
@@ -530,6 +549,43 @@ def load_live_parameters(engine: ACCOEngine, state: dict[str, Any]) -> None:
             for tensor in g.locals:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
+
+
+# ---------------------------------------------------------------- handed to a joining group
+
+
+def handover_state(engine: ACCOEngine, counters: dict[str, Any]) -> dict[str, Any]:
+    """What a replica group that joins a torchft job takes from a live one (``replicas``):
+    this rank's state at the end of the round whose communication is waiting for the joiner,
+    as a per-rank state (``LocalChunk`` s, no process group in it) with the live parameters.
+
+    Called on torchft's thread while the engine's communication thread waits for the quorum,
+    before it sums the round: the shard side (master, optimizer, carried ΣG̃, LR scheduler) is
+    still as the previous round left it, and ``counters`` are the training loop's
+    (:func:`round_counters`) taken at that round's end, before its communication started.
+    The joiner loads it, sends nothing for that round and takes the round's sum as every group
+    does: from then on its state is theirs (``load_handover``).
+    """
+    carried = None
+    if engine.settings.has_estimate_round:
+        carried = [torch.zeros(g.shard_numel, device=engine.device) if g.carried is None
+                   else g.carried for g in engine._buffers]  # fmt: skip
+    chunks = engine._placement.chunks
+    state = {
+        **_header(engine), **counters, "round_microbatches": 0,
+        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "pending_job": None, "pending_wire": None,
+        "master": chunks([g.master for g in engine._buffers]), "pending_shard": None,
+        "carried": None if carried is None else chunks(carried),
+        "optimizer": _optimizer_state(engine), "partial_round": False, "rank_state": {},
+    }  # fmt: skip
+    return to_local_chunks({"state": state, "live": save_live_parameters(engine)})
+
+
+def load_handover(engine: ACCOEngine, handover: dict[str, Any]) -> None:
+    """Take a live group's :func:`handover_state` (checked as a checkpoint is first)."""
+    load_state(engine, handover["state"])
+    load_live_parameters(engine, handover["live"])
 
 
 # ---------------------------------------------------------------- helpers
