@@ -15,9 +15,14 @@ the same seed; rank r of group i reads the data of data-parallel rank ``i * grou
 the job, so that with every group alive the run equals one run over all the ranks
 (``--groups G`` without ``--replica-id``: one torchrun of G x group_size processes, no torchft).
 
+A group that joins a running job (restarted after it was lost, or started late: run its
+torchrun again) takes a live group's state when the optimizer is built and trains on from the
+round the engine says (``engine.round_index``: the data position follows from it).
+
 Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
-run: ``params_ref_r{rank}.pt``), with the updates it applied and, for each round end, the
-rounds ended, the updates applied, the time and how long the round end waited.
+run: ``params_ref_r{rank}.pt``), with the updates it applied, the round it started training in
+(after a join, the round after the one it joined in) and, for each round end, the rounds
+ended, the updates applied, the time and how long the round end waited.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
     p.add_argument("--init-sync", action="store_true",
-                   help="torchft's init_sync=True: every group but one sits out round 0")
+                   help="torchft's init_sync=True: every group takes the first group's "
+                   "parameters (and state) at the start")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective may wait for a silent peer")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
@@ -67,20 +73,20 @@ def parse_args() -> argparse.Namespace:
                    "after_estimate: once estimate round --kill-round was summed, before its "
                    "update; in_reduction: as the round's sum over the groups starts")
     p.add_argument("--kill-round", type=int, default=4)
-    # A group that joins a running job (refused until healing is built): it waits for a file
-    # the running group writes at a round
+    # A group that joins a running job: it waits for a file the running group writes at a round
     p.add_argument("--start-together", action="store_true",
                    help="wait until every group's Manager is up (files in --out) before the "
                    "first round, so that the first quorum holds every group; a group that "
-                   "comes later is a joiner, refused until healing is built")
+                   "comes later joins the running job (takes a live group's state)")
     p.add_argument("--mark-round", type=int, default=None,
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
                    help="wait for this file in --out before joining (building the manager)")
     # The reference of such a run: the same ranks without torchft, the lost group's ranks
-    # contributing nothing from this round on
+    # contributing nothing from --stop-round on, until --resume-round (it joined again)
     p.add_argument("--stop-group", type=int, default=None)
     p.add_argument("--stop-round", type=int, default=None)
+    p.add_argument("--resume-round", type=int, default=None)
     return p.parse_args()
 
 
@@ -124,7 +130,8 @@ def main() -> None:
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=1,
             replica_id=f"acco_{args.replica_id}", timeout=timeout, connect_timeout=timeout,
-            # every group builds the same model from the same seed: nothing to copy at step 0
+            # every group builds the same model from the same seed: nothing to copy at the
+            # start (init_sync=True copies the first group's state to the others)
             init_sync=args.init_sync,
         )  # fmt: skip
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
@@ -144,9 +151,12 @@ def main() -> None:
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
     stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
-    for index in range(args.rounds * args.accumulation_steps):
-        if stopped and index // args.accumulation_steps >= args.stop_round:
-            engine.skip_microbatch()  # the reference: this group contributes nothing more
+    first_round = engine.round_index  # > 0: this group joined a running job
+    resume = args.rounds if args.resume_round is None else args.resume_round
+    for index in range(first_round * args.accumulation_steps,
+                       args.rounds * args.accumulation_steps):  # fmt: skip
+        if stopped and args.stop_round <= index // args.accumulation_steps < resume:
+            engine.skip_microbatch()  # the reference: the lost group contributes nothing
             continue
         x, y = microbatch(index, dp_rank)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -164,7 +174,8 @@ def main() -> None:
             _kill_when_summed(engine, out)
     opt.flush()
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "updates": engine.num_updates, "round_ends": round_ends},
+                "updates": engine.num_updates, "first_round": first_round,
+                "round_ends": round_ends},
                out / f"params_{tag}.pt")  # fmt: skip
     opt.close()
     if manager is not None:
@@ -190,12 +201,12 @@ def _kill_when_summed(engine: Any, out: Path) -> None:
 def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:
     """A torchft Manager whose group dies in the middle of the sum of round ``round_index``:
     its quorum formed, its first tensor on the way (each round is one committed torchft step,
-    so its step is the round's index)."""
+    after the step every group takes as it joins: round r's step is r + 1)."""
 
     class DyingManager(manager_class):
         def allreduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             work = super().allreduce(tensor, *args, **kwargs)
-            if self.current_step() == round_index:
+            if self.current_step() == round_index + 1:
                 kill_this_group(out)
             return work
 

@@ -35,14 +35,16 @@ def free_port() -> int:
 def run_groups(
     groups: int, group_size: int, args: Sequence[str], out: Path, *, timeout_s: float = 240.0,
     heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
-    start_together: bool = True,
+    start_together: bool = True, restart: dict[int, Sequence[str]] | None = None,
 ) -> list[int]:  # fmt: skip
     """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
     under one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
     goes to ``out/g{i}.log``; ``replica_args`` adds arguments to some groups. With
     ``start_together`` no group starts training before every group's Manager is up: the
     groups start at slightly different moments here, and one that missed the first quorum
-    would be a late joiner (refused until healing is built)."""
+    would join the running job. ``restart``: a group that exits is started again, once, with
+    these arguments instead of its ``replica_args`` (what a node's restart does; its output
+    goes to ``out/g{i}_restart.log`` and its exit status is returned)."""
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
     if lighthouse is None:
@@ -54,16 +56,31 @@ def run_groups(
              "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
              "--bind", f"[::]:{port}"], {}, out / "lighthouse.log",
         ))  # fmt: skip
-        jobs = []
-        for i in range(groups):
+
+        def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
             env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
                    "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
             argv = [*_torchrun(group_size), "--replica-id", str(i), "--groups", str(groups),
                     "--out", str(out), *(["--start-together"] if start_together else []),
-                    *args, *(replica_args or {}).get(i, ())]  # fmt: skip
-            jobs.append(_start(argv, env, out / f"g{i}.log"))
-        started.extend(jobs)
-        return _wait(jobs, timeout_s)
+                    *args, *extra]  # fmt: skip
+            job = _start(argv, env, out / log)
+            started.append(job)
+            return job
+
+        jobs = [start(i, (replica_args or {}).get(i, ()), f"g{i}.log") for i in range(groups)]
+        deadline = time.monotonic() + timeout_s
+        pending = dict(restart or {})
+        while pending:  # a group that exits comes back once
+            for i, extra in list(pending.items()):
+                if jobs[i].poll() is not None:
+                    jobs[i] = start(i, extra, f"g{i}_restart.log")
+                    del pending[i]
+            if pending and all(job.poll() is not None for job in jobs):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a torchft job's process ran past {timeout_s:.0f} s")
+            time.sleep(0.05)
+        return _wait(jobs, max(0.0, deadline - time.monotonic()))
 
 
 def run_reference(groups: int, group_size: int, args: Sequence[str], out: Path,

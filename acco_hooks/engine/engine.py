@@ -99,8 +99,11 @@ from acco_hooks.engine.schedule import (
 from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
 from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizer
 from acco_hooks.engine.state import (
+    handover_state,
+    load_handover,
     load_live_parameters,
     load_state,
+    round_counters,
     save_live_parameters,
     save_state,
 )
@@ -160,7 +163,10 @@ class ACCOEngine:
         manager: a ``torchft.Manager``: ``process_group`` is then one replica group of a
             torchft job, and each round's shard is summed over the groups of the current
             quorum through it; a group lost mid-run drops out and the others train on
-            (``replicas``, docs/multinode.md). Plain data parallelism inside a group only.
+            (``replicas``, docs/multinode.md). A group that joins a running job (restarted, or
+            started late) takes a live group's state in this constructor, which then blocks
+            until the other groups reach their next sum; :attr:`round_index` is then the first
+            round it trains (the data position). Plain data parallelism inside a group only.
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -179,6 +185,8 @@ class ACCOEngine:
         # The round in flight (launched, not yet applied), the failure that stopped the engine,
         # and inside real_weights() the live parameters its block replaced
         "_in_flight", "_failure", "_live_outside",
+        # torchft: the training loop's counters at the last round end, for a joining group
+        "_handover_counters",
         # How an update's micro-batches run (a split into an estimate and an update round, or
         # one synchronous round), which round comes next, and mode="auto"'s choice of schedule:
         # the controller, the schedule every rank agreed on, when the current update started
@@ -334,6 +342,46 @@ class ACCOEngine:
                 len(self._slot_of),
             )  # fmt: skip
         logger.debug("acco_hooks: %s", settings)
+        self._handover_counters: dict[str, Any] | None = None
+        if replicas is not None:
+            try:
+                self._join_replica_groups(replicas)
+            except BaseException:
+                self._release()  # no quorum, a state refused: the groups go now, not at exit
+                self._groups = None
+                raise
+
+    def _join_replica_groups(self, replicas: ReplicaGroups) -> None:
+        """torchft: take the job's current step with the other replica groups before the first
+        round, and a live group's state if they are training already (``replicas``)."""
+        self._handover_counters = round_counters(self)
+        engine = weakref.ref(self)  # torchft's manager keeps the callback: not the engine
+        replicas.attach(lambda: handover_state(engine(), engine()._handover_counters))
+        weights = 2 + (len(self._slot_of) if self._gradients_may_skip_ranks else 0)
+        skipped = [torch.zeros_like(g.shard_sum) for g in self._buffers]
+        skipped.append(torch.zeros(weights, dtype=torch.float64, device=self.device))
+        handover, joined_round = replicas.join(skipped)
+        if self._groups.data is not None:
+            # torchft heals rank by rank: with init_sync, rank r takes the state of the group
+            # its rank picks, and may be the one to give it. The group loads together (the live
+            # parameters are gathered in it); a rank handed nothing takes its own state.
+            taken = torch.tensor([float(handover is not None)], device=self.device)
+            self._run_on_thread(dist.all_reduce, taken, dist.ReduceOp.SUM, self._groups.data)
+            if taken.item() > 0 and handover is None:
+                handover = handover_state(self, self._handover_counters)
+        if handover is None:
+            return
+        load_handover(self, handover)
+        self._handover_counters = round_counters(self)
+        if joined_round is None:  # init_sync at the start: one group's state, the same in all
+            return
+        logger.warning(
+            "acco_hooks: this replica group joined the job at round %d with a live group's "
+            "state; it sits that round out and trains from round %d on", joined_round,
+            joined_round + 1,
+        )  # fmt: skip
+        for _ in range(self.round_size):  # ends the round: its job takes the sum joined
+            self.skip_microbatch()
 
     # ------------------------------------------------------------ gradients in (main thread)
 
@@ -500,6 +548,8 @@ class ACCOEngine:
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
         self.last_round_lr = float(self.optimizer.param_groups[0]["lr"])
+        if self._handover_counters is not None:  # what a group joining in this round's sum gets
+            self._handover_counters = round_counters(self)
 
         # 2. the payload; the accumulator restarts. acco's update round averages both halves:
         #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side

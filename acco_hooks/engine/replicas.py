@@ -16,16 +16,26 @@ the training loop computes the next round as usual.
 in it and asks ``should_commit``. A group that died makes the sum fail on the others; no group
 commits, nothing of the round is applied, and the same payload (kept aside, since a failed
 collective may leave its buffer half-summed) is summed again in a new quorum without the dead
-group, until a quorum commits or the round's patience (twice ``timeout``) runs out. The average is then over the groups that
-took part (the weights as without torchft), and in ``acco`` the carried half-batch and its
+group, until a quorum commits or the round's patience (twice ``timeout``) runs out. The
+average is then over the groups that took part (the weights as without torchft), and in ``acco`` the carried half-batch and its
 weight are the committed estimate round's on every survivor: the estimate/update pairing holds
 across the change.
 
 **What every group must agree on** is checked in every round, in the same sum: the settings,
-the round index (a group that joins mid-run would otherwise add gradients computed at other
-parameters) and, in the first round, a checksum of the parameters (replicas that were not
-initialized the same). A group that joins a running job needs the state of a live peer
-(healing), which is not built yet: it is refused by name.
+the round index and, in the first round, a checksum of the parameters (replicas that were not
+initialized the same). A mismatch is refused by name.
+
+**A group that joins** (one restarted after it was lost, or started late) takes a live
+group's state before it trains: healing, torchft's mechanism, with what the engine holds. Every
+group takes one torchft step before its first round (:meth:`join`). At the job's start all
+groups are in that step: nothing is summed (with torchft's ``init_sync``, rank r of every group
+takes the state of the one group its rank picks, and the group loads together). Later, the live groups are in some round's
+sum when the joiner's step meets them: torchft hands the joiner a live group's state as it was
+at that round's end (``state.handover_state``: parameters, master shard, optimizer state, LR
+scheduler, counters, the carried half-batch); the joiner sends zeros in that sum, takes its
+result, and then sits that round out (``skip_microbatch``): its job steps with the same sum from
+the same state, and from the next round on it computes at the same parameters as every group.
+A torchft step is therefore a round plus one.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import importlib.metadata
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,12 +62,13 @@ logger = logging.getLogger(__name__)
 # squares over up to 2**12 groups are exact in float64: equal sums of both over k groups mean
 # that all k agree.
 _FINGERPRINT_BITS = 20
+_MARKS = 3  # the settings, the round index, the initial parameters' checksum
 _STATE_KEY = "acco_hooks"
 
 
 class ReplicaGroups:
     """The replica groups of a torchft ``Manager``, as the engine's communication thread uses
-    them: :meth:`sum` is the one call, made once per round.
+    them: :meth:`join` once, before the first round, then :meth:`sum` once per round.
 
     Args:
         manager: the ``torchft.Manager`` of this replica group.
@@ -71,7 +83,8 @@ class ReplicaGroups:
             quorum without it forms within the other (the lighthouse's heartbeat timeout).
     """
 
-    __slots__ = ("_settings_mark", "manager", "patience_s", "rounds_committed", "timeout")
+    __slots__ = ("_joined", "_received", "_serve", "_settings_mark", "manager", "patience_s",
+                 "timeout")  # fmt: skip
 
     def __init__(
         self, manager: Any, description: str, *, mode: str, narrow_estimate: bool,
@@ -107,12 +120,67 @@ class ReplicaGroups:
             )
         self.manager, self.timeout = manager, timeout
         self.patience_s = None if timeout is None else 2.0 * timeout
-        self.rounds_committed = 0  # what a joining group would have to catch up with
         self._settings_mark = _small(hashlib.sha256(description.encode()).digest())
-        # torchft asks a live group for its state when another one joins (on its own thread)
-        manager.register_state_dict_fn(
-            _STATE_KEY, _refuse_healing, lambda: {"round_index": self.rounds_committed}
-        )
+        self._serve: Callable[[], dict[str, Any]] | None = None  # the engine's handover
+        self._received: dict[str, Any] | None = None  # a live group's, as torchft hands it
+        # a round whose sum this group took while joining: (round, sums, fingerprints)
+        self._joined: tuple[int, list[Tensor], Tensor] | None = None
+        # torchft asks a live group for its state when another one joins (on its own thread),
+        # and gives it to the joiner (in should_commit, or start_quorum without async quorum)
+        manager.register_state_dict_fn(_STATE_KEY, self._receive, self._hand_over)
+
+    def attach(self, serve: Callable[[], dict[str, Any]]) -> None:
+        """What a joining group gets from this one: ``serve()``, called on torchft's thread
+        while this group's communication waits for the quorum (``state.handover_state``)."""
+        self._serve = serve
+
+    def join(self, skipped: list[Tensor]) -> tuple[dict[str, Any] | None, int | None]:
+        """This group's first torchft step, before its first round. Returns the state a live
+        group handed over (``None``: none, every group starts here) and the round the live
+        groups are summing (``None``: none; this group then sits it out, and the next
+        :meth:`sum` is that round's, already taken).
+
+        Args:
+            skipped: zeros shaped as the tensors :meth:`sum` sums (this group's part of the
+                round it joins in: nothing).
+        """
+        manager = self.manager
+        deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
+        attempt = 0
+        while True:
+            attempt += 1
+            self._received = None
+            manager.start_quorum()
+            manager.wait_quorum()
+            # torchft moved a joiner's step to the live groups': 0 only while every group in
+            # the quorum is at its join step, a round's step otherwise
+            round_index = manager.current_step() - 1
+            summed = None
+            if round_index >= 0:
+                summed = self._reduce([*skipped, torch.zeros(1 + 2 * _MARKS, dtype=torch.float64)])
+            if manager.should_commit():
+                break
+            self._retry_or_give_up("joining the job", attempt, deadline)
+        received, self._received = self._received, None
+        if summed is None:
+            return received, None
+        if received is None:
+            raise RuntimeError(
+                f"acco_hooks: this replica group joined a job at round {round_index} but torchft "
+                "handed it no state: build every group's Manager with load_state_dict=None and "
+                "state_dict=None (the engine registers its own)"
+            )
+        self._joined = (round_index, summed[:-1], summed[-1])
+        return received, round_index
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        self._received = state
+
+    def _hand_over(self) -> dict[str, Any]:
+        if self._serve is None:
+            raise RuntimeError("acco_hooks: a replica group asked for this group's state "
+                               "before its engine was built")  # fmt: skip
+        return self._serve()
 
     def sum(self, tensors: list[Tensor], round_index: int, master: list[Tensor]) -> int:
         """Sum each of ``tensors`` over the replica groups of a quorum that commits; return
@@ -126,38 +194,52 @@ class ReplicaGroups:
         # 1 for "this group's tensors are in the sum": torchft zeroes what a group that is not
         # taking part (one it is healing) sends, and counts groups its own way
         marks = torch.cat([marks.new_ones(1), marks, marks * marks])
-        deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
-        attempt = 0
-        while True:
-            attempt += 1
-            manager.start_quorum()
-            sums = [t.clone() for t in tensors]  # a failed sum may leave its buffer half-summed
-            seen = marks.clone()
-            works = [manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in (*sums, seen)]
-            for work in works:
-                work.wait()
-            if manager.should_commit():
-                participants = round(seen[0].item())
-                _check_fingerprints(seen[1:], marks[1:], participants, round_index)
-                torch._foreach_copy_(tensors, sums)
-                self.rounds_committed = round_index + 1
-                if attempt > 1:
-                    logger.warning(
-                        "acco_hooks: round %d committed at attempt %d, over %d replica groups",
-                        round_index, attempt, participants,
-                    )  # fmt: skip
-                return participants
+        joined, self._joined = self._joined, None
+        if joined is not None:  # this round was summed while this group joined
+            if joined[0] != round_index:
+                raise RuntimeError(f"acco_hooks: joined at round {joined[0]}, summing round "
+                                   f"{round_index}: the engine lost its place")  # fmt: skip
+            summed, seen, attempt = joined[1], joined[2], 0
+        else:
+            deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
+            attempt = 0
+            while True:
+                attempt += 1
+                manager.start_quorum()
+                *summed, seen = self._reduce([*tensors, marks])
+                if manager.should_commit():
+                    break
+                self._retry_or_give_up(f"round {round_index}", attempt, deadline)
+        participants = round(seen[0].item())
+        _check_fingerprints(seen[1:], marks[1:], participants, round_index)
+        torch._foreach_copy_(tensors, summed)
+        if attempt > 1:
             logger.warning(
-                "acco_hooks: round %d: the sum over replica groups did not commit (%s); summing "
-                "it again in a new quorum", round_index, manager.errored() or "no quorum",
+                "acco_hooks: round %d committed at attempt %d, over %d replica groups",
+                round_index, attempt, participants,
             )  # fmt: skip
-            if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"acco_hooks: round {round_index}: no quorum of replica groups committed "
-                    f"within {self.patience_s:.0f} s (twice timeout={self.timeout:g}; "
-                    f"{attempt} attempts): is the lighthouse up, and are at least "
-                    "min_replica_size groups alive?"
-                )
+        return participants
+
+    def _reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Each of ``tensors`` summed over the quorum's groups, into copies: a failed sum may
+        leave its buffer half-summed, and the attempt after it starts from the originals."""
+        sums = [t.clone() for t in tensors]
+        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in sums]
+        for work in works:
+            work.wait()
+        return sums
+
+    def _retry_or_give_up(self, what: str, attempt: int, deadline: float | None) -> None:
+        logger.warning(
+            "acco_hooks: %s: the sum over replica groups did not commit (%s); trying again in a "
+            "new quorum", what, self.manager.errored() or "no quorum",
+        )  # fmt: skip
+        if deadline is not None and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"acco_hooks: {what}: no quorum of replica groups committed within "
+                f"{self.patience_s:.0f} s (twice timeout={self.timeout:g}; {attempt} attempts): "
+                "is the lighthouse up, and are at least min_replica_size groups alive?"
+            )
 
     def _fingerprint(self, round_index: int, master: list[Tensor]) -> list[float]:
         """The settings, the round, and in the first round a checksum of this rank's master
@@ -168,19 +250,6 @@ class ReplicaGroups:
                 checksum = zlib.crc32(shard.detach().cpu().contiguous().numpy().tobytes(), checksum)
         bits = 1 << _FINGERPRINT_BITS
         return [float(self._settings_mark), float(round_index % bits), float(checksum % bits)]
-
-
-def _refuse_healing(state: dict[str, int]) -> None:
-    """A group that joins a running job: its state would come from a live peer, which is not
-    built yet. At the job's start (round 0) there is nothing to take: the first round's
-    checksum proves the parameters equal."""
-    if state["round_index"] == 0:
-        return
-    raise RuntimeError(
-        f"acco_hooks: this replica group joined a job that is at round {state['round_index']}; "
-        "taking a live group's state (healing) is not supported yet. Restart every group "
-        "together (from the last checkpoint), or train on without this group"
-    )
 
 
 def _check_fingerprints(seen: Tensor, own: Tensor, participants: int, round_index: int) -> None:
@@ -200,9 +269,8 @@ def _check_fingerprints(seen: Tensor, own: Tensor, participants: int, round_inde
         f"acco_hooks: round {round_index}: the replica groups differ in their "
         f"{' and '.join(differ) or 'fingerprints'}. Every group must build the same model and "
         "optimizer with the same settings and start from the same parameters (seed them the "
-        "same, or load the same checkpoint on every group); a group that joins a running job "
-        "would need a live peer's state, which acco_hooks does not hand over yet: restart every "
-        "group together"
+        "same, or load the same checkpoint on every group, or use torchft's init_sync); a group "
+        "that joins a running job takes the others' state, not their settings or model"
     )
 
 

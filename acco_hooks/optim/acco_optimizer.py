@@ -55,8 +55,9 @@ class ACCOOptimizer(EngineFrontEnd):
             ``settings=EngineSettings(...)``), the engine's other arguments
             (``process_group``: the data-parallel group or 1-D mesh, default the whole world;
             ``lr_scheduler``: ``callable(optimizer) -> LRScheduler``, see the warning above;
-            ``manager``: a ``torchft.Manager``, for replica groups that outlive a lost group,
-            ``examples/torchft_train.py``),
+            ``manager``: a ``torchft.Manager``, for replica groups that outlive a lost group;
+            a group that joins a running job takes a live group's state here and goes on
+            from ``engine.round_index``, ``examples/torchft_train.py``),
             then the keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...). See
             :class:`~acco_hooks.engine.ACCOEngine`.
 

@@ -6,8 +6,9 @@ script as ONE group of every rank without torchft (the plain engine, whose own n
 engine tests hold against the spec's reference): with every group alive the two must agree; when
 a group is SIGKILLed, the survivors must agree with a reference run in which that group's ranks
 contribute nothing (``skip_microbatch``) from the round its contributions stopped in; a group
-that joins a running job is refused (healing is not built) and the running group's parameters
-are those of a run without it.
+that joins a running job (started late, or restarted after it was killed) takes a live group's
+state, sits out the round it joined in, and then holds parameters bit-identical to every other
+group's, equal to a reference whose ranks of that group skip the rounds it was away.
 """
 
 from __future__ import annotations
@@ -92,25 +93,67 @@ def test_a_lost_group_leaves_the_survivors_stepping_exactly(
     _assert_equal_to_reference(tmp_path, list(range(lost)), group_size)
 
 
-def test_with_torchfts_init_sync_the_groups_agree(tmp_path: Path) -> None:
-    """torchft heals all groups but one at step 0 (they sit out round 0): fewer gradients in
-    that round, but every group holds the same parameters."""
-    assert run_groups(2, 2, ["--init-sync"], tmp_path) == [0, 0]
-    first = _params(tmp_path, "g0_r0")
-    for tag in ("g0_r1", "g1_r0", "g1_r1"):
-        for name, value in _params(tmp_path, tag)["params"].items():
-            assert torch.equal(value, first["params"][name])
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_with_torchfts_init_sync_every_group_takes_one_state(
+    tmp_path: Path, group_size: int
+) -> None:  # fmt: skip
+    """init_sync=True: at the start torchft hands each rank r the state of the group its rank
+    picks (rank r of group r mod G), so groups built from different seeds hold one model; with
+    one rank per group, group 0's: the run is the reference's from group 0's seed."""
+    args = ["--rounds", "12", "--timeout", "10"]
+    assert run_groups(2, group_size, [*args, "--init-sync"], tmp_path,
+                      replica_args={1: ["--seed", "1"]}) == [0, 0]  # fmt: skip
+    tags = [f"g{g}_r{r}" for g in range(2) for r in range(group_size)]
+    _assert_bit_identical(tmp_path, tags)
+    if group_size == 1:
+        assert run_reference(2, 1, args, tmp_path) == 0
+        _assert_equal_to_reference(tmp_path, [0, 1], 1)
 
 
-def test_a_group_that_joins_a_running_job_is_refused_and_changes_nothing(tmp_path: Path) -> None:
-    args = ["--rounds", "300", "--microbatch-seconds", "0.01", "--timeout", "10"]
+def _assert_bit_identical(out: Path, tags: list[str]) -> None:
+    first = _params(out, tags[0])
+    for tag in tags[1:]:
+        run = _params(out, tag)
+        assert run["updates"] == first["updates"]
+        for name, value in run["params"].items():
+            assert torch.equal(value, first["params"][name]), (tag, name)
+
+
+# Healing: rounds long enough that the group joins while the others still train
+HEAL_ARGS = ["--rounds", "150", "--microbatch-seconds", "0.02", "--timeout", "10"]
+
+
+def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(tmp_path: Path) -> None:
     late = {1: ["--wait-for", "round_10"], 0: ["--mark-round", "10"]}
-    assert run_groups(2, 1, args, tmp_path, replica_args=late, start_together=False) == [0, 1]
-    log = (tmp_path / "g1.log").read_text()
-    assert "this replica group joined a job that is at round" in log, log[-3000:]
-    # the running group trained as if alone: the same as one group without torchft
-    assert run_reference(1, 1, args, tmp_path) == 0
-    _assert_equal_to_reference(tmp_path, [0], 1)
+    assert run_groups(2, 1, HEAL_ARGS, tmp_path, replica_args=late, start_together=False) == [0, 0]
+    joined = _params(tmp_path, "g1_r0")["first_round"] - 1
+    assert joined >= 10
+    assert f"joined the job at round {joined}" in (tmp_path / "g1.log").read_text()
+    _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
+    away = ["--stop-group", "1", "--stop-round", "0", "--resume-round", str(joined + 1)]
+    assert run_reference(2, 1, [*HEAL_ARGS, *away], tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0, 1], 1)
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "group_size", "mode", "stop"),
+    [("in_reduction", 2, "acco", 4), ("mid_round", 1, "dpu", 4)],
+)
+def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
+    tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int
+) -> None:  # fmt: skip
+    args = [*HEAL_ARGS, "--mode", mode]
+    kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"]}
+    status = run_groups(2, group_size, args, tmp_path, replica_args=kill, restart={1: []})
+    assert status == [0, 0], "the survivor never restarted; the restarted group finished"
+    assert (tmp_path / "killed_at").exists()
+    joined = _params(tmp_path, "g1_r0")["first_round"] - 1
+    assert joined > stop
+    assert f"joined the job at round {joined}" in (tmp_path / "g1_restart.log").read_text()
+    _assert_bit_identical(tmp_path, [f"g{g}_r{r}" for g in range(2) for r in range(group_size)])
+    away = ["--stop-group", "1", "--stop-round", str(stop), "--resume-round", str(joined + 1)]
+    assert run_reference(2, group_size, [*args, *away], tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0, 1], group_size)
 
 
 @pytest.mark.parametrize(
