@@ -82,6 +82,12 @@ def parse_args() -> argparse.Namespace:
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
                    help="wait for this file in --out before joining (building the manager)")
+    p.add_argument("--announce", default=None,
+                   help="write this file in --out once the manager is built (a joiner)")
+    p.add_argument("--hold-round", type=int, default=None,
+                   help="once this many rounds ended, wait for --hold-for in --out: a group "
+                   "that joins then meets this one in the next round's sum, whenever it comes")
+    p.add_argument("--hold-for", default=None)
     # The reference of such a run: the same ranks without torchft, the lost group's ranks
     # contributing nothing from --stop-round on, until --resume-round (it joined again)
     p.add_argument("--stop-group", type=int, default=None)
@@ -135,6 +141,8 @@ def main() -> None:
             init_sync=args.init_sync,
         )  # fmt: skip
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
+        if args.announce is not None:
+            (out / f"{args.announce}_r{rank}").write_text("")
         if args.start_together:  # every Manager heartbeats before any group asks for a quorum
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
             _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(args.groups)
@@ -164,6 +172,10 @@ def main() -> None:
         ended = opt.step()
         if ended and engine.round_index == args.mark_round and rank == 0:
             (out / f"round_{args.mark_round}").write_text("")
+        if ended and engine.round_index == args.hold_round:  # every rank of every joiner
+            _wait_for(out, [f"{args.hold_for}_r{r}" for r in range(group_size)], 6 * args.timeout)
+            # and its first heartbeats: from then on the lighthouse's next quorum waits for it
+            time.sleep(1.0)
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
                                engine.last_wait_s))  # fmt: skip

@@ -119,12 +119,15 @@ def _assert_bit_identical(out: Path, tags: list[str]) -> None:
             assert torch.equal(value, first["params"][name]), (tag, name)
 
 
-# Healing: rounds long enough that the group joins while the others still train
-HEAL_ARGS = ["--rounds", "150", "--microbatch-seconds", "0.02", "--timeout", "10"]
+# Healing: the live group waits after round 10 until the joiner's manager is up, so that the
+# joiner meets it in round 10's or 11's sum however long its start takes
+HEAL_ARGS = ["--rounds", "24", "--timeout", "10"]
+HOLD = ["--hold-round", "10", "--hold-for", "joining"]
 
 
 def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(tmp_path: Path) -> None:
-    late = {1: ["--wait-for", "round_10"], 0: ["--mark-round", "10"]}
+    late = {1: ["--wait-for", "round_10", "--announce", "joining"],
+            0: ["--mark-round", "10", *HOLD]}  # fmt: skip
     assert run_groups(2, 1, HEAL_ARGS, tmp_path, replica_args=late, start_together=False) == [0, 0]
     joined = _params(tmp_path, "g1_r0")["first_round"] - 1
     assert joined >= 10
@@ -143,12 +146,13 @@ def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
     tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int
 ) -> None:  # fmt: skip
     args = [*HEAL_ARGS, "--mode", mode]
-    kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"]}
-    status = run_groups(2, group_size, args, tmp_path, replica_args=kill, restart={1: []})
+    kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"], 0: HOLD}
+    status = run_groups(2, group_size, args, tmp_path, replica_args=kill,
+                        restart={1: ["--announce", "joining"]})  # fmt: skip
     assert status == [0, 0], "the survivor never restarted; the restarted group finished"
     assert (tmp_path / "killed_at").exists()
     joined = _params(tmp_path, "g1_r0")["first_round"] - 1
-    assert joined > stop
+    assert joined >= 10
     assert f"joined the job at round {joined}" in (tmp_path / "g1_restart.log").read_text()
     _assert_bit_identical(tmp_path, [f"g{g}_r{r}" for g in range(2) for r in range(group_size)])
     away = ["--stop-group", "1", "--stop-round", str(stop), "--resume-round", str(joined + 1)]
