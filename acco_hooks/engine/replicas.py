@@ -17,9 +17,9 @@ in it and asks ``should_commit``. A group that died makes the sum fail on the ot
 commits, nothing of the round is applied, and the same payload (kept aside, since a failed
 collective may leave its buffer half-summed) is summed again in a new quorum without the dead
 group, until a quorum commits or the round's patience (twice ``timeout``) runs out. The
-average is then over the groups that took part (the weights as without torchft), and in ``acco`` the carried half-batch and its
-weight are the committed estimate round's on every survivor: the estimate/update pairing holds
-across the change.
+average is then over the groups that took part (the weights as without torchft), and in
+``acco`` the carried half-batch and its weight are the committed estimate round's on every
+survivor: the estimate/update pairing holds across the change.
 
 **What every group must agree on** is checked in every round, in the same sum: the settings,
 the round index and, in the first round, a checksum of the parameters (replicas that were not
@@ -28,9 +28,9 @@ initialized the same). A mismatch is refused by name.
 **A group that joins** (one restarted after it was lost, or started late) takes a live
 group's state before it trains: healing, torchft's mechanism, with what the engine holds. Every
 group takes one torchft step before its first round (:meth:`join`). At the job's start all
-groups are in that step: nothing is summed (with torchft's ``init_sync``, rank r of every group
-takes the state of the one group its rank picks, and the group loads together). Later, the live groups are in some round's
-sum when the joiner's step meets them: torchft hands the joiner a live group's state as it was
+groups are in that step: nothing is summed (with torchft's ``init_sync``, rank r of every
+group takes the state of the one group its rank picks, and the group loads together). Later,
+the live groups are in some round's sum when the joiner's step meets them: torchft hands the joiner a live group's state as it was
 at that round's end (``state.handover_state``: parameters, master shard, optimizer state, LR
 scheduler, counters, the carried half-batch); the joiner sends zeros in that sum, takes its
 result, and then sits that round out (``skip_microbatch``): its job steps with the same sum from
@@ -166,9 +166,9 @@ class ReplicaGroups:
             return received, None
         if received is None:
             raise RuntimeError(
-                f"acco_hooks: this replica group joined a job at round {round_index} but torchft "
-                "handed it no state: build every group's Manager with load_state_dict=None and "
-                "state_dict=None (the engine registers its own)"
+                f"acco_hooks: this replica group joined a job at round {round_index}, and torchft "
+                "committed the step without handing it a live group's state; restart this "
+                "group (its torchrun)"
             )
         self._joined = (round_index, summed[:-1], summed[-1])
         return received, round_index

@@ -1,11 +1,13 @@
-"""Generated torchft jobs, each against its oracle: ``pytest -m soak tests/engine/test_torchft_soak.py``.
+"""Generated torchft jobs, each against its oracle.
+
+Run: ``pytest -m soak tests/engine/test_torchft_soak.py``.
 
 Each case is drawn from its seed: 2 or 3 replica groups of 1 or 2 ranks, ``acco``, ``dpu`` or
 ``ddp``, with or without clipping, and one event: none, the last group SIGKILLed at a random
 round and point (mid-round, inside a round's sum, or in ``acco`` right after an estimate was
-summed), the same followed by its restart, or the last group started 10 rounds late (the live groups wait after round 10 until a
-joiner's manager is up). The oracle
-is ``examples/torchft_train.py`` as one group of every rank without torchft, whose ranks of the
+summed), the same followed by its restart, or the last group started 10 rounds late (the live
+groups wait after round 10 until a joiner's manager is up). The oracle is
+``examples/torchft_train.py`` as one group of every rank without torchft, whose ranks of the
 lost group skip their micro-batches from the round their contributions stopped in until the
 round after the one it joined in (``tests/engine/test_torchft.py`` says why those rounds).
 Every survivor and every healed rank must match it to 1e-5, and the ranks of a group that
