@@ -126,6 +126,7 @@ def validate_acco(
     early_step_in_backward: bool = False,
     world_size: int | None = None,
     train_timeout_seconds: float | None = None,
+    fault_tolerance: bool = False,
 ) -> EngineSettings | None:
     """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
     and build the engine's settings: the one place the torchtitan path checks and builds them.
@@ -142,6 +143,7 @@ def validate_acco(
         world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
         train_timeout_seconds: torchtitan's ``[comm] train_timeout_seconds``: the engine's
             collective timeout where ``[acco] timeout`` is unset.
+        fault_tolerance: torchtitan 0.2.2's ``[fault_tolerance] enable`` (refused).
 
     Returns:
         The engine's settings (``[acco]``'s own, micro-batches per round from
@@ -155,6 +157,16 @@ def validate_acco(
     if not acco.enable:
         return None
     acco.check(spelling, names=("accumulation_steps", "fsdp_sync_every_microbatch"))
+    if fault_tolerance:
+        # torchtitan's own Trainer ignores the section (its torchft path is a separate trainer,
+        # experiments/ft): each torchrun would train a model of its own, with no error.
+        raise ValueError(
+            "[fault_tolerance] enable = true cannot be combined with [acco] enable yet: the "
+            "ACCO trainer would ignore torchft and every replica group would train alone. "
+            "Train ACCO across torchft replica groups with the plain loop (ACCOOptimizer(..., "
+            "manager=torchft.Manager(...)); examples/torchft_train.py, docs/multinode.md), or "
+            "set [fault_tolerance] enable = false (a lost node then costs a torchrun restart)"
+        )
     par = parallelism
     replicate, shard = _data_parallel_degrees(par, world_size or launcher_world_size())
     par.data_parallel_replicate_degree = replicate

@@ -113,6 +113,9 @@ _NO_MEANING = {
     "validation.local_batch_size": "0.3.0 validates with training.local_batch_size: remove "
     "it or set it equal",
     "validation.seq_len": "0.3.0 validates with training.seq_len: remove it or set it equal",
+    "fault_tolerance.enable": "torchft runs in 0.3.0's experiments.torchft trainer, not this "
+    "one; ACCO across torchft replica groups runs in the plain loop (ACCOOptimizer(..., "
+    "manager=torchft.Manager(...)), docs/multinode.md)",
 }
 
 

@@ -80,6 +80,7 @@ def validate_acco_config(
         job_config.acco, job_config.parallelism, job_config.training, [job_config.optimizer.name],
         early_step_in_backward=job_config.optimizer.early_step_in_backward,
         world_size=world_size, train_timeout_seconds=job_config.comm.train_timeout_seconds,
+        fault_tolerance=job_config.fault_tolerance.enable,
     )  # fmt: skip
 
 
