@@ -399,6 +399,17 @@ class RoundResult(NamedTuple):
     untrained: tuple[str, ...] = ()
 
 
+def round_weights(
+    local_count: float, unit_weights: bool, arrived: tuple[float, ...] | None,
+    device: torch.device,
+) -> Tensor:  # fmt: skip
+    """What a rank's payload carries beside its gradient sums, summed with them: its weight
+    (``RoundPlan.local_count``), a "not every weight was 1" flag and ``RoundPlan.arrived``.
+    A torchft group that joins inside a round sends this shape, all zeros (nothing)."""
+    flag = 0.0 if unit_weights else 1.0
+    return torch.tensor([local_count, flag, *(arrived or ())], dtype=torch.float64, device=device)
+
+
 def communicate(
     plan: RoundPlan, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
@@ -420,8 +431,7 @@ def communicate(
             else:
                 reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
     device = buffers[0].master.device
-    weights = torch.tensor([plan.local_count, 0.0 if plan.unit_weights else 1.0,
-                            *(plan.arrived or ())], dtype=torch.float64, device=device)  # fmt: skip
+    weights = round_weights(plan.local_count, plan.unit_weights, plan.arrived, device)
     if groups.replicas is not None:  # torchft: rank r's shard and weights, over the groups
         with record_function("acco::sum_over_replicas"):
             groups.replicas.sum([g.shard_sum for g in buffers] + [weights], plan.round_index,

@@ -86,6 +86,7 @@ from acco_hooks.engine.communication import (
     build_engine_groups,
     communicate,
     release_communication,
+    round_weights,
 )
 from acco_hooks.engine.peek import has_functional_peek
 from acco_hooks.engine.placement import ShardPlacement
@@ -357,9 +358,9 @@ class ACCOEngine:
         self._handover_counters = round_counters(self)
         engine = weakref.ref(self)  # torchft's manager keeps the callback: not the engine
         replicas.attach(lambda: handover_state(engine(), engine()._handover_counters))
-        weights = 2 + (len(self._slot_of) if self._gradients_may_skip_ranks else 0)
+        arrived = (0.0,) * len(self._slot_of) if self._gradients_may_skip_ranks else None
         skipped = [torch.zeros_like(g.shard_sum) for g in self._buffers]
-        skipped.append(torch.zeros(weights, dtype=torch.float64, device=self.device))
+        skipped.append(round_weights(0.0, True, arrived, self.device))
         handover, joined_round = replicas.join(skipped)
         if self._groups.data is not None:
             # torchft heals rank by rank: with init_sync, rank r takes the state of the group
