@@ -172,10 +172,14 @@ def test_a_constructor_that_fails_releases_the_groups_it_built() -> None:
 
 
 class _SlowAdamW(torch.optim.AdamW):
-    """AdamW whose real step takes a while (on the communication thread): rounds stay in flight."""
+    """AdamW whose real step takes ``delay_s`` (on the communication thread): rounds stay in
+    flight while it is 1 s; the same numbers at 0 (the default: the engine's build probes the
+    class with a few steps)."""
+
+    delay_s = 0.0
 
     def step(self, closure=None):  # noqa: ANN001, ANN201
-        time.sleep(1.0)
+        time.sleep(self.delay_s)
         return super().step(closure)
 
 
@@ -272,17 +276,20 @@ def test_ctrl_c_inside_step_leaves_the_engine_usable(mode: str) -> None:
             _opt(model, mode, _SlowAdamW) as opt, _sigint_raises_keyboard_interrupt():  # fmt: skip
         _run(reference, reference_model, batches)
         reference.flush()
-
-        _run(opt, model, batches[:2])  # dpu: round 1's update is on the worker, ddp: none yet
-        model(batches[2]).square().mean().backward()
-        # While step() waits for an update (which takes 1 s on the worker thread):
-        timer = threading.Timer(0.2, signal.pthread_kill,
-                                (threading.main_thread().ident, signal.SIGINT))  # fmt: skip
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            opt.step()
-        timer.join()
-        assert opt.step()  # the interrupted call, repeated, ends the round
+        try:  # only the interrupted wait needs a slow update
+            _SlowAdamW.delay_s = 1.0
+            _run(opt, model, batches[:2])  # dpu: round 1's update is on the worker, ddp: none
+            model(batches[2]).square().mean().backward()
+            # While step() waits for an update (which takes 1 s on the worker thread):
+            timer = threading.Timer(0.2, signal.pthread_kill,
+                                    (threading.main_thread().ident, signal.SIGINT))  # fmt: skip
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            timer.join()
+            assert opt.step()  # the interrupted call, repeated, ends the round
+        finally:
+            _SlowAdamW.delay_s = 0.0
         _run(opt, model, batches[3:])
         opt.flush()
         for a, b in zip(_params(reference_model), _params(model)):
