@@ -37,8 +37,10 @@ from tests.scenario import relative_error
 UPDATES = 24
 
 
-def uninterrupted(tmp_path: Path) -> dict:
-    out = tmp_path / "straight"
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The uninterrupted 4-rank run both cases end as (one run for the module)."""
+    out = tmp_path_factory.mktemp("straight")
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          *training_command(out, UPDATES, 0.0)],
@@ -53,8 +55,10 @@ def tail(*logs: Path) -> str:
     return "\n".join(log.read_text()[-3000:] for log in logs)
 
 
-def test_a_killed_node_resumes_on_the_survivor_and_ends_as_the_uninterrupted_run(tmp_path):
-    expected = uninterrupted(tmp_path)
+def test_a_killed_node_resumes_on_the_survivor_and_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    expected = uninterrupted
     recovery = one_recovery(tmp_path, UPDATES, 0.0, checkpoint=8)
     assert recovery["survivor_rc"] == 0, tail(tmp_path / "node0.log")
     first, *later = attempts(tmp_path / "ckpt")
@@ -74,10 +78,12 @@ def test_a_killed_node_resumes_on_the_survivor_and_ends_as_the_uninterrupted_run
     assert "Traceback" not in survivor, survivor[-3000:]
 
 
-def test_a_node_that_joins_later_is_taken_in_and_the_run_ends_as_the_uninterrupted_one(tmp_path):
+def test_a_node_that_joins_later_is_taken_in_and_the_run_ends_as_the_uninterrupted_one(
+    tmp_path, uninterrupted
+):
     """One node trains on 2 ranks; a second one joins: the first agent restarts its workers,
     both nodes resume from the last checkpoint resharded 2 -> 4, and both agents exit 0."""
-    expected = uninterrupted(tmp_path)
+    expected = uninterrupted
     ckpt, port = tmp_path / "ckpt", free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     command = agent_command(port, training_command(ckpt, UPDATES, 0.05))
