@@ -45,7 +45,7 @@ def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) ->
 @pytest.mark.parametrize(
     ("groups", "group_size", "mode", "extra"),
     [(2, 1, "acco", []), (2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
-     (3, 2, "acco", []), (2, 1, "dpu", []), (2, 2, "ddp", [])],
+     (3, 2, "acco", []), (2, 2, "ddp", [])],  # dpu: test_a_lost_group_..., until its kill
 )  # fmt: skip
 def test_every_group_alive_equals_one_run_over_every_rank(
     tmp_path: Path, groups: int, group_size: int, mode: str, extra: list[str]

@@ -10,8 +10,9 @@ a test whose run has several replicas and is compared with an independent run (t
 DDP/HSDP, ACCO over pure data parallelism, the same run resumed) runs on both. A test whose
 subject does not depend on it (an entry point, a schedule, the validator, activation
 checkpointing and compile, a one-replica run, ...) says which backend it runs on with
-``@pytest.mark.spmd_backends(...)``; the others are deselected, not skipped, and
-``tests/test_titan_spmd_backends.py`` checks that the two backends are the same HSDP run.
+``@pytest.mark.spmd_backends(...)``; the others are deselected, not skipped. A marker on one
+``pytest.param`` case takes precedence over the test's, and ``spmd_backends()`` with no backend
+runs a case on 0.2.2 only (its subject does not depend on the release).
 Each torchtitan launch costs CI tens of seconds on 2 cores (issue: CI at most 45 minutes).
 """
 
@@ -32,8 +33,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     kept, deselected = [], []
     for item in items:
-        marker = item.get_closest_marker("spmd_backends")
         callspec = getattr(item, "callspec", None)
+        marker = next((m for m in getattr(callspec, "marks", ()) if m.name == "spmd_backends"),
+                      item.get_closest_marker("spmd_backends"))  # fmt: skip
         backend = callspec.params.get("spmd_backend") if callspec else None
         if marker is None or backend is None:
             kept.append(item)

@@ -184,6 +184,7 @@ def test_the_registry_serves_every_shipped_config() -> None:
         registry.llama3_8b_nothing  # noqa: B018
 
 
+@pytest.mark.spmd_backends("spmd_types")  # no run: backend-free
 def test_a_debug_config_without_its_corpus_says_how_to_launch_it() -> None:
     """Outside the checkout's launcher nothing registers the embedded corpus with torchtitan."""
     code = ("import acco_hooks.titan.config_registry as r\n"
@@ -234,6 +235,7 @@ def test_a_bad_value_type_is_refused() -> None:
                          ["--activation_checkpoint.mode", "selective"])  # fmt: skip
 
 
+@pytest.mark.spmd_backends("spmd_types")  # refused before any layout is built
 def test_train_titan_refuses_a_meaningless_key_before_any_step(tmp_path) -> None:
     cmd = [sys.executable, "train_titan.py", "--job.config_file",
            str(CONFIGS / "debug_cpu_acco.toml"), "--job.dump_folder", str(tmp_path),
