@@ -36,6 +36,7 @@ def run_groups(
     groups: int, group_size: int, args: Sequence[str], out: Path, *, timeout_s: float = 240.0,
     heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
     start_together: bool = True, restart: dict[int, Sequence[str]] | None = None,
+    program: Sequence[str] = ("-m", EXAMPLE),
 ) -> list[int]:  # fmt: skip
     """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
     under one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
@@ -44,7 +45,9 @@ def run_groups(
     groups start at slightly different moments here, and one that missed the first quorum
     would join the running job. ``restart``: a group that exits is started again, once, with
     these arguments instead of its ``replica_args`` (what a node's restart does; its output
-    goes to ``out/g{i}_restart.log`` and its exit status is returned)."""
+    goes to ``out/g{i}_restart.log`` and its exit status is returned). ``program``: what
+    each ``torchrun`` runs, the example by default; another program (``train_titan.py``) gets
+    ``args`` and the group's ``replica_args`` alone (its replica id among them)."""
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
     if lighthouse is None:
@@ -60,9 +63,11 @@ def run_groups(
         def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
             env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
                    "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
-            argv = [*_torchrun(group_size), "--replica-id", str(i), "--groups", str(groups),
-                    "--out", str(out), *(["--start-together"] if start_together else []),
-                    *args, *extra]  # fmt: skip
+            own = []  # the example's own flags
+            if tuple(program) == ("-m", EXAMPLE):
+                own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out),
+                       *(["--start-together"] if start_together else [])]  # fmt: skip
+            argv = [*_torchrun(group_size, program), *own, *args, *extra]
             job = _start(argv, env, out / log)
             started.append(job)
             return job
@@ -83,19 +88,22 @@ def run_groups(
         return _wait(jobs, max(0.0, deadline - time.monotonic()))
 
 
-def run_reference(groups: int, group_size: int, args: Sequence[str], out: Path,
-                  timeout_s: float = 120.0) -> int:  # fmt: skip
+def run_reference(
+    groups: int, group_size: int, args: Sequence[str], out: Path, timeout_s: float = 120.0,
+    program: Sequence[str] = ("-m", EXAMPLE),
+) -> int:  # fmt: skip
     """The same job as one group of ``groups * group_size`` processes, without torchft."""
     out.mkdir(parents=True, exist_ok=True)
-    argv = [*_torchrun(groups * group_size), "--groups", str(groups), "--out", str(out), *args]
+    own = ["--groups", str(groups), "--out", str(out)] if tuple(program) == ("-m", EXAMPLE) else []
+    argv = [*_torchrun(groups * group_size, program), *own, *args]
     with _sessions() as started:
         started.append(_start(argv, {}, out / "reference.log"))
         return _wait(started, timeout_s)[0]
 
 
-def _torchrun(processes: int) -> list[str]:
+def _torchrun(processes: int, program: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", str(free_port()), "-m", EXAMPLE]  # fmt: skip
+            "--master_port", str(free_port()), *program]  # fmt: skip
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

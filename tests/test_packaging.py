@@ -124,15 +124,17 @@ def _files(*parts: str, without: tuple[str, ...] = ()) -> list[pathlib.Path]:
     [
         (("acco_hooks",), ("acco_hooks/titan", "acco_hooks/hf", "acco_hooks/engine/replicas.py"),
          ()),
-        (("acco_hooks/titan",), (), ("titan",)),
+        (("acco_hooks/titan",), ("acco_hooks/titan/v022.py",), ("titan",)),
         (("acco_hooks/hf",), (), ("hf",)),
-        # torchft, imported when an engine is given a manager (the error names the extra)
+        # torchft, imported when an engine is given a manager (the error names the extra), and
+        # by torchtitan 0.2.2's [fault_tolerance] (refused without it, naming the extra)
         (("acco_hooks/engine/replicas.py",), (), ("ft",)),
+        (("acco_hooks/titan/v022.py",), (), ("titan", "ft")),
         (("train_titan.py", "scaffolding", "examples"), (), ("titan", "hf", "ft")),
         (("benchmarks",), (), ("bench",)),
         (("tests",), (), ("test",)),
     ],
-    ids=["engine", "titan", "hf", "torchft", "checkout", "benchmarks", "tests"],
+    ids=["engine", "titan", "hf", "torchft", "titan-torchft", "checkout", "benchmarks", "tests"],
 )
 def test_every_import_is_declared_in_pyproject(trees, without, extras) -> None:
     allowed = declared(*extras)

@@ -124,8 +124,11 @@ class EngineOptimizersContainer(OptimizersContainer):
         # What torchtitan's own containers do last: the torch.optim.Optimizer machinery (hooks)
         torch.optim.Optimizer.__init__(self, params, dict(optimizer_kwargs))
 
-    def bind(self, parallel_dims: Any) -> None:
-        """Build the engine over every trainable parameter, across the ``dp_replicate`` mesh."""
+    def bind(self, parallel_dims: Any, manager: Any = None, lr_scheduler: Any = None) -> None:
+        """Build the engine over every trainable parameter, across the ``dp_replicate`` mesh
+        (with ``manager``, a ``torchft.Manager``: across torchft replica groups too), with
+        the LR schedulers ``lr_scheduler(shard_optimizer)`` builds (or, later,
+        :meth:`attach_lr_schedulers`)."""
         optimizer_class, optimizer_kwargs, settings = self._engine_plan
         named = [(name, p) for m in self.model_parts for name, p in m.named_parameters()
                  if p.requires_grad]  # fmt: skip
@@ -140,8 +143,9 @@ class EngineOptimizersContainer(OptimizersContainer):
                 _shard_group(parallel_dims) if parallel_dims.dp_shard_enabled else None
             ),
             norm_process_group=dist.group.WORLD if model_parallel else None,
-            **optimizer_kwargs,
+            manager=manager, lr_scheduler=lr_scheduler, **optimizer_kwargs,
         )  # fmt: skip
+        self.manager = manager
         self.optimizers = [self.engine.optimizer]
         self.engine.hook_param_grads()
 
@@ -182,6 +186,9 @@ class EngineOptimizersContainer(OptimizersContainer):
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
         and remove its gradient hooks (see ``ACCOEngine.close``)."""
         self.engine.close(flush=flush, barrier=barrier)
+        if getattr(self, "manager", None) is not None:  # built by this container's builder
+            self.manager.shutdown(wait=False)
+            self.manager = None
 
     def attach_lr_schedulers(self, schedulers: Any) -> Any:
         """Let the engine step ``schedulers`` after each real update; return them."""
@@ -262,8 +269,12 @@ class ACCOTrainerBase(Trainer):
         acco = self.titan_config.acco
         engine = self.optimizers.engine
         # The engine's round size was resolved from the config before torchtitan built
-        # anything (titan.config.validate_acco); torchtitan's own count must agree.
-        expected = acco.accumulation_steps or self.gradient_accumulation_steps
+        # anything (titan.config.validate_acco); torchtitan's own count must agree. Across
+        # torchft replica groups (0.2.2's [fault_tolerance]) the global batch spans the groups,
+        # which torchtitan's Trainer does not count.
+        ft = getattr(self.titan_config, "fault_tolerance", None)
+        groups = ft.group_size if ft is not None and ft.enable else 1
+        expected = acco.accumulation_steps or self.gradient_accumulation_steps // groups
         if engine.settings.accumulation_steps != expected:
             raise RuntimeError(
                 f"ACCO: the engine runs {engine.settings.accumulation_steps} micro-batches per "
@@ -271,6 +282,11 @@ class ACCOTrainerBase(Trainer):
                 "explicitly"
             )
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
+        # A torchft replica group that joined a running job holds a live group's state, at its
+        # round index (0 otherwise: a checkpoint, if any, loads later): the trainer counts its
+        # steps from there, and the data loader reads on to the same position first.
+        self.step = engine.round_index
+        self._rounds_to_read_on = engine.round_index
         # HSDP: FSDP2 shards each replica; its gradient reduce-scatter is switched per micro-batch
         self._fsdp_modules = fsdp_modules(self.model_parts)
         # A step's metrics are all-reduced without waiting and logged at the start of the next
@@ -362,6 +378,10 @@ class ACCOTrainerBase(Trainer):
         self.checkpointer.maybe_wait_for_staging()
         config = self.titan_config
         engine = self.optimizers.engine
+        if self._rounds_to_read_on:  # micro-batches of fixed rounds (no accumulate_until_ready)
+            for _ in range(self._rounds_to_read_on * engine.settings.accumulation_steps):
+                next(data_iterator)
+            self._rounds_to_read_on = 0
         lr = engine.optimizer.param_groups[0]["lr"]
         one = torch.ones((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)

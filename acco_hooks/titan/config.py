@@ -11,6 +11,7 @@ No ``from __future__ import annotations``: torchtitan 0.2.2's ConfigManager read
 types (``dataclasses.fields(...).type``) to build nested sections from TOML.
 """
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -117,6 +118,49 @@ def _check_global_batch(training: Any, data_parallel: int, shard: int) -> None:
     )
 
 
+def _check_replica_groups(ft: Any, acco: ACCO, checkpoint_enabled: bool) -> None:
+    """Refuse a ``[fault_tolerance]`` section the engine cannot run across torchft groups."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError(
+            "[fault_tolerance] enable = true needs torchft: pip install 'acco_hooks[ft]'"
+        )
+    if ft.semi_sync_method is not None:
+        raise ValueError(
+            f"[fault_tolerance] semi_sync_method = {ft.semi_sync_method!r} with [acco] enable: "
+            "that is torchtitan's own training method (local SGD, DiLoCo) across the groups, "
+            "and ACCO is another one; unset semi_sync_method, or [acco] enable = false"
+        )
+    if ft.process_group not in ("gloo", "nccl"):
+        raise ValueError(
+            f"[fault_tolerance] process_group = {ft.process_group!r}: use 'gloo' or 'nccl'"
+        )
+    if ft.group_size < 1 or not 0 <= ft.replica_id < ft.group_size:
+        raise ValueError(
+            f"[fault_tolerance] replica_id = {ft.replica_id}, group_size = {ft.group_size}: "
+            "set group_size to the number of replica groups (the data is split over them) "
+            "and replica_id to this group's index, from 0 to group_size - 1"
+        )
+    if acco.mode == "auto":
+        raise ValueError(
+            "[acco] mode = 'auto' with [fault_tolerance] enable is not supported yet: every "
+            "replica group would have to agree on each schedule change. Use 'acco', 'dpu' or "
+            "'ddp'"
+        )
+    if acco.accumulate_until_ready:
+        raise ValueError(
+            "[acco] accumulate_until_ready = true with [fault_tolerance] enable is not "
+            "supported yet: a group that joins reads its data on to the live groups' position "
+            "by counting fixed rounds. Set accumulate_until_ready = false"
+        )
+    if checkpoint_enabled:
+        raise ValueError(
+            "[checkpoint] enable with [fault_tolerance] enable is not supported yet: every "
+            "replica group would write the same folder, and a group that comes back would load "
+            "its own old checkpoint over the state a live group handed it. Set [checkpoint] "
+            "enable = false (a group that comes back takes a live group's state)"
+        )
+
+
 def validate_acco(
     acco: ACCO,
     parallelism: Any,
@@ -126,7 +170,8 @@ def validate_acco(
     early_step_in_backward: bool = False,
     world_size: int | None = None,
     train_timeout_seconds: float | None = None,
-    fault_tolerance: bool = False,
+    fault_tolerance: Any = None,
+    checkpoint_enabled: bool = False,
 ) -> EngineSettings | None:
     """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
     and build the engine's settings: the one place the torchtitan path checks and builds them.
@@ -143,7 +188,10 @@ def validate_acco(
         world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
         train_timeout_seconds: torchtitan's ``[comm] train_timeout_seconds``: the engine's
             collective timeout where ``[acco] timeout`` is unset.
-        fault_tolerance: torchtitan 0.2.2's ``[fault_tolerance] enable`` (refused).
+        fault_tolerance: torchtitan 0.2.2's ``[fault_tolerance]`` section (``None``: 0.3.0,
+            which has none): with ``enable``, the engine's process group is one torchft
+            replica group and ``group_size`` of them train together.
+        checkpoint_enabled: torchtitan's ``[checkpoint] enable``.
 
     Returns:
         The engine's settings (``[acco]``'s own, micro-batches per round from
@@ -157,18 +205,11 @@ def validate_acco(
     if not acco.enable:
         return None
     acco.check(spelling, names=("accumulation_steps", "fsdp_sync_every_microbatch"))
-    if fault_tolerance:
-        # torchtitan's own Trainer ignores the section (its torchft path is a separate trainer,
-        # experiments/ft): each torchrun would train a model of its own, with no error.
-        raise ValueError(
-            "[fault_tolerance] enable = true cannot be combined with [acco] enable yet: the "
-            "ACCO trainer would ignore torchft and every replica group would train alone. "
-            "Train ACCO across torchft replica groups with the plain loop (ACCOOptimizer(..., "
-            "manager=torchft.Manager(...)); examples/torchft_train.py, docs/multinode.md), or "
-            "set [fault_tolerance] enable = false (a lost node then costs a torchrun restart)"
-        )
     par = parallelism
     replicate, shard = _data_parallel_degrees(par, world_size or launcher_world_size())
+    ft = fault_tolerance if fault_tolerance is not None and fault_tolerance.enable else None
+    # torchtitan's global batch spans every replica group, as in its own torchft trainer
+    groups = ft.group_size if ft is not None else 1
     par.data_parallel_replicate_degree = replicate
     # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
     # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
@@ -183,15 +224,18 @@ def validate_acco(
     def set_round_size(steps: int) -> str:
         if acco.accumulation_steps or training.global_batch_size <= 0:
             return f"set [acco] accumulation_steps = {steps} (--acco.accumulation_steps {steps})"
-        batch = steps * training.local_batch_size * replicate * shard
+        batch = steps * training.local_batch_size * replicate * shard * groups
         return (f"set [training] global_batch_size = {batch} (--training.global_batch_size "
                 f"{batch}: {steps} micro-batches of local_batch_size = "
-                f"{training.local_batch_size} on {replicate * shard} data-parallel ranks)")
+                f"{training.local_batch_size} on {replicate * shard * groups} data-parallel "
+                "ranks)")
 
+    if ft is not None:
+        _check_replica_groups(ft, acco, checkpoint_enabled)
     # torchtitan's gradient accumulation steps: the global batch over the local batch times
     # the data-parallel degree (one step when global_batch_size is -1)
     round_size = acco.accumulation_steps or max(
-        1, training.global_batch_size // (training.local_batch_size * replicate * shard)
+        1, training.global_batch_size // (training.local_batch_size * replicate * shard * groups)
     )
     settings = acco.to_engine_settings(
         accumulation_steps=round_size,
@@ -213,7 +257,13 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     settings.check_until_ready(" and ".join(split_by) or None, spelling)
-    _check_global_batch(training, replicate * shard, shard)
+    if ft is not None and split_by:
+        raise ValueError(
+            f"[fault_tolerance] enable with {' and '.join(split_by)}: across torchft replica "
+            "groups the engine runs over plain data parallelism inside a group only; set them "
+            "to 1, or [fault_tolerance] enable = false"
+        )
+    _check_global_batch(training, replicate * shard * groups, shard * groups)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(

@@ -114,8 +114,8 @@ _NO_MEANING = {
     "it or set it equal",
     "validation.seq_len": "0.3.0 validates with training.seq_len: remove it or set it equal",
     "fault_tolerance.enable": "torchft runs in 0.3.0's experiments.torchft trainer, not this "
-    "one; ACCO across torchft replica groups runs in the plain loop (ACCOOptimizer(..., "
-    "manager=torchft.Manager(...)), docs/multinode.md)",
+    "one; ACCO across torchft replica groups runs on torchtitan 0.2.2 and in the plain loop "
+    "(ACCOOptimizer(..., manager=torchft.Manager(...))), docs/multinode.md",
 }
 
 

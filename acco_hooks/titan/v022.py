@@ -14,13 +14,18 @@ settings next to torchtitan's optimizer fields, and runs the model under the tra
   with the ``dp_replicate`` dimension hidden, so no DDP is applied, and FSDP2 (if
   ``data_parallel_shard_degree > 1``) shards over the ``fsdp`` mesh only: no cross-replica
   all-reduce (HSDP without its slow half);
-- :func:`build_acco_optimizers` and :func:`build_acco_lr_schedulers`.
+- :func:`build_acco_optimizers` (the engine, with torchtitan's LR schedulers built on its shard
+  optimizer, and with ``[fault_tolerance]`` a ``torchft.Manager``) and
+  :func:`build_acco_lr_schedulers`;
+- with ``[fault_tolerance] enable``, the model's data loader split over the replica groups too,
+  as torchtitan's own torchft trainer splits it.
 
 No ``from __future__ import annotations`` here: torchtitan's ConfigManager reads the field types
 of the dataclasses (``dataclasses.fields(...).type``) to build nested sections from TOML.
 """
 
 import dataclasses
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +69,19 @@ class EngineOptimizerConfig(TitanOptimizer):
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine's settings: [acco], the round size and training.max_norm's clipping."""
 
+    lr_scheduler: Any = None
+    """torchtitan's ``[lr_scheduler]`` section: the engine builds its schedulers on the shard
+    optimizer as it is built, so that a torchft group that joins a running job takes a live
+    group's schedule with the rest of its state."""
+
+    training_steps: int = 0
+    """``[training] steps``, in rounds: the schedule is counted in the real updates they make."""
+
+    fault_tolerance: Any = None
+    """torchtitan's ``[fault_tolerance]`` section when enabled (``None`` otherwise): the
+    engine's process group is then one torchft replica group, and the groups in the current
+    quorum sum through a ``torchft.Manager`` built from this section."""
+
 
 def validate_acco_config(
     job_config: JobConfig, world_size: int | None = None
@@ -80,7 +98,8 @@ def validate_acco_config(
         job_config.acco, job_config.parallelism, job_config.training, [job_config.optimizer.name],
         early_step_in_backward=job_config.optimizer.early_step_in_backward,
         world_size=world_size, train_timeout_seconds=job_config.comm.train_timeout_seconds,
-        fault_tolerance=job_config.fault_tolerance.enable,
+        fault_tolerance=job_config.fault_tolerance,
+        checkpoint_enabled=job_config.checkpoint.enable,
     )  # fmt: skip
 
 
@@ -103,22 +122,49 @@ def build_acco_optimizers(
         model_parts, OPTIMIZER_CLASSES[optimizer_config.name], optimizer_kwargs,
         optimizer_config.engine,
     )  # fmt: skip
-    optimizers.bind(parallel_dims)
+    ft = optimizer_config.fault_tolerance
+    manager = None if ft is None else build_torchft_manager(ft, optimizer_config.engine.timeout)
+    # [lr_scheduler] warmup and decay are in real updates: with mode = "acco" a run of
+    # training.steps rounds makes training.steps // 2 updates
+    updates = real_updates(optimizer_config.engine.mode, optimizer_config.training_steps)
+    lr_config = optimizer_config.lr_scheduler
+    optimizers.bind(
+        parallel_dims, manager=manager,
+        lr_scheduler=lambda shard: build_lr_schedulers([shard], lr_config, updates),
+    )  # fmt: skip
     return optimizers
+
+
+def build_torchft_manager(fault_tolerance: Any, timeout: float | None) -> Any:
+    """This replica group's ``torchft.Manager``, from torchtitan's ``[fault_tolerance]``.
+
+    As torchtitan's own ``FTManager`` builds it (the lighthouse from ``$TORCHFT_LIGHTHOUSE``,
+    ``process_group_timeout_ms`` for the cross-group process group), with the engine's
+    ``timeout`` for the quorum and no state dict functions: the engine registers its own, what
+    a joining group takes (``acco_hooks.engine.replicas``).
+    """
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    pg_timeout = datetime.timedelta(milliseconds=fault_tolerance.process_group_timeout_ms)
+    pg = (ProcessGroupGloo if fault_tolerance.process_group == "gloo" else ProcessGroupNCCL)(
+        timeout=pg_timeout
+    )
+    quorum_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else pg_timeout
+    return Manager(
+        pg=pg, min_replica_size=fault_tolerance.min_replica_size, load_state_dict=None,
+        state_dict=None, replica_id=f"torchtitan_acco_{fault_tolerance.replica_id}",
+        timeout=quorum_timeout, connect_timeout=quorum_timeout,
+    )  # fmt: skip
 
 
 def build_acco_lr_schedulers(
     optimizers: EngineOptimizersContainer, lr_scheduler_config: Any, training_steps: int
 ) -> LRSchedulersContainer:
-    """torchtitan's schedulers, counted in real updates and stepped by the engine.
-
-    ``[lr_scheduler]`` warmup and decay are in real updates: with ``mode = "acco"`` a run of
-    ``training.steps`` rounds makes ``training.steps // 2`` updates.
-    """
-    updates = real_updates(optimizers.engine.settings.mode, training_steps)
-    return optimizers.attach_lr_schedulers(
-        build_lr_schedulers(optimizers, lr_scheduler_config, updates)
-    )
+    """torchtitan's schedulers, counted in real updates and stepped by the engine: the ones
+    :func:`build_acco_optimizers` built with it (from the same ``[lr_scheduler]`` section)."""
+    del lr_scheduler_config, training_steps  # the engine's own copy of the section
+    return optimizers.engine.lr_scheduler
 
 
 def acco_train_spec(base: TrainSpec) -> TrainSpec:
@@ -133,9 +179,20 @@ def acco_train_spec(base: TrainSpec) -> TrainSpec:
         return parallelize_fn(model, WithoutReplicate(parallel_dims), job_config)
 
     parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
+    build_dataloader_fn = base.build_dataloader_fn
+
+    def build_dataloader(*, dp_world_size: int, dp_rank: int, job_config: JobConfig, **kwargs):
+        ft = job_config.fault_tolerance
+        if ft.enable:  # the replica groups split the data, as torchtitan's torchft trainer does
+            dp_rank += ft.replica_id * dp_world_size
+            dp_world_size *= ft.group_size
+        return build_dataloader_fn(dp_world_size=dp_world_size, dp_rank=dp_rank,
+                                   job_config=job_config, **kwargs)  # fmt: skip
+
     return dataclasses.replace(
         base,
         parallelize_fn=parallelize,
+        build_dataloader_fn=build_dataloader if build_dataloader_fn is not None else None,
         build_optimizers_fn=build_acco_optimizers,
         build_lr_schedulers_fn=build_acco_lr_schedulers,
     )
@@ -173,8 +230,11 @@ class ACCOTrainer(ACCOTrainerBase):
         optimizer = job_config.optimizer
         job_config.optimizer = EngineOptimizerConfig(
             **{f.name: getattr(optimizer, f.name) for f in dataclasses.fields(TitanOptimizer)},
-            engine=settings,
-        )
+            engine=settings, lr_scheduler=job_config.lr_scheduler,
+            training_steps=job_config.training.steps,
+            fault_tolerance=job_config.fault_tolerance if job_config.fault_tolerance.enable
+            else None,
+        )  # fmt: skip
         super().__init__(job_config)
 
     @property

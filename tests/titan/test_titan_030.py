@@ -227,6 +227,16 @@ def test_a_key_without_a_030_meaning_is_refused_with_every_other_one(tmp_path) -
     assert "pip install 'torchtitan==0.2.2'" in message
 
 
+def test_fault_tolerance_is_refused_with_the_releases_that_run_it() -> None:
+    """0.3.0's torchft path is its own trainer (experiments.torchft): the key has no meaning
+    for ACCO's, and the refusal names where ACCO runs across torchft groups."""
+    with pytest.raises(TomlConfigError) as error:
+        load_toml_config(CONFIGS / "debug_cpu_acco.toml", ["--fault_tolerance.enable"])
+    message = str(error.value)
+    assert "fault_tolerance.enable: torchft runs in 0.3.0's experiments.torchft trainer" in message
+    assert "runs on torchtitan 0.2.2 and in the plain loop" in message
+
+
 def test_a_bad_value_type_is_refused() -> None:
     with pytest.raises(TomlConfigError, match=r"--training.steps 'many': expected int"):
         load_toml_config(CONFIGS / "debug_cpu_acco.toml", ["--training.steps", "many"])

@@ -473,23 +473,6 @@ def test_a_bad_acco_config_is_refused_by_name(override, message, monkeypatch) ->
     assert message in str(refusal.value)
 
 
-@pytest.mark.spmd_backends("spmd_types")  # a refusal before any layout is built
-def test_torchft_with_acco_is_refused_not_ignored(monkeypatch) -> None:
-    """0.2.2's Trainer ignores [fault_tolerance] (torchft is its experiments/ft trainer): with
-    [acco] every torchrun would train alone. 0.3.0's translation has no such key."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError) as refusal:
-        read_and_validate("debug_cpu_acco.toml", "--fault_tolerance.enable",
-                          "--fault_tolerance.replica_id", "1")  # fmt: skip
-    message = str(refusal.value)
-    if TITAN_030:
-        assert "fault_tolerance.enable: torchft runs in 0.3.0's experiments.torchft" in message
-    else:
-        assert message.startswith("[fault_tolerance] enable = true cannot be combined with "
-                                  "[acco] enable yet")  # fmt: skip
-    assert "manager=torchft.Manager(...)" in message and "docs/multinode.md" in message
-
-
 @pytest.mark.parametrize("world_size, shard, replicas", [(4, 1, 4), (4, 2, 2), (6, 2, 3)])
 def test_replicate_degree_minus_one_is_what_the_world_size_leaves(
     world_size, shard, replicas, monkeypatch

@@ -1,0 +1,165 @@
+"""train_titan.py with ``[acco]`` and ``[fault_tolerance]`` (torchtitan 0.2.2): ACCO across
+torchft replica groups, each group its own ``torchrun`` under one lighthouse, as torchtitan
+launches its own torchft trainer.
+
+The oracle is the same job as one ``torchrun`` of every rank without torchft: the groups read
+the data the reference's ranks read (torchtitan's split over groups x ranks), so with every
+group alive each step's gradient norm (of the average over every rank, clipped against
+``max_norm``) is the reference's, and the groups' losses average to its loss. When a group is
+SIGKILLed mid-round and restarted, every group's norms are those of a reference whose ranks of
+that group contribute nothing in the rounds it was away, the one it joined in included
+(``tests/titan/torchft_hooks.py``); after it joined, the two groups' losses average to the
+reference's again. The plain loop's torchft suite (``tests/engine/test_torchft.py``) holds the
+engine itself to the kill points and group counts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from acco_hooks.titan import TITAN_030
+
+if TITAN_030:
+    pytest.skip("torchtitan 0.2.2 only: 0.3.0 refuses [fault_tolerance] with [acco] "
+                "(tests/titan/test_titan_030.py)", allow_module_level=True)  # fmt: skip
+pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
+
+from scaffolding.torchft_job import ROOT, run_groups, run_reference  # noqa: E402
+
+pytestmark = pytest.mark.titan
+STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
+ROUNDS = 10
+HOLD_ROUND = 6  # a restarted group joins by then
+TITAN = ("train_titan.py",)
+
+
+def _args(group_size: int, mode: str) -> list[str]:
+    return ["--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
+            "--metrics.disable_color_printing", "--acco.mode", mode,
+            "--acco.accumulation_steps", "2", "--training.global_batch_size", "-1",
+            "--training.steps", str(ROUNDS), "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--optimizer.lr", "3e-3",
+            "--parallelism.data_parallel_replicate_degree", str(group_size),
+            "--experimental.custom_import", "tests.titan.torchft_hooks"]  # fmt: skip
+
+
+def _ft(groups: int, i: int, dump: Path) -> list[str]:
+    return ["--fault_tolerance.enable", "--fault_tolerance.replica_id", str(i),
+            "--fault_tolerance.group_size", str(groups),
+            "--fault_tolerance.process_group_timeout_ms", "10000",
+            "--job.dump_folder", str(dump / f"g{i}")]  # fmt: skip
+
+
+def _steps(log: Path) -> dict[int, tuple[float, float]]:
+    return {int(s): (float(loss), float(norm)) for s, loss, norm in STEP.findall(log.read_text())}
+
+
+def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
+         kill: tuple[int, int] | None = None, restart: bool = False,
+         ) -> tuple[list[int], dict, dict]:  # fmt: skip
+    """Run the job (``kill``: group, round) and its reference; return the groups' exit
+    statuses, each group's {step: (loss, grad_norm)} (a restarted group's: ``g{i}r``) and the
+    reference's."""
+    monkeypatch.setenv("ACCO_TEST_FT_OUT", str(tmp_path))
+    monkeypatch.setenv("ACCO_TEST_FT_GROUPS", str(groups))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if kill is not None:
+        monkeypatch.setenv("ACCO_TEST_FT_KILL", f"{kill[0]}:{kill[1]}")
+    if restart:
+        monkeypatch.setenv("ACCO_TEST_FT_HOLD", str(HOLD_ROUND))
+    args = _args(group_size, mode)
+    ft = {i: _ft(groups, i, tmp_path) for i in range(groups)}
+    status = run_groups(groups, group_size, args, tmp_path, program=TITAN, replica_args=ft,
+                        restart={kill[0]: ft[kill[0]]} if restart else None)  # fmt: skip
+    for name in ("ACCO_TEST_FT_KILL", "ACCO_TEST_FT_HOLD"):
+        monkeypatch.delenv(name, raising=False)
+    runs = {i: _steps(tmp_path / f"g{i}.log") for i in range(groups)}
+    if kill is not None:
+        away = f"{kill[0]}:{group_size}:{kill[1]}"
+        if restart:
+            log = (tmp_path / f"g{kill[0]}_restart.log").read_text()
+            joined = int(re.search(r"joined the job at round (\d+)", log).group(1))
+            runs[f"g{kill[0]}r"] = _steps(tmp_path / f"g{kill[0]}_restart.log")
+            away += f":{joined + 1}"
+        monkeypatch.setenv("ACCO_TEST_FT_STOP", away)
+    reference_args = [*args, "--job.dump_folder", str(tmp_path / "ref"),
+                      "--parallelism.data_parallel_replicate_degree", str(groups * group_size)]  # fmt: skip
+    assert run_reference(groups, group_size, reference_args, tmp_path, program=TITAN) == 0, (
+        (tmp_path / "reference.log").read_text()[-4000:]
+    )
+    return status, runs, _steps(tmp_path / "reference.log")
+
+
+def test_every_group_alive_equals_one_run_over_every_rank(tmp_path: Path, monkeypatch) -> None:
+    """2 groups of 2 ranks (ZeRO-1 inside each, the data split over groups x ranks) against
+    one torchrun of 4 ranks."""
+    groups, group_size = 2, 2
+    status, runs, reference = _run(tmp_path, monkeypatch, groups, group_size, "acco")
+    assert status == [0] * groups, (tmp_path / "g0.log").read_text()[-4000:]
+    assert sorted(reference) == list(range(1, ROUNDS + 1))
+    for i in range(groups):
+        assert sorted(runs[i]) == sorted(reference), i
+        for step, (_, norm) in reference.items():
+            assert runs[i][step][1] == pytest.approx(norm, rel=1e-4, abs=1e-4), (i, step)
+    for step, (loss, _) in reference.items():  # equal tokens per group: the mean of the means
+        mean = sum(runs[i][step][0] for i in range(groups)) / groups
+        assert mean == pytest.approx(loss, abs=5e-5), step
+    assert reference[ROUNDS][0] < reference[1][0] - 0.1  # it learns
+
+
+def test_a_lost_group_restarted_heals_and_trains_on_exactly(tmp_path: Path, monkeypatch) -> None:
+    """A group SIGKILLed mid-round 3: the survivor keeps its processes and steps on alone, as
+    a reference whose ranks of that group contribute nothing from round 3 on. The group comes
+    back (its torchrun started again): it takes the live group's state in the round it joins,
+    sits that round out, reads its data on to the same position, and from then on both groups
+    step as the reference's two do."""
+    status, runs, reference = _run(tmp_path, monkeypatch, 2, 1, "acco", kill=(1, 3),
+                                   restart=True)  # fmt: skip
+    assert status == [0, 0], (tmp_path / "g1_restart.log").read_text()[-4000:]
+    assert (tmp_path / "killed_at").read_text() == "3"
+    assert "SIGKILL" in (tmp_path / "g1.log").read_text()
+    back = runs["g1r"]
+    joined = min(back) - 2  # the round it joined in; its first step is the next round's
+    assert 3 <= joined <= HOLD_ROUND, back
+    assert sorted(back) == list(range(joined + 2, ROUNDS + 1))
+    for step, (loss, norm) in reference.items():
+        assert runs[0][step][1] == pytest.approx(norm, rel=1e-4, abs=1e-4), step
+        if step in back:  # the same update on both groups, and the same data as the reference
+            assert back[step][1] == runs[0][step][1], step
+            mean = (back[step][0] + runs[0][step][0]) / 2
+            assert mean == pytest.approx(loss, abs=5e-5), step
+
+
+# 2 groups of 2 ranks: the global batch spans the groups (8 sequences per group and round)
+FT = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+      "--fault_tolerance.replica_id", "1", "--training.global_batch_size", "16")  # fmt: skip
+BAD_FT_CONFIGS = [
+    (("--fault_tolerance.semi_sync_method", "diloco"),
+     "semi_sync_method = 'diloco' with [acco] enable: that is torchtitan's own training method"),
+    (("--fault_tolerance.process_group", "mpi"),
+     "[fault_tolerance] process_group = 'mpi': use 'gloo' or 'nccl'"),
+    (("--fault_tolerance.replica_id", "2"),
+     "[fault_tolerance] replica_id = 2, group_size = 2: set group_size to the number of"),
+    (("--acco.mode", "auto"), "[acco] mode = 'auto' with [fault_tolerance] enable"),
+    (("--acco.accumulate_until_ready",),
+     "[acco] accumulate_until_ready = true with [fault_tolerance] enable"),
+    (("--checkpoint.enable",), "[checkpoint] enable with [fault_tolerance] enable"),
+    (("--parallelism.data_parallel_replicate_degree", "1",
+      "--parallelism.tensor_parallel_degree", "2"),
+     "[fault_tolerance] enable with tensor_parallel_degree = 2: across torchft replica groups"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override, message", BAD_FT_CONFIGS)
+def test_a_bad_fault_tolerance_config_is_refused_by_name(override, message, monkeypatch) -> None:
+    from tests.titan.test_trainer import read_and_validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    job = read_and_validate("debug_cpu_acco.toml", *FT)  # accepted as shipped
+    assert job.fault_tolerance.enable and job.fault_tolerance.replica_id == 1
+    with pytest.raises(ValueError) as refusal:
+        read_and_validate("debug_cpu_acco.toml", *FT, *override)
+    assert message in str(refusal.value)
