@@ -69,7 +69,7 @@ def one_run(kill_at: str, kill_round: int, workdir: Path) -> dict:
     }  # fmt: skip
 
 
-def _median_round_s(round_ends: list[tuple[int, int, float, float]]) -> float:
+def _median_round_s(round_ends: list[tuple]) -> float:
     times = [end[2] for end in round_ends]
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 

@@ -22,7 +22,8 @@ round the engine says (``engine.round_index``: the data position follows from it
 Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
 run: ``params_ref_r{rank}.pt``), with the updates it applied, the round it started training in
 (after a join, the round after the one it joined in) and, for each round end, the rounds
-ended, the updates applied, the time and how long the round end waited.
+ended, the updates applied, the time, how long the round end waited and the schedule the round
+ran (``--mode auto`` changes it, the same in every group).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replica-id", type=int, default=None,
                    help="this replica group's index; omit for the reference run without torchft")
     p.add_argument("--groups", type=int, required=True, help="replica groups in the job")
-    p.add_argument("--mode", default="acco", choices=["acco", "dpu", "ddp"])
+    p.add_argument("--mode", default="acco", choices=["acco", "dpu", "ddp", "auto"])
     p.add_argument("--rounds", type=int, default=12, help="rounds to train")
     p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per round")
     p.add_argument("--max-grad-norm", type=float, default=None)
@@ -63,6 +64,9 @@ def parse_args() -> argparse.Namespace:
                    help="seconds a collective may wait for a silent peer")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
                    help="extra compute time per micro-batch, to stand for a real model")
+    p.add_argument("--link-seconds", type=float, default=0.0,
+                   help="extra time each round's sum over the groups takes, to stand for a slow "
+                   "link between them (--mode auto then chooses an overlapped schedule)")
     # A node lost at a chosen point (what tests/engine/test_torchft.py does to the job); each
     # torchrun must then run in a session of its own (setsid), which the kill takes whole.
     p.add_argument("--kill-group", type=int, default=None,
@@ -132,7 +136,10 @@ def main() -> None:
         from torchft.process_group import ProcessGroupGloo
 
         dying = args.kill_group == args.replica_id and args.kill_at == "in_reduction"
-        manager = (_dying_manager(Manager, args.kill_round, out) if dying else Manager)(
+        manager_class = _slow_link(Manager, args.link_seconds) if args.link_seconds else Manager
+        if dying:
+            manager_class = _dying_manager(manager_class, args.kill_round, out)
+        manager = manager_class(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=1,
             replica_id=f"acco_{args.replica_id}", timeout=timeout, connect_timeout=timeout,
@@ -154,22 +161,28 @@ def main() -> None:
         timeout=args.timeout, manager=manager, lr=args.lr,
     )  # fmt: skip
     engine = opt.engine
-    # at each round end: rounds ended, updates applied, the time, how long the end waited
+    # at each round end: rounds ended, updates applied, the time, how long the end waited, and
+    # the schedule the round ran
     round_ends = []
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
     stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
     first_round = engine.round_index  # > 0: this group joined a running job
     resume = args.rounds if args.resume_round is None else args.resume_round
-    for index in range(first_round * args.accumulation_steps,
-                       args.rounds * args.accumulation_steps):  # fmt: skip
-        if stopped and args.stop_round <= index // args.accumulation_steps < resume:
-            engine.skip_microbatch()  # the reference: the lost group contributes nothing
-            continue
-        x, y = microbatch(index, dp_rank)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        time.sleep(args.microbatch_seconds)
-        ended = opt.step()
+    if first_round > 0 and args.mode == "auto":
+        # auto's rounds differ in size: the data position is not a round count times a size
+        raise SystemExit("this example restarts a lost group in the fixed modes only")
+    index = first_round * args.accumulation_steps  # the data position: micro-batches so far
+    while engine.round_index < args.rounds:
+        ran = engine.schedule
+        if stopped and args.stop_round <= engine.round_index < resume:
+            ended = engine.skip_microbatch()  # the reference: the lost group contributes nothing
+        else:
+            x, y = microbatch(index, dp_rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(args.microbatch_seconds)
+            ended = opt.step()
+        index += 1
         if ended and engine.round_index == args.mark_round and rank == 0:
             (out / f"round_{args.mark_round}").write_text("")
         if ended and engine.round_index == args.hold_round:  # every rank of every joiner
@@ -178,7 +191,7 @@ def main() -> None:
             time.sleep(1.0)
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
-                               engine.last_wait_s))  # fmt: skip
+                               engine.last_wait_s, tuple(ran)))  # fmt: skip
         if dies and (ended, engine.round_index) == {
             "mid_round": (False, args.kill_round),  # the round's first micro-batch is in
             "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended
@@ -208,6 +221,18 @@ def _kill_when_summed(engine: Any, out: Path) -> None:
     while engine.communication_in_flight:
         time.sleep(0.01)
     kill_this_group(out)
+
+
+def _slow_link(manager_class: type, seconds: float) -> type:
+    """A torchft Manager whose every step takes ``seconds`` longer to commit, as a slower link
+    between the groups would: on the engine's communication thread, where a link's time goes."""
+
+    class SlowLinkManager(manager_class):
+        def should_commit(self, *args: Any, **kwargs: Any) -> bool:
+            time.sleep(seconds)
+            return super().should_commit(*args, **kwargs)
+
+    return SlowLinkManager
 
 
 def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:

@@ -432,10 +432,15 @@ def communicate(
                 reduce_scatter_sum(g.shard_sum, g.comm_input, groups.data)
     device = buffers[0].master.device
     weights = round_weights(plan.local_count, plan.unit_weights, plan.arrived, device)
+    proposal = plan.proposal
     if groups.replicas is not None:  # torchft: rank r's shard and weights, over the groups
         with record_function("acco::sum_over_replicas"):
-            groups.replicas.sum([g.shard_sum for g in buffers] + [weights], plan.round_index,
-                                [g.master for g in buffers])  # fmt: skip
+            _, decided = groups.replicas.sum(
+                [g.shard_sum for g in buffers] + [weights], plan.round_index,
+                [g.master for g in buffers], proposal,
+            )  # fmt: skip
+        # auto: the deciding group's proposal; none (it joins in this round): keep the schedule
+        proposal = None if proposal is None else decided
     # acco: the estimate round's sum ΣG̃ stays here for the update round, which adds it: the
     # update averages both rounds, and no rank keeps a model-sized carry between rounds.
     carried = [g.carried for g in buffers] if plan.carry else []
@@ -468,7 +473,6 @@ def communicate(
         if scale != 1.0:
             torch._foreach_mul_(carried, scale)
         global_count += plan.carried_count * scale
-    proposal = plan.proposal
     choice = None if proposal is None else _agree(proposal, groups.norm, device)
     if nonfinite or untrained:  # every rank: no step, no estimate; the live parameters become θ
         if wire is not None:  # they hold θ already: add a zero difference, send nothing

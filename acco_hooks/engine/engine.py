@@ -244,7 +244,6 @@ class ACCOEngine:
             replicas = ReplicaGroups(
                 manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
                                               param_groups, process_group),
-                mode=settings.mode.value,
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
                 split_by=" and ".join(split_by) or None, timeout=settings.timeout,
             )  # fmt: skip
@@ -983,7 +982,8 @@ def _replica_description(
 def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
     """The formats the engine may send an estimate round in, by name: none in ``ddp`` and
     ``dpu``, ``estimate_dtype`` in ``acco``; in ``auto`` that one, or the reduce dtype and each
-    narrower one of ``AUTO_ESTIMATE_DTYPES`` the backend can send."""
+    narrower one of ``AUTO_ESTIMATE_DTYPES`` the backend can send (none across torchft replica
+    groups, whose sum takes the reduce dtype only: ``replicas``)."""
     if not settings.has_estimate_round:
         return []
     chosen = settings.estimate_format
@@ -997,6 +997,8 @@ def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
         )
     if settings.mode is Mode.ACCO or settings.estimate_dtype is not None:
         return [chosen]
+    if groups.replicas is not None:
+        return [settings.reduce_format]
     reduce = settings.reduce_torch_dtype
     return [settings.reduce_format] + [
         name for name in AUTO_ESTIMATE_DTYPES

@@ -25,6 +25,13 @@ survivor: the estimate/update pairing holds across the change.
 the round index and, in the first round, a checksum of the parameters (replicas that were not
 initialized the same). A mismatch is refused by name.
 
+**``mode="auto"``** changes the schedule at update boundaries, and every group must change it at
+the same one. As inside a group, where the first rank's proposal is the one run, one group
+decides: the quorum's first participating group (torchft's ``participating_rank() == 0``) adds
+its proposal to an update round's sum, and every group runs what the sum says. When that group
+is lost, the next first one decides from its own timings (every group timed the same schedules).
+Only the reduce dtype's schedules are candidates (an estimate sent narrower is refused, above).
+
 **A group that joins** (one restarted after it was lost, or started late) takes a live
 group's state before it trains: healing, torchft's mechanism, with what the engine holds. Every
 group takes one torchft step before its first round (:meth:`join`). At the job's start all
@@ -63,6 +70,9 @@ logger = logging.getLogger(__name__)
 # that all k agree.
 _FINGERPRINT_BITS = 20
 _MARKS = 3  # the settings, the round index, the initial parameters' checksum
+# What a group adds to a round's sum beside its tensors: 1 (it takes part), its marks, their
+# squares, and, from the deciding group of mode="auto", 1 and its proposal
+_SUMMED = 1 + 2 * _MARKS + 2
 _STATE_KEY = "acco_hooks"
 
 
@@ -74,7 +84,6 @@ class ReplicaGroups:
         manager: the ``torchft.Manager`` of this replica group.
         description: what every group must build the same (the settings, the optimizer and its
             arguments, the parameters' names and shapes, the group's size), as text.
-        mode: the engine's mode (``auto`` is refused).
         narrow_estimate: ``estimate_dtype`` is narrower than ``reduce_dtype`` (refused).
         split_by: the HSDP or 3-D process groups the engine was given (refused), or ``None``.
         timeout: the engine's ``timeout`` (seconds; ``None``: none): the longest a sum over
@@ -87,7 +96,7 @@ class ReplicaGroups:
                  "timeout")  # fmt: skip
 
     def __init__(
-        self, manager: Any, description: str, *, mode: str, narrow_estimate: bool,
+        self, manager: Any, description: str, *, narrow_estimate: bool,
         split_by: str | None, timeout: float | None,
     ) -> None:  # fmt: skip
         try:
@@ -97,12 +106,6 @@ class ReplicaGroups:
                 "acco_hooks: manager= needs torchft: pip install 'acco_hooks[ft]' (torchft 0.2)"
             ) from None
         check_supported_versions(torchft=importlib.metadata.version("torchft"))
-        if mode == "auto":
-            raise ValueError(
-                "acco_hooks: mode='auto' with a torchft manager is not supported yet: every "
-                "replica group would have to agree on each schedule change. Use mode='acco', "
-                "'dpu' or 'ddp'"
-            )
         if narrow_estimate:
             raise ValueError(
                 "acco_hooks: an estimate_dtype narrower than reduce_dtype is not supported with "
@@ -157,7 +160,7 @@ class ReplicaGroups:
             round_index = manager.current_step() - 1
             summed = None
             if round_index >= 0:
-                summed = self._reduce([*skipped, torch.zeros(1 + 2 * _MARKS, dtype=torch.float64)])
+                summed = self._reduce([*skipped, torch.zeros(_SUMMED, dtype=torch.float64)])
             if manager.should_commit():
                 break
             self._retry_or_give_up("joining the job", attempt, deadline)
@@ -182,18 +185,30 @@ class ReplicaGroups:
                                "before its engine was built")  # fmt: skip
         return self._serve()
 
-    def sum(self, tensors: list[Tensor], round_index: int, master: list[Tensor]) -> int:
-        """Sum each of ``tensors`` over the replica groups of a quorum that commits; return
-        how many groups took part. Refuses (``RuntimeError``) groups that disagree.
+    def sum(
+        self, tensors: list[Tensor], round_index: int, master: list[Tensor],
+        proposal: int | None = None,
+    ) -> tuple[int, int | None]:  # fmt: skip
+        """Sum each of ``tensors`` over the replica groups of a quorum that commits. Refuses
+        (``RuntimeError``) groups that disagree.
 
         Every attempt starts a quorum; one that fails (a group died) is not committed anywhere
         and the sum is taken again, from the same inputs, in the next quorum.
+
+        Args:
+            proposal: ``mode="auto"``, an update round: the schedule this rank proposes next
+                (an index into the candidates).
+
+        Returns:
+            How many groups took part, and the deciding group's proposal (``None``: none was
+            given, or the deciding group was one joining in this round, which proposes
+            nothing): the same on every group.
         """
         manager = self.manager
         marks = torch.tensor(self._fingerprint(round_index, master), dtype=torch.float64)
         # 1 for "this group's tensors are in the sum": torchft zeroes what a group that is not
         # taking part (one it is healing) sends, and counts groups its own way
-        marks = torch.cat([marks.new_ones(1), marks, marks * marks])
+        marks = torch.cat([marks.new_ones(1), marks, marks * marks, marks.new_zeros(2)])
         joined, self._joined = self._joined, None
         if joined is not None:  # this round was summed while this group joined
             if joined[0] != round_index:
@@ -206,19 +221,28 @@ class ReplicaGroups:
             while True:
                 attempt += 1
                 manager.start_quorum()
+                # the quorum's first group decides auto's schedule (set per quorum: it may be
+                # another group's turn after one was lost)
+                decides = proposal is not None and manager.participating_rank() == 0
+                marks[-2:] = torch.tensor([1.0, float(proposal)] if decides else [0.0, 0.0])
                 *summed, seen = self._reduce([*tensors, marks])
                 if manager.should_commit():
                     break
                 self._retry_or_give_up(f"round {round_index}", attempt, deadline)
         participants = round(seen[0].item())
-        _check_fingerprints(seen[1:], marks[1:], participants, round_index)
+        fingerprints = slice(1, 1 + 2 * _MARKS)
+        _check_fingerprints(seen[fingerprints], marks[fingerprints], participants, round_index)
         torch._foreach_copy_(tensors, summed)
         if attempt > 1:
             logger.warning(
                 "acco_hooks: round %d committed at attempt %d, over %d replica groups",
                 round_index, attempt, participants,
             )  # fmt: skip
-        return participants
+        deciders, decided = seen[-2].item(), seen[-1].item()
+        if deciders > 1:  # torchft numbers the participants: one is first
+            raise RuntimeError(f"acco_hooks: round {round_index}: {deciders:g} replica groups "
+                               "proposed auto's schedule, expected one")  # fmt: skip
+        return participants, (round(decided) if deciders == 1 else None)
 
     def _reduce(self, tensors: list[Tensor]) -> list[Tensor]:
         """Each of ``tensors`` summed over the quorum's groups, into copies: a failed sum may

@@ -142,9 +142,9 @@ def _check_replica_groups(ft: Any, acco: ACCO, checkpoint_enabled: bool) -> None
         )
     if acco.mode == "auto":
         raise ValueError(
-            "[acco] mode = 'auto' with [fault_tolerance] enable is not supported yet: every "
-            "replica group would have to agree on each schedule change. Use 'acco', 'dpu' or "
-            "'ddp'"
+            "[acco] mode = 'auto' with [fault_tolerance] enable is not supported yet in "
+            "torchtitan: a group that joins reads its data on to the live groups' position by "
+            "counting fixed rounds, and auto's rounds change size. Use 'acco', 'dpu' or 'ddp'"
         )
     if acco.accumulate_until_ready:
         raise ValueError(

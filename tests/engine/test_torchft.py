@@ -60,6 +60,53 @@ def test_every_group_alive_equals_one_run_over_every_rank(
     assert not torch.equal(first["params"]["0.weight"], initial[0].weight.detach())
 
 
+# mode="auto": 4 micro-batches of 20 ms per update, and a link between the groups that adds
+# 30 ms to each round's sum: the law prices the synchronous update at 4c + C ≈ 110 ms and the
+# even overlapped split at 2·max(2c, C) ≈ 80 ms, so auto times the synchronous schedule, tries
+# the overlapped one and keeps it, on any run that is not several times slower than planned.
+# Only the first group computes that slowly: the others wait for it in every sum, so their own
+# timings price the overlapped schedule slower than the synchronous one, and they run it only
+# because the first group decides for all. Its oracle: the same job as one replica group of
+# every rank under the same manager and link (the plain engine's world, with the timings that
+# auto's choice needs).
+AUTO_ARGS = ["--mode", "auto", "--accumulation-steps", "4", "--rounds", "26",
+             "--microbatch-seconds", "0.06", "--link-seconds", "0.03", "--timeout", "10"]  # fmt: skip
+
+
+def _schedules(out: Path, tag: str) -> list[tuple[int, ...]]:
+    return [end[4] for end in _params(out, tag)["round_ends"]]
+
+
+def _assert_auto_ran_one_schedule_everywhere(
+    out: Path, tags: list[str], reference: list[tuple[int, ...]]
+) -> None:  # fmt: skip
+    """Every rank of every group ran ``reference``'s schedule in every round: synchronous
+    first, then the overlapped one the deciding group's auto chose."""
+    synchronous = (0, 4, "")
+    assert reference[0] == synchronous and reference[-1] != synchronous, reference
+    for tag in tags:
+        assert _schedules(out, tag) == reference, tag
+
+
+@pytest.mark.parametrize(("groups", "group_size"), [(2, 2), (3, 1)])
+def test_auto_switches_every_group_at_the_same_update_and_equals_one_group(
+    tmp_path: Path, groups: int, group_size: int
+) -> None:  # fmt: skip
+    faster = {g: ["--microbatch-seconds", "0"] for g in range(1, groups)}
+    assert run_groups(groups, group_size, AUTO_ARGS, tmp_path, replica_args=faster) == [0] * groups
+    one = tmp_path / "one_group"
+    assert run_groups(1, groups * group_size, AUTO_ARGS, one) == [0]
+    reference = _schedules(one, "g0_r0")
+    tags = [f"g{g}_r{r}" for g in range(groups) for r in range(group_size)]
+    _assert_auto_ran_one_schedule_everywhere(tmp_path, tags, reference)
+    expected = _params(one, "g0_r0")
+    for tag in tags:
+        run = _params(tmp_path, tag)
+        assert run["updates"] == expected["updates"]
+        for name, value in expected["params"].items():
+            torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-5)
+
+
 # (kill_at, groups, group_size, mode, kill_round, the round the lost group's contributions
 # stop in): mid-round and in the sum, the round it died in; after an estimate, the update
 # that follows (the estimate was summed with it)
@@ -204,7 +251,7 @@ def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
         build.format("mode='acco'")
     )
-    assert "mode='auto' with a torchft manager is not supported yet" in _engine_error(
+    assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
         build.format("mode='auto', accumulation_steps=2")
     )
     assert "estimate_dtype narrower" in _engine_error(
