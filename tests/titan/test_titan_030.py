@@ -155,6 +155,7 @@ finish()
 """
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the loss wrapper's sync, not the layout
 def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(spmd_backend, tmp_path) -> None:
     """torchtitan 0.3.0's ChunkedLossWrapper (the default loss of its llama3 configs) turns
     FSDP gradient sync on for the lm_head unit at every micro-batch, undoing ACCO's choice to

@@ -109,6 +109,7 @@ def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
                 assert norms[name][step] == pytest.approx(norms["dp2"][step], rel=5e-3), (name, step)
 
 
+@pytest.mark.spmd_backends("spmd_types")  # plain replicas: no sharded layout to tell them apart
 def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     """The engine's synchronous ZeRO-1 and torchtitan's DDP: same seed, data and batch.
 
@@ -173,10 +174,9 @@ def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
 
 @pytest.mark.spmd_backends("spmd_types")  # both resume in test_hsdp_acco_equals_..._and_resumes
 @pytest.mark.parametrize("mode, async_mode", [
-    ("acco", "disabled"),
-    # the mode is the engine's, not the release's: 0.2.2 only
+    # a plain save: the mode is the engine's, not the release's: 0.2.2 only
     pytest.param("dpu", "disabled", marks=pytest.mark.spmd_backends()),
-    ("acco", "async"),
+    ("acco", "async"),  # the save that races the next steps; acco's plain save: the next tests
 ])  # fmt: skip
 def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(
     mode: str, async_mode: str, tmp_path
@@ -350,6 +350,7 @@ def test_a_streamed_dataset_on_another_replica_count_is_refused_by_name() -> Non
 HSDP = ("--training.global_batch_size", "16", *FAST, "--checkpoint.enable")  # 2 micro-batches
 
 
+@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: the HSDP acco test, its own oracle
 def test_hsdp_ddp_mode_equals_torchtitan_hsdp(seed_checkpoint, tmp_path) -> None:
     """2 replicas x 2 FSDP shards: the engine's synchronous mode against torchtitan's own HSDP
     (FSDP2 on the 2-D mesh), from the same weights and data. FSDP's gradients reach the
@@ -508,7 +509,7 @@ def test_bad_acco_config_fails_before_the_first_step(tmp_path) -> None:
     assert "SettingError" not in output and "step:" not in output, output[-3000:]
 
 
-@pytest.mark.spmd_backends("spmd_types")  # a refusal before any tensor is read
+@pytest.mark.spmd_backends()  # the engine's check before any tensor is read: 0.2.2 only
 def test_a_checkpoint_of_another_tensor_parallel_degree_is_refused_by_acco(tmp_path) -> None:
     """Saved with tensor parallelism over 2 ranks, resumed on 2 replicas without it: ACCO's own
     error with the fix, not DCP's raw missing key (the data-parallel degrees may change)."""
@@ -538,7 +539,7 @@ VALIDATING = ("--validation.enable", "--validation.freq", "2", "--validation.ste
               "--validation.seq_len", "64")  # fmt: skip
 
 
-@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: in the HSDP test below
+@pytest.mark.spmd_backends()  # 0.3.0's validator: the HSDP test below
 def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     """The validator evaluates the real θ (engine.real_weights) without applying the update in
     flight early: a run that validates every 2 steps trains exactly as one that never does."""
@@ -551,7 +552,7 @@ def test_validation_leaves_the_training_losses_unchanged(tmp_path) -> None:
     assert validating == plain
 
 
-@pytest.mark.spmd_backends("partial_dtensor")  # spmd_types: in the 2-rank test above
+@pytest.mark.spmd_backends("partial_dtensor")  # the validator, not the layout: one backend
 def test_validation_under_hsdp_leaves_the_training_losses_unchanged(hsdp_acco, tmp_path) -> None:
     """As above on 2 replicas x 2 FSDP shards (every 0.3.0 run is FSDP): the eval forward must
     not leave θ gathered either. Compared with the HSDP run of the fixture."""
@@ -599,10 +600,12 @@ POISONED = re.compile(r"poisoned run: rank (\d+) updates (\d+) skipped (\d+)")
 
 
 @pytest.mark.spmd_backends("spmd_types")  # the model's parts, not how replicas shard
-@pytest.mark.parametrize("layout", [("--parallelism.tensor_parallel_degree", "2"),
-                                    ("--parallelism.pipeline_parallel_degree", "2",
-                                     "--parallelism.pipeline_parallel_microbatch_size", "1")],
-                         ids=["dp2xtp2", "dp2xpp2"])  # fmt: skip
+@pytest.mark.parametrize("layout", [
+    # the skip is the engine's, over its norm group: TP on 0.2.2 only, PP (whose schedule is
+    # each release's) on both
+    pytest.param(("--parallelism.tensor_parallel_degree", "2"), marks=pytest.mark.spmd_backends()),
+    ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"),
+], ids=["dp2xtp2", "dp2xpp2"])  # fmt: skip
 def test_a_non_finite_gradient_in_one_part_of_the_model_is_skipped_by_every_part(
     layout, tmp_path
 ) -> None:
