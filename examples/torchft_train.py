@@ -8,8 +8,9 @@ One lighthouse for the job, then one ``torchrun`` per replica group (a node, typ
     torchrun --nproc_per_node 2 --master_port 2950$i \\
         -m examples.torchft_train --replica-id $i --groups 2 --out /tmp/ft
 
-Inside a group, the engine shards its optimizer over the group's ranks (ZeRO-1) as usual; at
-each round end its communication thread sums rank r's shard over the groups through the
+Inside a group, the engine shards its optimizer over the group's ranks (ZeRO-1) as usual, or,
+with ``--fsdp S``, FSDP2 shards the model over S ranks and the engine runs over the group's
+replicas of each shard (HSDP, ``ACCOHSDPOptimizer``); at each round end its communication thread sums rank r's shard over the groups through the
 torchft ``Manager`` (``acco_hooks/engine/replicas.py``). Every group builds the same model from
 the same seed; rank r of group i reads the data of data-parallel rank ``i * group_size + r`` of
 the job, so that with every group alive the run equals one run over all the ranks
@@ -38,8 +39,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from acco_hooks import ACCOOptimizer
+from acco_hooks import ACCOHSDPOptimizer, ACCOOptimizer
 from scaffolding.process_exit import finish
 
 SAMPLES = 8  # per rank and micro-batch
@@ -54,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mode", default="acco", choices=["acco", "dpu", "ddp", "auto"])
     p.add_argument("--rounds", type=int, default=12, help="rounds to train")
     p.add_argument("--accumulation-steps", type=int, default=2, help="micro-batches per round")
+    p.add_argument("--fsdp", type=int, default=0,
+                   help="HSDP inside each group: shard the model with FSDP2 over this many ranks "
+                   "(the group's ranks are replicas x shards; 0: plain ZeRO-1 data parallelism)")
     p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
@@ -113,9 +118,18 @@ def microbatch(index: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SAMPLES, 16, generator=g), torch.randn(SAMPLES, 4, generator=g)
 
 
-def build_model(seed: int) -> torch.nn.Module:
+def build_model(seed: int, fsdp: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # every group starts from the same parameters
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    if fsdp:  # HSDP over this process's ranks (one group, or the reference's whole world)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // fsdp, fsdp),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))  # fmt: skip
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+    return model
 
 
 def main() -> None:
@@ -154,12 +168,14 @@ def main() -> None:
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
             _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(args.groups)
                             for r in range(group_size)], 4 * args.timeout)  # fmt: skip
-    model = build_model(args.seed)
-    opt = ACCOOptimizer(
-        model.named_parameters(), torch.optim.AdamW, mode=args.mode,
-        accumulation_steps=args.accumulation_steps, max_grad_norm=args.max_grad_norm,
-        timeout=args.timeout, manager=manager, lr=args.lr,
-    )  # fmt: skip
+    model = build_model(args.seed, args.fsdp)
+    settings = dict(mode=args.mode, accumulation_steps=args.accumulation_steps,
+                    max_grad_norm=args.max_grad_norm, timeout=args.timeout, manager=manager,
+                    lr=args.lr)  # fmt: skip
+    if args.fsdp:
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, **settings)
+    else:
+        opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **settings)
     engine = opt.engine
     # at each round end: rounds ended, updates applied, the time, how long the end waited, and
     # the schedule the round ran
@@ -198,7 +214,9 @@ def main() -> None:
         }.get(args.kill_at):
             _kill_when_summed(engine, out)
     opt.flush()
-    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}  # fmt: skip
+    torch.save({"params": params,
                 "updates": engine.num_updates, "first_round": first_round,
                 "round_ends": round_ends},
                out / f"params_{tag}.pt")  # fmt: skip

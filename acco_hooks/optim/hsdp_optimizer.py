@@ -67,7 +67,9 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
             round (less memory for unsharded gradients, more intra-node traffic).
         \*\*kwargs: the settings and optimizer arguments of ``ACCOOptimizer`` (``mode``,
             ``accumulation_steps``, ``reduce_dtype``, ``max_grad_norm``, ``lr``, ...), except
-            the process groups, which come from the mesh.
+            the process groups, which come from the mesh. With ``manager`` (a torchft
+            ``Manager``) the mesh is one replica group's, and each group holds HSDP of its own
+            (``acco_hooks/engine/replicas.py``).
 
     Example::
 

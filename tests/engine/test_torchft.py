@@ -45,7 +45,9 @@ def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) ->
 @pytest.mark.parametrize(
     ("groups", "group_size", "mode", "extra"),
     [(2, 1, "acco", []), (2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
-     (3, 2, "acco", []), (2, 2, "ddp", [])],  # dpu: test_a_lost_group_..., until its kill
+     (3, 2, "acco", []), (2, 2, "ddp", []),  # dpu: test_a_lost_group_..., until its kill
+     # HSDP inside each group: 2 replicas x 2 FSDP shards, against HSDP over 4 x 2
+     (2, 4, "acco", ["--fsdp", "2", "--max-grad-norm", "0.5"])],
 )  # fmt: skip
 def test_every_group_alive_equals_one_run_over_every_rank(
     tmp_path: Path, groups: int, group_size: int, mode: str, extra: list[str]
@@ -186,13 +188,15 @@ def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(tmp_path: Pat
 
 
 @pytest.mark.parametrize(
-    ("kill_at", "group_size", "mode", "stop"),
-    [("in_reduction", 2, "acco", 4), ("mid_round", 1, "dpu", 4)],
+    ("kill_at", "group_size", "mode", "stop", "extra"),
+    [("in_reduction", 2, "acco", 4, []), ("mid_round", 1, "dpu", 4, []),
+     ("in_reduction", 2, "acco", 4, ["--fsdp", "2"])],  # HSDP: each rank heals its FSDP shard
+    ids=["in_reduction-acco", "mid_round-dpu", "in_reduction-acco-hsdp"],
 )
 def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
-    tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int
+    tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int, extra: list[str]
 ) -> None:  # fmt: skip
-    args = [*HEAL_ARGS, "--mode", mode]
+    args = [*HEAL_ARGS, "--mode", mode, *extra]
     kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"], 0: HOLD}
     status = run_groups(2, group_size, args, tmp_path, replica_args=kill,
                         restart={1: ["--announce", "joining"]})  # fmt: skip
@@ -253,6 +257,9 @@ def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -
     )
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
         build.format("mode='auto', accumulation_steps=2")
+    )
+    assert "norm_process_group (tensor or pipeline parallelism) is not supported yet" in (
+        _engine_error(build.format("mode='acco', norm_process_group=object()"))
     )
     assert "estimate_dtype narrower" in _engine_error(
         build.format("mode='acco', estimate_dtype=torch.bfloat16")
