@@ -212,8 +212,9 @@ def validate_acco(
     groups = ft.group_size if ft is not None else 1
     par.data_parallel_replicate_degree = replicate
     # One replica without FSDP is allowed: the engine runs its rounds over this rank alone (on
-    # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide).
-    if replicate < 1 or (replicate == 1 and shard > 1):
+    # one GPU: ACCO's overhead against plain torchtitan, with nothing to hide). FSDP with one
+    # replica per torchft replica group is HSDP too: the groups are the replicas.
+    if replicate < 1 or (replicate * groups == 1 and shard > 1):
         raise ValueError(
             f"[parallelism] data_parallel_replicate_degree = {replicate}: [acco] enable runs "
             f"across model replicas; with data_parallel_shard_degree = {shard} set "
@@ -257,11 +258,12 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     settings.check_until_ready(" and ".join(split_by) or None, spelling)
-    if ft is not None and split_by:
+    model_split = [name for name in split_by if not name.startswith("data_parallel_shard")]
+    if ft is not None and model_split:
         raise ValueError(
-            f"[fault_tolerance] enable with {' and '.join(split_by)}: across torchft replica "
-            "groups the engine runs over plain data parallelism inside a group only; set them "
-            "to 1, or [fault_tolerance] enable = false"
+            f"[fault_tolerance] enable with {' and '.join(model_split)}: across torchft replica "
+            "groups the engine runs over data parallelism and FSDP (HSDP) inside a group only; "
+            "set them to 1, or [fault_tolerance] enable = false"
         )
     _check_global_batch(training, replicate * shard * groups, shard * groups)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):

@@ -36,13 +36,14 @@ HOLD_ROUND = 6  # a restarted group joins by then
 TITAN = ("train_titan.py",)
 
 
-def _args(group_size: int, mode: str) -> list[str]:
+def _args(group_size: int, mode: str, shard: int) -> list[str]:
     return ["--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
             "--metrics.disable_color_printing", "--acco.mode", mode,
             "--acco.accumulation_steps", "2", "--training.global_batch_size", "-1",
             "--training.steps", str(ROUNDS), "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--optimizer.lr", "3e-3",
-            "--parallelism.data_parallel_replicate_degree", str(group_size),
+            "--parallelism.data_parallel_replicate_degree", str(group_size // shard),
+            "--parallelism.data_parallel_shard_degree", str(shard),
             "--experimental.custom_import", "tests.titan.torchft_hooks"]  # fmt: skip
 
 
@@ -58,11 +59,12 @@ def _steps(log: Path) -> dict[int, tuple[float, float]]:
 
 
 def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
-         kill: tuple[int, int] | None = None, restart: bool = False,
+         kill: tuple[int, int] | None = None, restart: bool = False, shard: int = 1,
          ) -> tuple[list[int], dict, dict]:  # fmt: skip
     """Run the job (``kill``: group, round) and its reference; return the groups' exit
     statuses, each group's {step: (loss, grad_norm)} (a restarted group's: ``g{i}r``) and the
-    reference's."""
+    reference's. ``shard``: FSDP shards per replica (HSDP), in each group and in the
+    reference."""
     monkeypatch.setenv("ACCO_TEST_FT_OUT", str(tmp_path))
     monkeypatch.setenv("ACCO_TEST_FT_GROUPS", str(groups))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -70,7 +72,7 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
         monkeypatch.setenv("ACCO_TEST_FT_KILL", f"{kill[0]}:{kill[1]}")
     if restart:
         monkeypatch.setenv("ACCO_TEST_FT_HOLD", str(HOLD_ROUND))
-    args = _args(group_size, mode)
+    args = _args(group_size, mode, shard)
     ft = {i: _ft(groups, i, tmp_path) for i in range(groups)}
     status = run_groups(groups, group_size, args, tmp_path, program=TITAN, replica_args=ft,
                         restart={kill[0]: ft[kill[0]]} if restart else None)  # fmt: skip
@@ -86,18 +88,24 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
             away += f":{joined + 1}"
         monkeypatch.setenv("ACCO_TEST_FT_STOP", away)
     reference_args = [*args, "--job.dump_folder", str(tmp_path / "ref"),
-                      "--parallelism.data_parallel_replicate_degree", str(groups * group_size)]  # fmt: skip
+                      "--parallelism.data_parallel_replicate_degree",
+                      str(groups * group_size // shard)]  # fmt: skip
     assert run_reference(groups, group_size, reference_args, tmp_path, program=TITAN) == 0, (
         (tmp_path / "reference.log").read_text()[-4000:]
     )
     return status, runs, _steps(tmp_path / "reference.log")
 
 
-def test_every_group_alive_equals_one_run_over_every_rank(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("shard", [1, 2], ids=["zero1", "hsdp"])
+def test_every_group_alive_equals_one_run_over_every_rank(
+    tmp_path: Path, monkeypatch, shard: int
+) -> None:  # fmt: skip
     """2 groups of 2 ranks (ZeRO-1 inside each, the data split over groups x ranks) against
-    one torchrun of 4 ranks."""
+    one torchrun of 4 ranks; and 2 groups of one replica FSDP-sharded over its 2 ranks against
+    HSDP over 2 replicas x 2 shards (the groups are the replicas)."""
     groups, group_size = 2, 2
-    status, runs, reference = _run(tmp_path, monkeypatch, groups, group_size, "acco")
+    status, runs, reference = _run(tmp_path, monkeypatch, groups, group_size, "acco",
+                                   shard=shard)  # fmt: skip
     assert status == [0] * groups, (tmp_path / "g0.log").read_text()[-4000:]
     assert sorted(reference) == list(range(1, ROUNDS + 1))
     for i in range(groups):
