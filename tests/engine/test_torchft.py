@@ -44,7 +44,8 @@ def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) ->
 
 @pytest.mark.parametrize(
     ("groups", "group_size", "mode", "extra"),
-    [(2, 1, "acco", []), (2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
+    # 2 groups of 1 rank: test_with_torchfts_init_sync_..._state[1], against the same oracle
+    [(2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
      (3, 2, "acco", []), (2, 2, "ddp", []),  # dpu: test_a_lost_group_..., until its kill
      # HSDP inside each group: 2 replicas x 2 FSDP shards, against HSDP over 4 x 2
      (2, 4, "acco", ["--fsdp", "2", "--max-grad-norm", "0.5"])],
@@ -62,10 +63,11 @@ def test_every_group_alive_equals_one_run_over_every_rank(
     assert not torch.equal(first["params"]["0.weight"], initial[0].weight.detach())
 
 
-# mode="auto": 4 micro-batches of 20 ms per update, and a link between the groups that adds
-# 30 ms to each round's sum: the law prices the synchronous update at 4c + C ≈ 110 ms and the
-# even overlapped split at 2·max(2c, C) ≈ 80 ms, so auto times the synchronous schedule, tries
-# the overlapped one and keeps it, on any run that is not several times slower than planned.
+# mode="auto": 4 micro-batches of c = 60 ms per update, and a link between the groups that adds
+# 30 ms to each round's sum (C: 50-120 ms here with torchft's quorum and commit): the law
+# prices the synchronous update at 4c + C ≈ 0.3 s and the even overlapped split at
+# 2·max(2c, C) ≈ 0.24 s, so auto times the synchronous schedule, tries the split (it does
+# while 0.2c < C < 3.6c) and keeps it (timed 1.2-1.3x faster here, kept above 1.02x).
 # Only the first group computes that slowly: the others wait for it in every sum, so their own
 # timings price the overlapped schedule slower than the synchronous one, and they run it only
 # because the first group decides for all. Its oracle: the same job as one replica group of
@@ -90,7 +92,7 @@ def _assert_auto_ran_one_schedule_everywhere(
         assert _schedules(out, tag) == reference, tag
 
 
-@pytest.mark.parametrize(("groups", "group_size"), [(2, 2), (3, 1)])
+@pytest.mark.parametrize(("groups", "group_size"), [(2, 2)])
 def test_auto_switches_every_group_at_the_same_update_and_equals_one_group(
     tmp_path: Path, groups: int, group_size: int
 ) -> None:  # fmt: skip
@@ -115,7 +117,7 @@ def test_auto_switches_every_group_at_the_same_update_and_equals_one_group(
 KILLS = [
     ("mid_round", 2, 1, "acco", 5, 5),
     ("after_estimate", 2, 2, "acco", 4, 5),
-    ("in_reduction", 2, 1, "acco", 4, 4),
+    # in_reduction, 2 groups of 2 ranks: test_a_lost_group_restarted_..._parameters
     ("in_reduction", 3, 1, "acco", 5, 5),
     ("in_reduction", 2, 2, "dpu", 3, 3),
 ]

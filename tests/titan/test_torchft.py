@@ -171,3 +171,16 @@ def test_a_bad_fault_tolerance_config_is_refused_by_name(override, message, monk
     with pytest.raises(ValueError) as refusal:
         read_and_validate("debug_cpu_acco.toml", *FT, *override)
     assert message in str(refusal.value)
+
+
+def test_without_torchft_the_refusal_names_the_extra(monkeypatch) -> None:
+    """torchft is an extra: a job that enables [fault_tolerance] without it is refused before
+    anything is built, naming what to install."""
+    import sys
+
+    from tests.titan.test_trainer import read_and_validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"needs torchft: pip install 'acco_hooks\[ft\]'"):
+        read_and_validate("debug_cpu_acco.toml", *FT)

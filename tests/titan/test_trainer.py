@@ -136,7 +136,7 @@ def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     assert our_norms[1] == pytest.approx((1 if TITAN_030 else 2) * their_norms[1], rel=1e-3)
 
 
-@pytest.mark.spmd_backends("spmd_types")  # the schedule, not the layout, is tested
+@pytest.mark.spmd_backends()  # the trainer's loop, which both releases share: 0.2.2 only
 def test_auto_mode_takes_one_step_per_update_and_starts_synchronous(tmp_path) -> None:
     """``[acco] mode = "auto"``: a torchtitan step is one real update of torchtitan's gradient
     accumulation steps, as in ``ddp``; while it measures (its first 5 updates) it runs the
@@ -199,7 +199,7 @@ def test_checkpoint_resume_continues_exactly_past_an_interrupted_save(
     assert {s: straight[s] for s in resumed} == resumed
 
 
-@pytest.mark.spmd_backends("spmd_types")  # the replicas and the loader; layouts: the next test
+@pytest.mark.spmd_backends()  # 0.3.0's resharded resume: the next test (HSDP, more replicas)
 def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path) -> None:
     """torchtitan's checkpointer, ``data_parallel_replicate_degree = -1`` and a fixed global
     batch: saved at step 4 by 4 replicas (1 micro-batch each per round), resumed on 2 (2 each).
