@@ -866,10 +866,14 @@ class ACCOEngine:
         """Restore :meth:`state_dict` output: of the same rank of a run of the same shape, or,
         once DCP loaded it into this engine's :meth:`state_dict`, of a run of any shape.
 
-        Loading gathers the pending result's shards again, rebuilding it bit for bit.
+        Loading gathers the pending result's shards again, rebuilding it bit for bit. Under a
+        torchft ``manager``, torchft's step follows the loaded round (``replicas``): every
+        replica group must load the same checkpoint.
         """
         pending = load_state(self, state)  # checked first: a state refused changes nothing
         self._in_flight = None
+        if self._groups.replicas is not None:
+            self._groups.replicas.resume_at(self.round_index)
         if pending is not None:
             # The saved run had a finished, not yet applied result: every rank kept its shard of
             # it (θ, or a narrow estimate's decoded θ̃ − θ); gathering the shards again rebuilds

@@ -179,6 +179,15 @@ class ReplicaGroups:
         self._joined = (round_index, summed[:-1], summed[-1])
         return received, round_index
 
+    def resume_at(self, round_index: int) -> None:
+        """After a checkpoint load: torchft's step follows the engine's rounds again (round r
+        is step r + 1: every group took one step as it joined), so that a group joining later
+        is told the round the others are summing. Every group must load the same checkpoint
+        (a round index that differs is refused by name in the next sum)."""
+        manager = self.manager
+        manager.load_state_dict({"step": round_index + 1,
+                                 "batches_committed": manager.batches_committed()})  # fmt: skip
+
     def _receive(self, state: dict[str, Any]) -> None:
         self._received = state
 

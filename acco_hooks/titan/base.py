@@ -296,6 +296,14 @@ class ACCOTrainerBase(Trainer):
         load = self.checkpointer.load
 
         def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
+            if engine.round_index > 0:
+                # A torchft replica group that joined a running job holds a live group's state:
+                # its own checkpoint, from before it was lost, would overwrite it
+                logger.warning(
+                    "ACCO: this replica group joined a running job at round %d with a live "
+                    "group's state; its own checkpoint is not loaded", engine.round_index - 1,
+                )  # fmt: skip
+                return False
             try:
                 loaded = load(*args, **kwargs)
             except BaseException as error:  # DCP's CheckpointException is a BaseException

@@ -118,7 +118,7 @@ def _check_global_batch(training: Any, data_parallel: int, shard: int) -> None:
     )
 
 
-def _check_replica_groups(ft: Any, acco: ACCO, checkpoint_enabled: bool) -> None:
+def _check_replica_groups(ft: Any, acco: ACCO) -> None:
     """Refuse a ``[fault_tolerance]`` section the engine cannot run across torchft groups."""
     if importlib.util.find_spec("torchft") is None:
         raise ValueError(
@@ -152,13 +152,6 @@ def _check_replica_groups(ft: Any, acco: ACCO, checkpoint_enabled: bool) -> None
             "supported yet: a group that joins reads its data on to the live groups' position "
             "by counting fixed rounds. Set accumulate_until_ready = false"
         )
-    if checkpoint_enabled:
-        raise ValueError(
-            "[checkpoint] enable with [fault_tolerance] enable is not supported yet: every "
-            "replica group would write the same folder, and a group that comes back would load "
-            "its own old checkpoint over the state a live group handed it. Set [checkpoint] "
-            "enable = false (a group that comes back takes a live group's state)"
-        )
 
 
 def validate_acco(
@@ -171,7 +164,6 @@ def validate_acco(
     world_size: int | None = None,
     train_timeout_seconds: float | None = None,
     fault_tolerance: Any = None,
-    checkpoint_enabled: bool = False,
 ) -> EngineSettings | None:
     """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
     and build the engine's settings: the one place the torchtitan path checks and builds them.
@@ -191,7 +183,6 @@ def validate_acco(
         fault_tolerance: torchtitan 0.2.2's ``[fault_tolerance]`` section (``None``: 0.3.0,
             which has none): with ``enable``, the engine's process group is one torchft
             replica group and ``group_size`` of them train together.
-        checkpoint_enabled: torchtitan's ``[checkpoint] enable``.
 
     Returns:
         The engine's settings (``[acco]``'s own, micro-batches per round from
@@ -232,7 +223,7 @@ def validate_acco(
                 "ranks)")
 
     if ft is not None:
-        _check_replica_groups(ft, acco, checkpoint_enabled)
+        _check_replica_groups(ft, acco)
     # torchtitan's gradient accumulation steps: the global batch over the local batch times
     # the data-parallel degree (one step when global_batch_size is -1)
     round_size = acco.accumulation_steps or max(

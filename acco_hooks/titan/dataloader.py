@@ -53,23 +53,33 @@ class ReshardableLoaderState:
 
     def state_dict(self) -> dict[str, Any]:
         """Every data-parallel rank's loader state (gathered: a collective over the world,
-        which every rank's checkpoint save and load runs)."""
+        which every rank's checkpoint save and load runs). Across torchft replica groups the
+        world is one group's, which saves its own ranks' states only."""
         own = self.loader.state_dict()[self._rank_key]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.loader.dp_rank, own))
-        by_rank = dict(gathered)  # tensor and pipeline peers of a rank hold the same state
-        world = self.loader.dp_world_size
-        return {"world_size": world, "states": pickle.dumps([by_rank[r] for r in range(world)])}
+        by_rank = dict(sorted(gathered))  # tensor and pipeline peers of a rank hold the same state
+        return {"world_size": self.loader.dp_world_size, "states": pickle.dumps(by_rank)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:  # nothing saved (a model-only checkpoint)
             return
         saved_world, states = state["world_size"], pickle.loads(state["states"])
+        if isinstance(states, list):  # saved by an acco_hooks before torchft groups: every rank's
+            states = dict(enumerate(states))
         world = self.loader.dp_world_size
-        if saved_world == world:
+        if saved_world == world and self.loader.dp_rank in states:
             self.loader.load_state_dict({self._rank_key: states[self.loader.dp_rank],
                                          "world_size": world})  # fmt: skip
             return
+        if len(states) != saved_world:
+            raise ValueError(
+                f"ACCO: this checkpoint is one torchft replica group's: it holds the data "
+                f"positions of data-parallel ranks {sorted(states)} of {saved_world}, not of this "
+                f"rank ({self.loader.dp_rank} of {world}). Resume every group from its own "
+                "folder with the same number of groups and ranks"
+            )
+        states = [states[r] for r in range(saved_world)]
         fresh = pickle.loads(self.loader.state_dict()[self._rank_key])
         positions = [pickle.loads(s).get("dataset_state") or {} for s in states]
         if not all("sample_idx" in p for p in positions) or "dataset_state" not in fresh:

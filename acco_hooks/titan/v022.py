@@ -26,6 +26,7 @@ of the dataclasses (``dataclasses.fields(...).type``) to build nested sections f
 
 import dataclasses
 import datetime
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,6 @@ def validate_acco_config(
         early_step_in_backward=job_config.optimizer.early_step_in_backward,
         world_size=world_size, train_timeout_seconds=job_config.comm.train_timeout_seconds,
         fault_tolerance=job_config.fault_tolerance,
-        checkpoint_enabled=job_config.checkpoint.enable,
     )  # fmt: skip
 
 
@@ -227,6 +227,14 @@ class ACCOTrainer(ACCOTrainerBase):
         if settings is None:
             raise ValueError("ACCOTrainer needs [acco] enable = true")
         job_config.model.name = _ensure_acco_train_spec(job_config.model.name)
+        ft = job_config.fault_tolerance
+        if ft.enable and job_config.checkpoint.enable:
+            # Every torchft replica group holds the whole state and saves it: each into a
+            # folder of its own, which is also the one it resumes from (a group that comes
+            # back to a running job takes a live group's state instead: ACCOTrainerBase)
+            job_config.checkpoint.folder = os.path.join(
+                job_config.checkpoint.folder, f"replica_{ft.replica_id}"
+            )
         optimizer = job_config.optimizer
         job_config.optimizer = EngineOptimizerConfig(
             **{f.name: getattr(optimizer, f.name) for f in dataclasses.fields(TitanOptimizer)},

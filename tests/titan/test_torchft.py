@@ -9,13 +9,17 @@ group alive each step's gradient norm (of the average over every rank, clipped a
 SIGKILLed mid-round and restarted, every group's norms are those of a reference whose ranks of
 that group contribute nothing in the rounds it was away, the one it joined in included
 (``tests/titan/torchft_hooks.py``); after it joined, the two groups' losses average to the
-reference's again. The plain loop's torchft suite (``tests/engine/test_torchft.py``) holds the
-engine itself to the kill points and group counts.
+reference's again. With checkpoints on, each group saves into a folder of its own: the
+restarted group leaves its own (from before the loss) unread, and the whole job started again
+from every group's checkpoint goes on with the straight run's printed losses and norms. The
+plain loop's torchft suite (``tests/engine/test_torchft.py``) holds the engine itself to the
+kill points and group counts.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,11 +64,12 @@ def _steps(log: Path) -> dict[int, tuple[float, float]]:
 
 def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
          kill: tuple[int, int] | None = None, restart: bool = False, shard: int = 1,
+         extra: tuple[str, ...] = (), reference: bool = True,
          ) -> tuple[list[int], dict, dict]:  # fmt: skip
     """Run the job (``kill``: group, round) and its reference; return the groups' exit
     statuses, each group's {step: (loss, grad_norm)} (a restarted group's: ``g{i}r``) and the
     reference's. ``shard``: FSDP shards per replica (HSDP), in each group and in the
-    reference."""
+    reference; ``extra``: more arguments for the groups (not the reference)."""
     monkeypatch.setenv("ACCO_TEST_FT_OUT", str(tmp_path))
     monkeypatch.setenv("ACCO_TEST_FT_GROUPS", str(groups))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -73,7 +78,7 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
     if restart:
         monkeypatch.setenv("ACCO_TEST_FT_HOLD", str(HOLD_ROUND))
     args = _args(group_size, mode, shard)
-    ft = {i: _ft(groups, i, tmp_path) for i in range(groups)}
+    ft = {i: [*_ft(groups, i, tmp_path), *extra] for i in range(groups)}
     status = run_groups(groups, group_size, args, tmp_path, program=TITAN, replica_args=ft,
                         restart={kill[0]: ft[kill[0]]} if restart else None)  # fmt: skip
     for name in ("ACCO_TEST_FT_KILL", "ACCO_TEST_FT_HOLD"):
@@ -87,6 +92,8 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
             runs[f"g{kill[0]}r"] = _steps(tmp_path / f"g{kill[0]}_restart.log")
             away += f":{joined + 1}"
         monkeypatch.setenv("ACCO_TEST_FT_STOP", away)
+    if not reference:
+        return status, runs, {}
     reference_args = [*args, "--job.dump_folder", str(tmp_path / "ref"),
                       "--parallelism.data_parallel_replicate_degree",
                       str(groups * group_size // shard)]  # fmt: skip
@@ -118,15 +125,24 @@ def test_every_group_alive_equals_one_run_over_every_rank(
     assert reference[ROUNDS][0] < reference[1][0] - 0.1  # it learns
 
 
+# each group checkpoints every 2 steps into its own folder (replica_<id> under it)
+CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2",
+               "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+
+
 def test_a_lost_group_restarted_heals_and_trains_on_exactly(tmp_path: Path, monkeypatch) -> None:
     """A group SIGKILLed mid-round 3: the survivor keeps its processes and steps on alone, as
     a reference whose ranks of that group contribute nothing from round 3 on. The group comes
     back (its torchrun started again): it takes the live group's state in the round it joins,
-    sits that round out, reads its data on to the same position, and from then on both groups
-    step as the reference's two do."""
+    sits that round out, reads its data on to the same position (its own checkpoint from before
+    the loss is not loaded over that state), and from then on both groups step as the
+    reference's two do."""
     status, runs, reference = _run(tmp_path, monkeypatch, 2, 1, "acco", kill=(1, 3),
-                                   restart=True)  # fmt: skip
+                                   restart=True, extra=CHECKPOINTS)  # fmt: skip
     assert status == [0, 0], (tmp_path / "g1_restart.log").read_text()[-4000:]
+    # its own checkpoint of step 2, from before it was lost, stays unread
+    assert (tmp_path / "g1" / "checkpoint" / "replica_1" / "step-2").is_dir()
+    assert "its own checkpoint is not loaded" in (tmp_path / "g1_restart.log").read_text()
     assert (tmp_path / "killed_at").read_text() == "3"
     assert "SIGKILL" in (tmp_path / "g1.log").read_text()
     back = runs["g1r"]
@@ -154,7 +170,6 @@ BAD_FT_CONFIGS = [
     (("--acco.mode", "auto"), "[acco] mode = 'auto' with [fault_tolerance] enable"),
     (("--acco.accumulate_until_ready",),
      "[acco] accumulate_until_ready = true with [fault_tolerance] enable"),
-    (("--checkpoint.enable",), "[checkpoint] enable with [fault_tolerance] enable"),
     (("--parallelism.data_parallel_replicate_degree", "1",
       "--parallelism.tensor_parallel_degree", "2"),
      "[fault_tolerance] enable with tensor_parallel_degree = 2: across torchft replica groups"),
@@ -184,3 +199,30 @@ def test_without_torchft_the_refusal_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
     with pytest.raises(ValueError, match=r"needs torchft: pip install 'acco_hooks\[ft\]'"):
         read_and_validate("debug_cpu_acco.toml", *FT)
+
+
+def test_the_whole_job_resumes_from_each_groups_checkpoint_exactly(
+    tmp_path: Path, monkeypatch
+) -> None:  # fmt: skip
+    """Every group checkpoints into its own folder; the whole job started again from step 4
+    (the later checkpoints removed) goes on as the straight run: each group loads its own,
+    and torchft's step follows the loaded round, so the groups meet in the same round."""
+    straight = _run(tmp_path / "straight", monkeypatch, 2, 1, "acco", extra=CHECKPOINTS,
+                    reference=False)[1]  # fmt: skip
+    for i in range(2):
+        folder = tmp_path / "straight" / f"g{i}" / "checkpoint" / f"replica_{i}"
+        assert sorted(p.name for p in folder.iterdir()) == [f"step-{s}" for s in (10, 2, 4, 6, 8)]
+        for step in (6, 8, 10):
+            shutil.rmtree(folder / f"step-{step}")
+        shutil.copytree(tmp_path / "straight" / f"g{i}", tmp_path / "resumed" / f"g{i}")
+    status, resumed, _ = _run(tmp_path / "resumed", monkeypatch, 2, 1, "acco", extra=CHECKPOINTS,
+                              reference=False)  # fmt: skip
+    assert status == [0, 0], (tmp_path / "resumed" / "g0.log").read_text()[-4000:]
+    for i in range(2):
+        assert sorted(resumed[i]) == list(range(5, ROUNDS + 1)), i
+        for step, (loss, norm) in resumed[i].items():
+            assert loss == straight[i][step][0], (i, step)
+            if step > 5:  # a resumed run's first step prints no norm yet (-1)
+                assert norm == straight[i][step][1], (i, step)
+    log = (tmp_path / "resumed" / "g0.log").read_text()
+    assert "step: 5, world_size: 1" in log  # torchft's quorum at the loaded round's step
