@@ -167,8 +167,8 @@ class ACCOEngine:
             (``replicas``, docs/multinode.md). A group that joins a running job (restarted, or
             started late) takes a live group's state in this constructor, which then blocks
             until the other groups reach their next sum; :attr:`round_index` is then the first
-            round it trains (the data position). Data parallelism or HSDP (``fsdp_process_group``)
-            inside a group; not tensor or pipeline parallelism (``norm_process_group``).
+            round it trains (the data position). Inside a group: data parallelism, HSDP
+            (``fsdp_process_group``), tensor and pipeline parallelism (``norm_process_group``).
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -244,9 +244,9 @@ class ACCOEngine:
         if manager is not None:  # refused here too, before any process group exists
             replicas = ReplicaGroups(
                 manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
-                                              param_groups, process_group, fsdp_process_group),
+                                              param_groups, process_group, fsdp_process_group,
+                                              norm_process_group),
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
-                split_by=None if norm_process_group is None else "norm_process_group",
                 timeout=settings.timeout,
             )  # fmt: skip
         # No local name holds the groups: a traceback through here must not keep them alive.
@@ -363,13 +363,13 @@ class ACCOEngine:
         skipped = [torch.zeros_like(g.shard_sum) for g in self._buffers]
         skipped.append(round_weights(0.0, True, arrived, self.device))
         handover, joined_round = replicas.join(skipped)
-        if self._groups.count is not None:
+        if self._groups.norm is not None:
             # torchft heals rank by rank: with init_sync, rank r takes the state of the group
-            # its rank picks, and may be the one to give it. The group loads together (the live
-            # parameters are gathered in it; with HSDP, each FSDP shard of them), and a rank
-            # handed nothing takes its own state.
+            # its rank picks, and may be the one to give it. The group loads together, every
+            # part of its model (FSDP shards, tensor and pipeline parallel parts: the norm
+            # group spans them), and a rank handed nothing takes its own state.
             taken = torch.tensor([float(handover is not None)], device=self.device)
-            self._run_on_thread(dist.all_reduce, taken, dist.ReduceOp.SUM, self._groups.count)
+            self._run_on_thread(dist.all_reduce, taken, dist.ReduceOp.SUM, self._groups.norm)
             if taken.item() > 0 and handover is None:
                 handover = handover_state(self, self._handover_counters)
         if handover is None:
@@ -976,11 +976,17 @@ class ACCOEngine:
 def _replica_description(
     settings: EngineSettings, optimizer_class: type, optimizer_kwargs: dict[str, Any],
     param_groups: list[dict[str, Any]], process_group: Any, fsdp_process_group: Any,
+    norm_process_group: Any,
 ) -> str:  # fmt: skip
     """What every torchft replica group must build the same, as text (``replicas``); the
-    group's size is its replicas and, with HSDP, its FSDP shards."""
-    group_size = (dist.get_world_size(process_group) if dist.is_initialized() else 1,
-                  1 if fsdp_process_group is None else dist.get_world_size(fsdp_process_group))
+    group's layout is its replicas, FSDP shards and the ranks of its whole model (tensor and
+    pipeline parallel parts)."""
+    def size(group: Any) -> int:  # a ProcessGroup or a 1-D DeviceMesh (None: the world)
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    group_size = (size(process_group),
+                  *(1 if group is None else size(group)
+                    for group in (fsdp_process_group, norm_process_group)))  # fmt: skip
     layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
               for g in param_groups]  # fmt: skip
     options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]

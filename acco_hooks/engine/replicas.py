@@ -3,8 +3,9 @@
 With ``manager=`` (a ``torchft.Manager``), the engine's data-parallel group is one *replica
 group* (typically one node, its own ``torchrun``), and the groups in torchft's current quorum
 together make one data-parallel run. Each group holds a whole optimizer state, sharded over its
-own ranks (ZeRO-1 inside the group, or HSDP: FSDP shards times the engine's replicas inside the
-group); rank r of every group owns the same 1/n of the model. A round's job
+own ranks (ZeRO-1 inside the group, or HSDP: FSDP shards times the engine's replicas, and tensor
+or pipeline parallel parts beside them); rank r of every group holds the same piece of the
+model. A round's job
 (``communication.communicate``) becomes::
 
     reduce-scatter inside the group ─► sum rank r's shard over the groups (the manager) ─►
@@ -86,8 +87,6 @@ class ReplicaGroups:
         description: what every group must build the same (the settings, the optimizer and its
             arguments, the parameters' names and shapes, the group's size), as text.
         narrow_estimate: ``estimate_dtype`` is narrower than ``reduce_dtype`` (refused).
-        split_by: the tensor or pipeline parallel process group the engine was given
-            (refused), or ``None``.
         timeout: the engine's ``timeout`` (seconds; ``None``: none): the longest a sum over
             the groups may wait for a silent peer. A round looks for a quorum that commits for
             :attr:`patience_s`, twice that: one failed sum notices the dead group, and the
@@ -99,7 +98,7 @@ class ReplicaGroups:
 
     def __init__(
         self, manager: Any, description: str, *, narrow_estimate: bool,
-        split_by: str | None, timeout: float | None,
+        timeout: float | None,
     ) -> None:  # fmt: skip
         try:
             from torchft import Manager
@@ -113,12 +112,6 @@ class ReplicaGroups:
                 "acco_hooks: an estimate_dtype narrower than reduce_dtype is not supported with "
                 "a torchft manager yet (the estimate would be summed across groups encoded). "
                 "Leave estimate_dtype unset"
-            )
-        if split_by is not None:
-            raise ValueError(
-                f"acco_hooks: a torchft manager with {split_by} (tensor or pipeline "
-                "parallelism) is not supported yet, only data parallelism and HSDP inside a "
-                "replica group: leave it out, or train without the manager"
             )
         if not isinstance(manager, Manager):
             raise TypeError(

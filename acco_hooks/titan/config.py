@@ -249,13 +249,6 @@ def validate_acco(
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     settings.check_until_ready(" and ".join(split_by) or None, spelling)
-    model_split = [name for name in split_by if not name.startswith("data_parallel_shard")]
-    if ft is not None and model_split:
-        raise ValueError(
-            f"[fault_tolerance] enable with {' and '.join(model_split)}: across torchft replica "
-            "groups the engine runs over data parallelism and FSDP (HSDP) inside a group only; "
-            "set them to 1, or [fault_tolerance] enable = false"
-        )
     _check_global_batch(training, replicate * shard * groups, shard * groups)
     if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names

@@ -260,9 +260,6 @@ def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
         build.format("mode='auto', accumulation_steps=2")
     )
-    assert "norm_process_group (tensor or pipeline parallelism) is not supported yet" in (
-        _engine_error(build.format("mode='acco', norm_process_group=object()"))
-    )
     assert "estimate_dtype narrower" in _engine_error(
         build.format("mode='acco', estimate_dtype=torch.bfloat16")
     )
