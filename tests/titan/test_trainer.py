@@ -409,10 +409,13 @@ def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(hsdp_acco,
 
 
 @pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: in test_acco_composes_with_tp_and_pp
-@pytest.mark.parametrize("layout", [("--parallelism.tensor_parallel_degree", "2"),
-                                    ("--parallelism.pipeline_parallel_degree", "2",
-                                     "--parallelism.pipeline_parallel_microbatch_size", "1")],
-                         ids=["dp_replicate2xfsdp2xtp2", "pp2xdp_replicate2xfsdp2"])  # fmt: skip
+@pytest.mark.parametrize("layout", [
+    ("--parallelism.tensor_parallel_degree", "2"),
+    # PP with HSDP on 0.2.2; 0.3.0's PP: test_acco_composes_with_tp_and_pp, the PP resume
+    pytest.param(("--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_microbatch_size", "1"),
+                 marks=pytest.mark.spmd_backends()),
+], ids=["dp_replicate2xfsdp2xtp2", "pp2xdp_replicate2xfsdp2"])  # fmt: skip
 def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, tmp_path) -> None:
     """8 processes: adding TP or PP to the 2 x 2 HSDP run changes nothing in the first steps."""
     _, _, hsdp, norms_hsdp = hsdp_acco
@@ -580,6 +583,8 @@ def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None
 
 
 @pytest.mark.spmd_backends("spmd_types")  # the pipeline's stages, not how replicas shard
+@pytest.mark.skipif(not TITAN_030, reason="0.2.2's PP checkpoint resume: tests/titan/"
+                    "test_torchft.py resumes 2 groups of 2 pipeline stages exactly")  # fmt: skip
 def test_a_pipeline_parallel_checkpoint_resumes_exactly(tmp_path) -> None:
     """dp2 × pp2, checkpoints at steps 3 and 6, the one of step 6 lost: each stage's engine
     state is saved under keys of its own (its parameters' names and shapes too), and the run
