@@ -5,8 +5,7 @@ group* (typically one node, its own ``torchrun``), and the groups in torchft's c
 together make one data-parallel run. Each group holds a whole optimizer state, sharded over its
 own ranks (ZeRO-1 inside the group, or HSDP: FSDP shards times the engine's replicas, and tensor
 or pipeline parallel parts beside them); rank r of every group holds the same piece of the
-model. A round's job
-(``communication.communicate``) becomes::
+model. A round's job (``communication.communicate``) becomes::
 
     reduce-scatter inside the group ─► sum rank r's shard over the groups (the manager) ─►
     ÷ global weight ─► clip ─► step or Peek ─► all-gather inside the group
@@ -85,7 +84,7 @@ class ReplicaGroups:
     Args:
         manager: the ``torchft.Manager`` of this replica group.
         description: what every group must build the same (the settings, the optimizer and its
-            arguments, the parameters' names and shapes, the group's size), as text.
+            arguments, the parameters' names and shapes, the group's layout), as text.
         narrow_estimate: ``estimate_dtype`` is narrower than ``reduce_dtype`` (refused).
         timeout: the engine's ``timeout`` (seconds; ``None``: none): the longest a sum over
             the groups may wait for a silent peer. A round looks for a quorum that commits for
