@@ -111,6 +111,26 @@ def test_auto_switches_every_group_at_the_same_update_and_equals_one_group(
             torch.testing.assert_close(run["params"][name], value, rtol=0, atol=1e-5)
 
 
+def test_auto_goes_on_with_the_next_deciding_group_when_the_first_is_lost(tmp_path: Path) -> None:
+    """3 groups of 1 rank; only group 0, the deciding one, computes slowly enough for the
+    overlapped schedule to pay. It is SIGKILLed inside round 20's sum, after the job switched
+    to that schedule. The survivors keep their processes, group 1 decides from then on by its
+    own timings (its rounds waited for group 0's: it chose the synchronous schedule), and both
+    survivors go back to it at the same round, holding the same parameters."""
+    replica_args = {0: ["--kill-group", "0", "--kill-at", "in_reduction", "--kill-round", "20"],
+                    1: ["--microbatch-seconds", "0"], 2: ["--microbatch-seconds", "0"]}  # fmt: skip
+    status = run_groups(3, 1, [*AUTO_ARGS, "--rounds", "30"], tmp_path, replica_args=replica_args)
+    assert status[1:] == [0, 0] and status[0] != 0, "the survivors finish, no restart"
+    ran = _schedules(tmp_path, "g1_r0")
+    assert _schedules(tmp_path, "g2_r0") == ran
+    synchronous = (0, 4, "")
+    switched = next(i for i, schedule in enumerate(ran) if schedule != synchronous)
+    back = next(i for i in range(switched, len(ran)) if ran[i] == synchronous)
+    assert 0 < switched < 20 < back, ran  # overlapped while group 0 decided, not after
+    assert ran[back:] == [synchronous] * (len(ran) - back), ran
+    _assert_bit_identical(tmp_path, ["g1_r0", "g2_r0"])
+
+
 # (kill_at, groups, group_size, mode, kill_round, the round the lost group's contributions
 # stop in): mid-round and in the sum, the round it died in; after an estimate, the update
 # that follows (the estimate was summed with it)
