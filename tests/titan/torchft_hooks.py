@@ -9,8 +9,8 @@ it does is set by environment variables, the same for every group of a job:
   round was summed over the groups: mid-round (a group restarted after it joins later, and
   never meets that round);
 - ``ACCO_TEST_FT_HOLD = "round"``: once a group was killed, the live groups wait at that
-  round's start until every rank of the restarted group has built its Manager (and heartbeat
-  for a second), so that it joins before the job ends;
+  round's start until every rank of the restarted group asked for its first quorum (and a
+  second more), so that it joins in that round;
 - ``ACCO_TEST_FT_STOP = "group:ranks_per_group:stop[:resume]"`` (the reference, one job of
   every rank without torchft): the ranks of that group contribute nothing in rounds
   [stop, resume) (their micro-batches' labels are all ignored, so the engine skips them).
@@ -40,9 +40,23 @@ def _build_manager_then_wait(fault_tolerance: Any, timeout: float | None) -> Any
     rank, size = dist.get_rank(), dist.get_world_size()
     (out / f"manager_up_g{fault_tolerance.replica_id}_r{rank}").write_text("")
     if (out / "killed_at").exists():  # restarted: the live groups may hold for it
-        (out / f"rejoining_r{rank}").write_text("")
+        _announce_first_quorum(manager, out / f"rejoining_r{rank}")
     _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(groups) for r in range(size)])
     return manager
+
+
+def _announce_first_quorum(manager: Any, announce: Path) -> None:
+    """Write ``announce`` once the manager's first quorum request is out (as the engine is
+    built). Not sooner: the lighthouse forms a live group's next quorum at once ("fast
+    quorum") unless another group asked to join it, however long that one has heartbeated."""
+    start_quorum = manager.start_quorum
+
+    def start_quorum_then_announce(*args: Any, **kwargs: Any) -> None:
+        start_quorum(*args, **kwargs)
+        if not announce.exists():
+            announce.write_text("")
+
+    manager.start_quorum = start_quorum_then_announce
 
 
 def _wait_for(out: Path, names: list[str]) -> None:
@@ -71,7 +85,7 @@ def _next_microbatch_or_die_or_nothing(trainer: ACCOTrainerBase, data_iterator: 
     if (hold is not None and (engine.round_index, seen[engine.round_index]) == (int(hold), 1)
             and (out / "killed_at").exists()):  # fmt: skip
         _wait_for(out, [f"rejoining_r{r}" for r in range(dist.get_world_size())])
-        time.sleep(1.0)  # its first heartbeats: the next quorum waits for it
+        time.sleep(1.0)  # its quorum request reaches the lighthouse: the next quorum waits
     input_dict, labels, valid = _next_microbatch(trainer, data_iterator)
     stop = os.environ.get("ACCO_TEST_FT_STOP")
     if stop is not None:
