@@ -18,13 +18,15 @@ the job, so that with every group alive the run equals one run over all the rank
 
 A group that joins a running job (restarted after it was lost, or started late: run its
 torchrun again) takes a live group's state when the optimizer is built and trains on from the
-round the engine says (``engine.round_index``: the data position follows from it).
+round the engine says (``engine.round_index``), reading its data on from
+``engine.microbatches_scheduled`` (in ``--mode auto`` rounds change size).
 
 Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
 run: ``params_ref_r{rank}.pt``), with the updates it applied, the round it started training in
-(after a join, the round after the one it joined in) and, for each round end, the rounds
-ended, the updates applied, the time, how long the round end waited and the schedule the round
-ran (``--mode auto`` changes it, the same in every group).
+(after a join, the round after the one it joined in) and its data position then, and, for
+each round end, the rounds ended, the updates applied, the time, how long the round end waited,
+the schedule the round ran (``--mode auto`` changes it, the same in every group) and the data
+position.
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--wait-for", default=None,
                    help="wait for this file in --out before joining (building the manager)")
     p.add_argument("--announce", default=None,
-                   help="write this file in --out once the manager is built (a joiner)")
+                   help="write this file in --out once this group asked for its first quorum "
+                   "(a joiner: the running group's next quorum then waits for it)")
     p.add_argument("--hold-round", type=int, default=None,
-                   help="once this many rounds ended, wait for --hold-for in --out: a group "
-                   "that joins then meets this one in the next round's sum, whenever it comes")
+                   help="once this many rounds ended (in --mode auto at the first update's end "
+                   "from then on), wait for --hold-for in --out: a group that joins then meets "
+                   "this one in the next round's sum, whenever it comes")
     p.add_argument("--hold-for", default=None)
     # The reference of such a run: the same ranks without torchft, the lost group's ranks
     # contributing nothing from --stop-round on, until --resume-round (it joined again)
@@ -153,6 +157,8 @@ def main() -> None:
         manager_class = _slow_link(Manager, args.link_seconds) if args.link_seconds else Manager
         if dying:
             manager_class = _dying_manager(manager_class, args.kill_round, out)
+        if args.announce is not None:
+            manager_class = _announcing_manager(manager_class, out / f"{args.announce}_r{rank}")
         manager = manager_class(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=1,
@@ -162,8 +168,6 @@ def main() -> None:
             init_sync=args.init_sync,
         )  # fmt: skip
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
-        if args.announce is not None:
-            (out / f"{args.announce}_r{rank}").write_text("")
         if args.start_together:  # every Manager heartbeats before any group asks for a quorum
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
             _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(args.groups)
@@ -177,18 +181,19 @@ def main() -> None:
     else:
         opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **settings)
     engine = opt.engine
-    # at each round end: rounds ended, updates applied, the time, how long the end waited, and
-    # the schedule the round ran
+    # at each round end: rounds ended, updates applied, the time, how long the end waited, the
+    # schedule the round ran and the micro-batches read so far
     round_ends = []
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
     stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
-    first_round = engine.round_index  # > 0: this group joined a running job
+    first_round = engine.round_index  # > 0: this group joined a running job (joined_round)
     resume = args.rounds if args.resume_round is None else args.resume_round
-    if first_round > 0 and args.mode == "auto":
-        # auto's rounds differ in size: the data position is not a round count times a size
-        raise SystemExit("this example restarts a lost group in the fixed modes only")
-    index = first_round * args.accumulation_steps  # the data position: micro-batches so far
+    # the data position: 0, or where the live groups stand after the round this group sat out
+    index = first_index = engine.microbatches_scheduled
+    # the round this group joined in was an estimate round: it trains from its update round on
+    joined_mid_update = engine.joined_round is not None and not engine.step_boundary
+    held = False
     while engine.round_index < args.rounds:
         ran = engine.schedule
         if stopped and args.stop_round <= engine.round_index < resume:
@@ -201,13 +206,17 @@ def main() -> None:
         index += 1
         if ended and engine.round_index == args.mark_round and rank == 0:
             (out / f"round_{args.mark_round}").write_text("")
-        if ended and engine.round_index == args.hold_round:  # every rank of every joiner
+        if (ended and not held and args.hold_round is not None
+                and engine.round_index >= args.hold_round and engine.step_boundary):
+            # every rank of every joiner
             _wait_for(out, [f"{args.hold_for}_r{r}" for r in range(group_size)], 6 * args.timeout)
-            # and its first heartbeats: from then on the lighthouse's next quorum waits for it
+            held = True
+            # and for its quorum request to reach the lighthouse, whose next quorum then
+            # waits for it
             time.sleep(1.0)
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
-                               engine.last_wait_s, tuple(ran)))  # fmt: skip
+                               engine.last_wait_s, tuple(ran), index))  # fmt: skip
         if dies and (ended, engine.round_index) == {
             "mid_round": (False, args.kill_round),  # the round's first micro-batch is in
             "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended
@@ -218,6 +227,7 @@ def main() -> None:
               for n, p in model.named_parameters()}  # fmt: skip
     torch.save({"params": params,
                 "updates": engine.num_updates, "first_round": first_round,
+                "first_index": first_index, "joined_mid_update": joined_mid_update,
                 "round_ends": round_ends},
                out / f"params_{tag}.pt")  # fmt: skip
     opt.close()
@@ -251,6 +261,20 @@ def _slow_link(manager_class: type, seconds: float) -> type:
             return super().should_commit(*args, **kwargs)
 
     return SlowLinkManager
+
+
+def _announcing_manager(manager_class: type, announce: Path) -> type:
+    """A torchft Manager that writes ``announce`` once its first quorum request is out. Not
+    sooner: the lighthouse forms a running group's next quorum at once ("fast quorum") unless
+    another group asked to join it, however long that group has heartbeated."""
+
+    class AnnouncingManager(manager_class):
+        def start_quorum(self, *args: Any, **kwargs: Any) -> None:
+            super().start_quorum(*args, **kwargs)
+            if not announce.exists():
+                announce.write_text("")
+
+    return AnnouncingManager
 
 
 def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:

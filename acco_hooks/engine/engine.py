@@ -187,8 +187,9 @@ class ACCOEngine:
         # The round in flight (launched, not yet applied), the failure that stopped the engine,
         # and inside real_weights() the live parameters its block replaced
         "_in_flight", "_failure", "_live_outside",
-        # torchft: the training loop's counters at the last round end, for a joining group
-        "_handover_counters",
+        # torchft: the training loop's counters at the last round end, for a joining group,
+        # and the round this group joined a running job in
+        "_handover_counters", "joined_round",
         # How an update's micro-batches run (a split into an estimate and an update round, or
         # one synchronous round), which round comes next, and mode="auto"'s choice of schedule:
         # the controller, the schedule every rank agreed on, when the current update started
@@ -345,6 +346,9 @@ class ACCOEngine:
             )  # fmt: skip
         logger.debug("acco_hooks: %s", settings)
         self._handover_counters: dict[str, Any] | None = None
+        # The round a torchft replica group joined a running job in, with a live group's state
+        # (it sat that round out); None when it started with the job
+        self.joined_round: int | None = None
         if replicas is not None:
             try:
                 self._join_replica_groups(replicas)
@@ -378,6 +382,7 @@ class ACCOEngine:
         self._handover_counters = round_counters(self)
         if joined_round is None:  # init_sync at the start: one group's state, the same in all
             return
+        self.joined_round = joined_round
         logger.warning(
             "acco_hooks: this replica group joined the job at round %d with a live group's "
             "state; it sits that round out and trains from round %d on", joined_round,
@@ -458,6 +463,19 @@ class ACCOEngine:
         if self.schedule.synchronous or not self._estimate_next:
             return self.schedule.update_microbatches
         return self.schedule.estimate_microbatches
+
+    @property
+    def microbatches_scheduled(self) -> int:
+        """Micro-batches the schedule has taken since training started: the ended rounds',
+        skipped ones included, and those counted in the round under way. Where a data loader
+        stands: a torchft replica group that joined a running job (:attr:`joined_round`) reads
+        on from here, which in ``auto`` is not a round count times a round size. A rank whose
+        rounds ran longer (``accumulate_until_ready``) counted more than this."""
+        schedule = self.schedule  # in auto every candidate takes accumulation_steps per update
+        per_update = schedule.estimate_microbatches + schedule.update_microbatches
+        between = not schedule.synchronous and not self._estimate_next  # acco's estimate is in
+        return (self.updates_launched * per_update + self._round_microbatches
+                + (schedule.estimate_microbatches if between else 0))  # fmt: skip
 
     @property
     def candidate_schedules(self) -> list[Schedule]:

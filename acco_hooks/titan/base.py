@@ -283,10 +283,11 @@ class ACCOTrainerBase(Trainer):
             )
         self.logged_losses: dict[int, float] = {}  # step -> global average loss, for the summary
         # A torchft replica group that joined a running job holds a live group's state, at its
-        # round index (0 otherwise: a checkpoint, if any, loads later): the trainer counts its
-        # steps from there, and the data loader reads on to the same position first.
-        self.step = engine.round_index
-        self._rounds_to_read_on = engine.round_index
+        # round (0 otherwise: a checkpoint, if any, loads later): the trainer counts its steps
+        # from there (rounds; in auto updates), and the data loader reads on to the live
+        # groups' position first.
+        self.step = engine.updates_launched if acco.mode == "auto" else engine.round_index
+        self._microbatches_to_read_on = engine.microbatches_scheduled
         # HSDP: FSDP2 shards each replica; its gradient reduce-scatter is switched per micro-batch
         self._fsdp_modules = fsdp_modules(self.model_parts)
         # A step's metrics are all-reduced without waiting and logged at the start of the next
@@ -296,12 +297,12 @@ class ACCOTrainerBase(Trainer):
         load = self.checkpointer.load
 
         def load_then_sync_master(*args: Any, **kwargs: Any) -> Any:
-            if engine.round_index > 0:
+            if engine.joined_round is not None:
                 # A torchft replica group that joined a running job holds a live group's state:
                 # its own checkpoint, from before it was lost, would overwrite it
                 logger.warning(
                     "ACCO: this replica group joined a running job at round %d with a live "
-                    "group's state; its own checkpoint is not loaded", engine.round_index - 1,
+                    "group's state; its own checkpoint is not loaded", engine.joined_round,
                 )  # fmt: skip
                 return False
             try:
@@ -386,10 +387,9 @@ class ACCOTrainerBase(Trainer):
         self.checkpointer.maybe_wait_for_staging()
         config = self.titan_config
         engine = self.optimizers.engine
-        if self._rounds_to_read_on:  # micro-batches of fixed rounds (no accumulate_until_ready)
-            for _ in range(self._rounds_to_read_on * engine.settings.accumulation_steps):
-                next(data_iterator)
-            self._rounds_to_read_on = 0
+        for _ in range(self._microbatches_to_read_on):  # a group that joined a running job
+            next(data_iterator)
+        self._microbatches_to_read_on = 0
         lr = engine.optimizer.param_groups[0]["lr"]
         one = torch.ones((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)

@@ -140,17 +140,12 @@ def _check_replica_groups(ft: Any, acco: ACCO) -> None:
             "set group_size to the number of replica groups (the data is split over them) "
             "and replica_id to this group's index, from 0 to group_size - 1"
         )
-    if acco.mode == "auto":
-        raise ValueError(
-            "[acco] mode = 'auto' with [fault_tolerance] enable is not supported yet in "
-            "torchtitan: a group that joins reads its data on to the live groups' position by "
-            "counting fixed rounds, and auto's rounds change size. Use 'acco', 'dpu' or 'ddp'"
-        )
     if acco.accumulate_until_ready:
         raise ValueError(
             "[acco] accumulate_until_ready = true with [fault_tolerance] enable is not "
-            "supported yet: a group that joins reads its data on to the live groups' position "
-            "by counting fixed rounds. Set accumulate_until_ready = false"
+            "supported yet: a group that joins reads its data on to the live groups' position, "
+            "the micro-batches their schedule took, and a round that accumulates until ready "
+            "takes as many as the network leaves time for. Set accumulate_until_ready = false"
         )
 
 

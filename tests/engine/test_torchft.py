@@ -131,6 +131,38 @@ def test_auto_goes_on_with_the_next_deciding_group_when_the_first_is_lost(tmp_pa
     _assert_bit_identical(tmp_path, ["g1_r0", "g2_r0"])
 
 
+def test_auto_a_group_that_joins_reads_on_from_the_live_groups_data_position(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """mode="auto" changes the size of its rounds: a joiner's data position is not a round
+    count times a round size but ``engine.microbatches_scheduled``, handed over with the state.
+    Group 0 (deciding, slow) switches to an overlapped schedule and, at the first update's end
+    from round 14 on, holds until group 1 (started late) joins: in the next round's sum, an
+    estimate round, which the joiner sits out with the rest of the handed state (the carried
+    half-batch). From then on both run the same schedule, the joiner reads on from where group
+    0 stood after that round, and they end bit-identical."""
+    hold = ["--hold-round", "14", "--hold-for", "joining", "--mark-round", "14"]
+    late = {1: ["--wait-for", "round_14", "--announce", "joining", "--microbatch-seconds", "0"],
+            0: hold}  # fmt: skip
+    status = run_groups(2, 1, AUTO_ARGS, tmp_path, replica_args=late, start_together=False)
+    assert status == [0, 0]
+    live, joiner = _params(tmp_path, "g0_r0"), _params(tmp_path, "g1_r0")
+    joined = joiner["first_round"] - 1
+    assert joined >= 14
+    assert f"joined the job at round {joined}" in (tmp_path / "g1.log").read_text()
+    synchronous = (0, 4, "")
+    ran = _schedules(tmp_path, "g0_r0")
+    assert ran[joined] != synchronous, f"auto had not switched before the join: {ran}"
+    assert joiner["joined_mid_update"], "it joined in an update round"
+    # from the joiner's first round on: the live group's schedules, and its data position then
+    # (the micro-batches it read through the round the joiner sat out)
+    after = [end for end in live["round_ends"] if end[0] > joined + 1]
+    assert [end[4] for end in joiner["round_ends"]] == [end[4] for end in after]
+    at_join = next(end for end in live["round_ends"] if end[0] == joined + 1)
+    assert joiner["first_index"] == at_join[5], (joiner["first_index"], at_join, ran)
+    _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
+
+
 # (kill_at, groups, group_size, mode, kill_round, the round the lost group's contributions
 # stop in): mid-round and in the sum, the round it died in; after an estimate, the update
 # that follows (the estimate was summed with it)

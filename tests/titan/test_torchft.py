@@ -76,12 +76,13 @@ def _steps(log: Path) -> dict[int, tuple[float, float]]:
 def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
          kill: tuple[int, int] | None = None, restart: bool = False,
          split: dict[str, int] | None = None, extra: tuple[str, ...] = (),
-         reference: bool = True,
+         reference: bool = True, reference_extra: tuple[str, ...] = (),
          ) -> tuple[list[int], dict, dict]:  # fmt: skip
     """Run the job (``kill``: group, round) and its reference; return the groups' exit
     statuses, each group's {step: (loss, grad_norm)} (a restarted group's: ``g{i}r``) and the
     reference's. ``split``: how each group's ranks (and the reference's) split the model
-    beside their replicas (HSDP, TP, PP); ``extra``: more arguments for the groups."""
+    beside their replicas (HSDP, TP, PP); ``extra``: more arguments for the groups,
+    ``reference_extra`` for the reference."""
     monkeypatch.setenv("ACCO_TEST_FT_OUT", str(tmp_path))
     monkeypatch.setenv("ACCO_TEST_FT_GROUPS", str(groups))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -110,7 +111,7 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
         return status, runs, {}
     reference_args = [*args, "--job.dump_folder", str(tmp_path / "ref"),
                       "--parallelism.data_parallel_replicate_degree",
-                      str(_replicas(groups * group_size, split))]  # fmt: skip
+                      str(_replicas(groups * group_size, split)), *reference_extra]  # fmt: skip
     assert run_reference(groups, group_size, reference_args, tmp_path, program=TITAN) == 0, (
         (tmp_path / "reference.log").read_text()[-4000:]
     )
@@ -150,9 +151,12 @@ def test_a_lost_group_restarted_heals_and_trains_on_exactly(tmp_path: Path, monk
     back (its torchrun started again): it takes the live group's state in the round it joins,
     sits that round out, reads its data on to the same position (its own checkpoint from before
     the loss is not loaded over that state), and from then on both groups step as the
-    reference's two do."""
+    reference's two do. The estimate rounds run 3 micro-batches and the update rounds 2: the
+    position is not a round count times a round size (nor in mode auto)."""
+    uneven = ("--acco.estimate_microbatches", "3")
     status, runs, reference = _run(tmp_path, monkeypatch, 2, 1, "acco", kill=(1, 3),
-                                   restart=True, extra=CHECKPOINTS)  # fmt: skip
+                                   restart=True, extra=(*CHECKPOINTS, *uneven),
+                                   reference_extra=uneven)  # fmt: skip
     assert status == [0, 0], (tmp_path / "g1_restart.log").read_text()[-4000:]
     # its own checkpoint of step 2, from before it was lost, stays unread
     assert (tmp_path / "g1" / "checkpoint" / "replica_1" / "step-2").is_dir()
@@ -181,7 +185,6 @@ BAD_FT_CONFIGS = [
      "[fault_tolerance] process_group = 'mpi': use 'gloo' or 'nccl'"),
     (("--fault_tolerance.replica_id", "2"),
      "[fault_tolerance] replica_id = 2, group_size = 2: set group_size to the number of"),
-    (("--acco.mode", "auto"), "[acco] mode = 'auto' with [fault_tolerance] enable"),
     (("--acco.accumulate_until_ready",),
      "[acco] accumulate_until_ready = true with [fault_tolerance] enable"),
 ]  # fmt: skip
@@ -192,8 +195,10 @@ def test_a_bad_fault_tolerance_config_is_refused_by_name(override, message, monk
     from tests.titan.test_trainer import read_and_validate
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    job = read_and_validate("debug_cpu_acco.toml", *FT)  # accepted as shipped
+    job = read_and_validate("debug_cpu_acco.toml", *FT)  # accepted as shipped, and in auto
     assert job.fault_tolerance.enable and job.fault_tolerance.replica_id == 1
+    auto = ("--acco.mode", "auto", "--training.global_batch_size", "32")  # 2 per update
+    assert read_and_validate("debug_cpu_acco.toml", *FT, *auto).acco.mode == "auto"
     with pytest.raises(ValueError) as refusal:
         read_and_validate("debug_cpu_acco.toml", *FT, *override)
     assert message in str(refusal.value)
