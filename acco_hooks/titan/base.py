@@ -357,6 +357,7 @@ class ACCOTrainerBase(Trainer):
             f"real updates={real_updates(acco.mode, steps)} "
             f"micro-batches per round={engine.settings.accumulation_steps} "
             f"replicas (ACCO degree)={self.parallel_dims.dp_replicate} "
+            f"{f'in each of {groups} torchft replica groups ' if groups > 1 else ''}"
             f"FSDP shards per replica={self.parallel_dims.dp_shard}"
         )
 
