@@ -124,12 +124,12 @@ def _files(*parts: str, without: tuple[str, ...] = ()) -> list[pathlib.Path]:
     [
         (("acco_hooks",), ("acco_hooks/titan", "acco_hooks/hf", "acco_hooks/engine/replicas.py"),
          ()),
-        (("acco_hooks/titan",), ("acco_hooks/titan/v022.py",), ("titan",)),
+        (("acco_hooks/titan",), ("acco_hooks/titan/replica_groups.py",), ("titan",)),
         (("acco_hooks/hf",), (), ("hf",)),
         # torchft, imported when an engine is given a manager (the error names the extra), and
-        # by torchtitan 0.2.2's [fault_tolerance] (refused without it, naming the extra)
+        # by torchtitan's [fault_tolerance] (refused without it, naming the extra)
         (("acco_hooks/engine/replicas.py",), (), ("ft",)),
-        (("acco_hooks/titan/v022.py",), (), ("titan", "ft")),
+        (("acco_hooks/titan/replica_groups.py",), (), ("titan", "ft")),
         (("train_titan.py", "scaffolding", "examples"), (), ("titan", "hf", "ft")),
         (("benchmarks",), (), ("bench",)),
         (("tests",), (), ("test",)),

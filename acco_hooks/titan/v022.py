@@ -25,8 +25,6 @@ of the dataclasses (``dataclasses.fields(...).type``) to build nested sections f
 """
 
 import dataclasses
-import datetime
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +48,11 @@ from acco_hooks.titan.base import (  # noqa: E402
     WithoutReplicate,
 )
 from acco_hooks.titan.config import ACCO, validate_acco  # noqa: E402
+from acco_hooks.titan.replica_groups import (  # noqa: E402
+    build_torchft_manager,
+    replica_group_folder,
+    split_data_over_replica_groups,
+)
 
 __all__ = ["ACCO", "EngineOptimizerConfig", "ACCOTrainer", "JobConfig", "acco_train_spec",
            "build_acco_lr_schedulers", "build_acco_optimizers", "validate_acco_config"]  # fmt: skip
@@ -135,29 +138,6 @@ def build_acco_optimizers(
     return optimizers
 
 
-def build_torchft_manager(fault_tolerance: Any, timeout: float | None) -> Any:
-    """This replica group's ``torchft.Manager``, from torchtitan's ``[fault_tolerance]``.
-
-    As torchtitan's own ``FTManager`` builds it (the lighthouse from ``$TORCHFT_LIGHTHOUSE``,
-    ``process_group_timeout_ms`` for the cross-group process group), with the engine's
-    ``timeout`` for the quorum and no state dict functions: the engine registers its own, what
-    a joining group takes (``acco_hooks.engine.replicas``).
-    """
-    from torchft import Manager
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    pg_timeout = datetime.timedelta(milliseconds=fault_tolerance.process_group_timeout_ms)
-    pg = (ProcessGroupGloo if fault_tolerance.process_group == "gloo" else ProcessGroupNCCL)(
-        timeout=pg_timeout
-    )
-    quorum_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else pg_timeout
-    return Manager(
-        pg=pg, min_replica_size=fault_tolerance.min_replica_size, load_state_dict=None,
-        state_dict=None, replica_id=f"torchtitan_acco_{fault_tolerance.replica_id}",
-        timeout=quorum_timeout, connect_timeout=quorum_timeout,
-    )  # fmt: skip
-
-
 def build_acco_lr_schedulers(
     optimizers: EngineOptimizersContainer, lr_scheduler_config: Any, training_steps: int
 ) -> LRSchedulersContainer:
@@ -182,10 +162,9 @@ def acco_train_spec(base: TrainSpec) -> TrainSpec:
     build_dataloader_fn = base.build_dataloader_fn
 
     def build_dataloader(*, dp_world_size: int, dp_rank: int, job_config: JobConfig, **kwargs):
-        ft = job_config.fault_tolerance
-        if ft.enable:  # the replica groups split the data, as torchtitan's torchft trainer does
-            dp_rank += ft.replica_id * dp_world_size
-            dp_world_size *= ft.group_size
+        dp_world_size, dp_rank = split_data_over_replica_groups(
+            job_config.fault_tolerance, dp_world_size, dp_rank
+        )
         return build_dataloader_fn(dp_world_size=dp_world_size, dp_rank=dp_rank,
                                    job_config=job_config, **kwargs)  # fmt: skip
 
@@ -227,14 +206,9 @@ class ACCOTrainer(ACCOTrainerBase):
         if settings is None:
             raise ValueError("ACCOTrainer needs [acco] enable = true")
         job_config.model.name = _ensure_acco_train_spec(job_config.model.name)
-        ft = job_config.fault_tolerance
-        if ft.enable and job_config.checkpoint.enable:
-            # Every torchft replica group holds the whole state and saves it: each into a
-            # folder of its own, which is also the one it resumes from (a group that comes
-            # back to a running job takes a live group's state instead: ACCOTrainerBase)
-            job_config.checkpoint.folder = os.path.join(
-                job_config.checkpoint.folder, f"replica_{ft.replica_id}"
-            )
+        job_config.checkpoint.folder = replica_group_folder(
+            job_config.fault_tolerance, job_config.checkpoint
+        )
         optimizer = job_config.optimizer
         job_config.optimizer = EngineOptimizerConfig(
             **{f.name: getattr(optimizer, f.name) for f in dataclasses.fields(TitanOptimizer)},
