@@ -175,9 +175,10 @@ def validate_acco(
         world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
         train_timeout_seconds: torchtitan's ``[comm] train_timeout_seconds``: the engine's
             collective timeout where ``[acco] timeout`` is unset.
-        fault_tolerance: torchtitan 0.2.2's ``[fault_tolerance]`` section (``None``: 0.3.0,
-            which has none): with ``enable``, the engine's process group is one torchft
-            replica group and ``group_size`` of them train together.
+        fault_tolerance: torchtitan's ``[fault_tolerance]`` section (0.2.2's, or the
+            ``experiments.torchft`` one ACCO's 0.3.0 trainer has; ``None``: none): with
+            ``enable``, the engine's process group is one torchft replica group and
+            ``group_size`` of them train together.
 
     Returns:
         The engine's settings (``[acco]``'s own, micro-batches per round from

@@ -104,6 +104,11 @@ KEYS: dict[str, Key] = {
     "validation.local_batch_size": Key(int, None),  # must equal training's (0.3.0 shares it)
     "validation.seq_len": Key(int, None),
     "experimental.custom_import": Key(str, None),  # imported by train_titan.py before building
+    # ACCO's trainer has torchtitan's experiments.torchft section (its fields: 0.2.2's)
+    "fault_tolerance.enable": Key(bool, "fault_tolerance.enable"),
+    **_same("fault_tolerance", "replica_id group_size min_replica_size process_group_timeout_ms",
+            int),
+    **_same("fault_tolerance", "process_group semi_sync_method", str),
     **_acco_keys(),
 }
 
@@ -113,9 +118,6 @@ _NO_MEANING = {
     "validation.local_batch_size": "0.3.0 validates with training.local_batch_size: remove "
     "it or set it equal",
     "validation.seq_len": "0.3.0 validates with training.seq_len: remove it or set it equal",
-    "fault_tolerance.enable": "torchft runs in 0.3.0's experiments.torchft trainer, not this "
-    "one; ACCO across torchft replica groups runs on torchtitan 0.2.2 and in the plain loop "
-    "(ACCOOptimizer(..., manager=torchft.Manager(...))), docs/multinode.md",
 }
 
 
@@ -282,6 +284,14 @@ def build_config(settings: dict[str, Any]) -> Any:
             f"activation_checkpoint.mode = {mode!r} with selective_ac_option = {option!r}: "
             "torchtitan 0.3.0 has 'none', 'full' and op-level 'selective' "
             "(selective_ac_option = \"op\"); layer-wise selective checkpointing is gone"
+        )
+    torchft = sorted(k for k in settings if k.startswith("fault_tolerance."))
+    if torchft and not acco.enable:
+        raise TomlConfigError(
+            f"{', '.join(torchft)} without [acco] enable: torchtitan 0.3.0's own torchft "
+            "trainer is another one (experiments.torchft: python -m torchtitan.train --module "
+            "torchft.llama3 ...), which this launcher does not run; set [acco] enable = true "
+            "for ACCO across torchft replica groups"
         )
     config_cls = ACCOTrainer.Config if acco.enable else Trainer.Config
     extra = {"acco": acco} if acco.enable else {}

@@ -15,6 +15,11 @@ in at three of them:
   ``dp_replicate``, from the run's single Adam/AdamW parameter group.
 - :class:`ACCOLRSchedulersContainer`: torchtitan's schedules, counted in real updates.
 
+With ``fault_tolerance.enable`` (the section of torchtitan's ``experiments.torchft`` trainer, in
+ACCO's config) the job is one torchft replica group: the engine is built with a
+``torchft.Manager``, the data loader's config reads the group's part of the data, and each group
+checkpoints into a folder of its own, as on 0.2.2.
+
 The training step (one ACCO round) is shared with the 0.2.2 adapter: :mod:`acco_hooks.titan.base`.
 
 Data parallelism in 0.3.0 is FSDP2 everywhere (torchtitan's "DDP" is FSDP with a replicate
@@ -44,6 +49,7 @@ require_release("0.3.0", __name__)  # before any torchtitan import: a clear erro
 
 from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
+from torchtitan.experiments.torchft.config import FaultTolerance  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -58,6 +64,11 @@ from acco_hooks.titan.base import (  # noqa: E402
     WithoutReplicate,
 )
 from acco_hooks.titan.config import ACCO, spelling, validate_acco  # noqa: E402
+from acco_hooks.titan.replica_groups import (  # noqa: E402
+    build_torchft_manager,
+    replica_group_folder,
+    split_data_over_replica_groups,
+)
 
 __all__ = ["ACCOLRSchedulersContainer", "ACCOOptimizersContainer", "ACCOTrainer",
            "validate_acco_config", "with_acco"]  # fmt: skip
@@ -86,6 +97,7 @@ def validate_acco_config(
         acco, config.parallelism, config.training,
         [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size, train_timeout_seconds=config.comm.train_timeout_seconds,
+        fault_tolerance=getattr(config, "fault_tolerance", None),
     )  # fmt: skip
     if groups[0].pattern != ".*":
         raise ValueError(
@@ -120,12 +132,28 @@ class ACCOOptimizersContainer(EngineOptimizersContainer):
         )  # fmt: skip
 
 
-def _bind_engine_after(post_optimizer_build_fn: Any) -> Any:
+def _bind_engine_after(
+    post_optimizer_build_fn: Any, settings: EngineSettings,
+    lr_scheduler: LRSchedulersContainer.Config, training_steps: int,
+    fault_tolerance: FaultTolerance | None,
+) -> Any:  # fmt: skip
     """A model spec's ``post_optimizer_build_fn`` that first builds the engine over the meshes
-    torchtitan hands it, then runs the model's own (if any)."""
+    torchtitan hands it, then runs the model's own (if any). The engine builds the LR
+    schedulers (``lr_scheduler``, counted in the real updates of ``training_steps`` rounds) on
+    its shard optimizer as it is built, and with ``fault_tolerance`` enabled joins the torchft
+    replica groups: a group that joins a running job takes a live group's schedule with the
+    rest of its state."""
 
     def bind_engine(optimizers: ACCOOptimizersContainer, model_parts: Any, parallel_dims: Any):
-        optimizers.bind(parallel_dims)
+        updates = real_updates(settings.mode, training_steps)
+        manager = None
+        if fault_tolerance is not None and fault_tolerance.enable:
+            manager = build_torchft_manager(fault_tolerance, settings.timeout)
+        # slots dataclass: name the base explicitly (zero-argument super() fails)
+        optimizers.bind(parallel_dims, manager=manager, lr_scheduler=lambda shard: (
+            LRSchedulersContainer.Config.build(lr_scheduler, optimizers=[shard],
+                                               training_steps=updates)
+        ))  # fmt: skip
         if post_optimizer_build_fn is not None:
             post_optimizer_build_fn(optimizers, model_parts, parallel_dims)
 
@@ -135,16 +163,15 @@ def _bind_engine_after(post_optimizer_build_fn: Any) -> Any:
 class ACCOLRSchedulersContainer(LRSchedulersContainer):
     """torchtitan's LR schedulers on the engine's optimizer, counted in real updates (with
     ``acco.mode = "acco"`` a run of ``training.steps`` rounds makes ``steps // 2`` updates) and
-    stepped by the engine once per real update. A set ``total_steps`` counts real updates."""
+    stepped by the engine once per real update. A set ``total_steps`` counts real updates.
+    The engine built them as it was built (``_bind_engine_after``): building them returns
+    those."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(LRSchedulersContainer.Config):
         def build(self, *, optimizers: ACCOOptimizersContainer, training_steps: int) -> Any:
-            updates = real_updates(optimizers.engine.settings.mode, training_steps)
-            # slots dataclass: name the base explicitly (zero-argument super() fails)
-            return optimizers.attach_lr_schedulers(LRSchedulersContainer.Config.build(
-                self, optimizers=optimizers, training_steps=updates
-            ))  # fmt: skip
+            del training_steps  # the engine's were built from the same config and count
+            return optimizers.engine.lr_scheduler
 
 
 def _as(config_cls: type, config: Any, **more: Any) -> Any:
@@ -170,6 +197,13 @@ class ACCOTrainer(ACCOTrainerBase):
     class Config(Trainer.Config):
         acco: ACCO = field(default_factory=lambda: ACCO(enable=True))
         """ACCO over the data_parallel_replicate dimension (see acco_hooks.titan.config)."""
+
+        fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+        """torchft (torchtitan's ``experiments.torchft`` section, its fields): with
+        ``enable``, this job is replica group ``replica_id`` of ``group_size``, one torchrun
+        each under a torchft lighthouse, and the engine sums the groups in the current quorum
+        through a ``torchft.Manager`` (docs/multinode.md). ``semi_sync_method`` (torchtitan's
+        DiLoCo, local SGD) is another training method and is refused with ACCO."""
 
     optimizers: ACCOOptimizersContainer
     config: Config
@@ -199,13 +233,21 @@ class ACCOTrainer(ACCOTrainerBase):
             return model
 
         parallelize.__name__ = f"{parallelize_fn.__name__}_without_data_parallel"
+        ft = config.fault_tolerance
         config.model_spec = dataclasses.replace(
             spec, parallelize_fn=parallelize,
-            post_optimizer_build_fn=_bind_engine_after(spec.post_optimizer_build_fn),
+            post_optimizer_build_fn=_bind_engine_after(
+                spec.post_optimizer_build_fn, settings, config.lr_scheduler,
+                config.training.steps,
+                ft if ft.enable else None,
+            ),
         )  # fmt: skip
         config.optimizer = _as(ACCOOptimizersContainer.Config, config.optimizer,
                                engine=settings)  # fmt: skip
         config.lr_scheduler = _as(ACCOLRSchedulersContainer.Config, config.lr_scheduler)
+        if ft.enable:  # the replica groups split the data; each checkpoints into its own folder
+            config.dataloader = _split_over_replica_groups(config.dataloader, ft)
+            config.checkpoint.folder = replica_group_folder(ft, config.checkpoint)
         # A CUDA-graph replay would skip the engine's gradient hooks (Python).
         config.training.disable_cuda_graphs = True
         if isinstance(config.loss, ChunkedLossWrapper.Config) and (
@@ -231,6 +273,22 @@ class ACCOTrainer(ACCOTrainerBase):
                    for _ in range(self.num_pipeline_parallel_microbatches)]  # fmt: skip
         valid = sum(label_tokens(labels, IGNORE_INDEX) for _, labels in batches)
         return [b[0] for b in batches], [b[1] for b in batches], valid
+
+
+def _split_over_replica_groups(dataloader: Any, fault_tolerance: FaultTolerance) -> Any:
+    """``dataloader`` (a data loader's config) whose loader reads this torchft replica group's
+    part of the data: torchtitan's ``Trainer`` builds it with the data-parallel degree and rank
+    inside the group (``acco_hooks.titan.replica_groups``)."""
+    own = type(dataloader)
+
+    class OverReplicaGroups(own):
+        def build(self, *, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
+            dp_world_size, dp_rank = split_data_over_replica_groups(
+                fault_tolerance, dp_world_size, dp_rank
+            )
+            return own.build(self, dp_world_size=dp_world_size, dp_rank=dp_rank, **kwargs)
+
+    return _as(OverReplicaGroups, dataloader)
 
 
 def with_acco(config: Trainer.Config, **acco: Any) -> ACCOTrainer.Config:

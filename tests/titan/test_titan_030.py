@@ -228,14 +228,21 @@ def test_a_key_without_a_030_meaning_is_refused_with_every_other_one(tmp_path) -
     assert "pip install 'torchtitan==0.2.2'" in message
 
 
-def test_fault_tolerance_is_refused_with_the_releases_that_run_it() -> None:
-    """0.3.0's torchft path is its own trainer (experiments.torchft): the key has no meaning
-    for ACCO's, and the refusal names where ACCO runs across torchft groups."""
+def test_fault_tolerance_is_acco_trainers_and_refused_without_acco() -> None:
+    """ACCO's 0.3.0 trainer has ``experiments.torchft``'s section (tests/titan/test_torchft.py
+    runs it); without [acco] the key belongs to torchtitan's own torchft trainer, which this
+    launcher does not run: refused, naming it."""
+    config = load_toml_config(CONFIGS / "debug_cpu_acco.toml",
+                              ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                               "--fault_tolerance.replica_id", "1"])  # fmt: skip
+    assert (config.fault_tolerance.enable, config.fault_tolerance.group_size,
+            config.fault_tolerance.replica_id) == (True, 2, 1)  # fmt: skip
     with pytest.raises(TomlConfigError) as error:
-        load_toml_config(CONFIGS / "debug_cpu_acco.toml", ["--fault_tolerance.enable"])
+        load_toml_config(CONFIGS / "debug_cpu_acco.toml",
+                         ["--acco.no-enable", "--fault_tolerance.enable"])  # fmt: skip
     message = str(error.value)
-    assert "fault_tolerance.enable: torchft runs in 0.3.0's experiments.torchft trainer" in message
-    assert "runs on torchtitan 0.2.2 and in the plain loop" in message
+    assert "fault_tolerance.enable without [acco] enable" in message
+    assert "experiments.torchft" in message
 
 
 def test_a_bad_value_type_is_refused() -> None:

@@ -1,6 +1,7 @@
-"""train_titan.py with ``[acco]`` and ``[fault_tolerance]`` (torchtitan 0.2.2): ACCO across
-torchft replica groups, each group its own ``torchrun`` under one lighthouse, as torchtitan
-launches its own torchft trainer.
+"""train_titan.py with ``[acco]`` and ``[fault_tolerance]``: ACCO across torchft replica groups,
+each group its own ``torchrun`` under one lighthouse, as torchtitan launches its own torchft
+trainer. On torchtitan 0.3.0 (ACCO's trainer has ``experiments.torchft``'s section) the restart
+test and the refusals run too, on one SPMD backend (the groups do not depend on it).
 
 The oracle is the same job as one ``torchrun`` of every rank without torchft: the groups read
 the data the reference's ranks read (torchtitan's split over groups x ranks), so with every
@@ -25,16 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from acco_hooks.titan import TITAN_030
-
-if TITAN_030:
-    pytest.skip("torchtitan 0.2.2 only: 0.3.0 refuses [fault_tolerance] with [acco] "
-                "(tests/titan/test_titan_030.py)", allow_module_level=True)  # fmt: skip
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 
 from scaffolding.torchft_job import ROOT, run_groups, run_reference  # noqa: E402
+from tests.titan.conftest import backend_overrides  # noqa: E402
 
-pytestmark = pytest.mark.titan
+# torchtitan 0.2.2 unless a test says otherwise (a torchtitan launch costs CI tens of seconds)
+pytestmark = [pytest.mark.titan, pytest.mark.spmd_backends()]
+ON_030 = pytest.mark.spmd_backends("spmd_types")
 STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 ROUNDS = 10
 HOLD_ROUND = 6  # a restarted group joins by then
@@ -59,7 +58,8 @@ def _args(mode: str, split: dict[str, int]) -> list[str]:
             "--training.steps", str(ROUNDS), "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--optimizer.lr", "3e-3",
             *[arg for k, v in split.items() for arg in (f"--parallelism.{k}", str(v))],
-            "--experimental.custom_import", "tests.titan.torchft_hooks"]  # fmt: skip
+            "--experimental.custom_import", "tests.titan.torchft_hooks",
+            *backend_overrides()]  # fmt: skip
 
 
 def _ft(groups: int, i: int, dump: Path) -> list[str]:
@@ -145,6 +145,7 @@ CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2",
                "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
 
 
+@ON_030
 def test_a_lost_group_restarted_heals_and_trains_on_exactly(tmp_path: Path, monkeypatch) -> None:
     """A group SIGKILLed mid-round 3: the survivor keeps its processes and steps on alone, as
     a reference whose ranks of that group contribute nothing from round 3 on. The group comes
@@ -190,6 +191,7 @@ BAD_FT_CONFIGS = [
 ]  # fmt: skip
 
 
+@ON_030
 @pytest.mark.parametrize("override, message", BAD_FT_CONFIGS)
 def test_a_bad_fault_tolerance_config_is_refused_by_name(override, message, monkeypatch) -> None:
     from tests.titan.test_trainer import read_and_validate
@@ -204,6 +206,7 @@ def test_a_bad_fault_tolerance_config_is_refused_by_name(override, message, monk
     assert message in str(refusal.value)
 
 
+@ON_030
 def test_without_torchft_the_refusal_names_the_extra(monkeypatch) -> None:
     """torchft is an extra: a job that enables [fault_tolerance] without it is refused before
     anything is built, naming what to install."""

@@ -27,10 +27,15 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX
 
-from acco_hooks.titan import v022
+from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.base import ACCOTrainerBase
 
-_build_manager = v022.build_torchft_manager
+if TITAN_030:
+    from acco_hooks.titan import v030 as release
+else:
+    from acco_hooks.titan import v022 as release
+
+_build_manager = release.build_torchft_manager
 _next_microbatch = ACCOTrainerBase._next_microbatch
 
 
@@ -75,7 +80,7 @@ def _next_microbatch_or_die_or_nothing(trainer: ACCOTrainerBase, data_iterator: 
     kill = os.environ.get("ACCO_TEST_FT_KILL")
     if kill is not None:
         group, round_index = map(int, kill.split(":"))
-        if (trainer.job_config.fault_tolerance.replica_id, dist.get_rank(), engine.round_index,
+        if (trainer.titan_config.fault_tolerance.replica_id, dist.get_rank(), engine.round_index,
                 seen[engine.round_index]) == (group, 0, round_index, 2):  # fmt: skip
             while engine.communication_in_flight:  # the previous round was summed (committed)
                 time.sleep(0.01)
@@ -97,5 +102,5 @@ def _next_microbatch_or_die_or_nothing(trainer: ACCOTrainerBase, data_iterator: 
     return input_dict, labels, valid
 
 
-v022.build_torchft_manager = _build_manager_then_wait
+release.build_torchft_manager = _build_manager_then_wait
 ACCOTrainerBase._next_microbatch = _next_microbatch_or_die_or_nothing
