@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.dist_utils import RankPool
+from tests.dist_utils import RankPool, shared_pool
 
 
 @pytest.fixture(scope="session")
 def rank_pool() -> Iterator[RankPool]:
-    """Up to 4 gloo processes kept for the whole session (``RankPool``): for tests that run
-    many small distributed examples."""
-    pool = RankPool(4)
+    """The session's gloo processes (``tests.dist_utils.shared_pool``, up to 4 ranks), the
+    ones ``run_distributed`` uses: for tests that run many small distributed examples."""
+    pool = shared_pool()
     yield pool
     pool.close()

@@ -1,13 +1,17 @@
 """Run a function on N gloo (or NCCL) processes and collect what each rank returns.
 
-:func:`run_distributed` starts fresh processes for every call. :class:`RankPool` keeps a few
-processes alive and gives each call a fresh default process group over the first N of them:
-generated tests that run many small distributed examples then pay for starting Python and
-importing torch once, not once per example.
+:class:`RankPool` keeps a few processes alive and gives each call a fresh default process group
+over the first N of them, so that a test pays for starting Python and importing torch once per
+session, not once per call (2 s for 2 ranks on a 2-core machine, more than many tests' own
+work). :func:`run_distributed` runs on the session's pool (:func:`shared_pool`) unless the
+call needs processes of its own: ``fresh_processes=True`` (a resume whose subject is a new
+process, a rank that sets process-wide state), ranks that may die, NCCL, or more ranks than the
+pool holds.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import faulthandler
@@ -28,6 +32,8 @@ from scaffolding.process_exit import finish, release_process_groups
 
 # A test whose processes have not finished by then fails instead of hanging the suite.
 DEFAULT_DEADLINE_S = 180.0
+# The shared pool's size: the largest world a pooled call may ask for.
+SHARED_POOL_RANKS = 4
 
 
 def _free_port() -> int:
@@ -74,7 +80,7 @@ def _entry(
 
 def run_distributed(
     fn_path: str, world_size: int, *args, deadline_s: float = DEFAULT_DEADLINE_S,
-    may_die: tuple[int, ...] = (), backend: str = "gloo",
+    may_die: tuple[int, ...] = (), backend: str = "gloo", fresh_processes: bool = False,
 ):  # fmt: skip
     """Call ``module:function(rank, world_size, *args)`` on ``world_size`` gloo processes.
 
@@ -84,7 +90,14 @@ def run_distributed(
     still running after ``deadline_s`` are killed and the call fails. Ranks in ``may_die`` may
     end without a result (``None``), e.g. a rank that kills itself to test fault handling; the
     others are then left to finish on their own instead of being terminated.
+
+    Gloo calls of up to :data:`SHARED_POOL_RANKS` ranks run on the session's processes
+    (:func:`shared_pool`); ``fresh_processes=True`` starts new ones for this call, for a
+    function whose subject is a new process or that changes process-wide state (an
+    environment variable, a library's global settings).
     """
+    if not (fresh_processes or may_die or backend != "gloo" or world_size > SHARED_POOL_RANKS):
+        return shared_pool().run(fn_path, world_size, *args, deadline_s=deadline_s)
     if may_die:
         assert backend == "gloo", "may_die runs on gloo only"
         return _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die)
@@ -224,3 +237,16 @@ class RankPool:
                 p.kill()
                 p.join()
         self._procs = []
+
+
+_shared: list[RankPool] = []
+
+
+def shared_pool() -> RankPool:
+    """The session's :class:`RankPool` of :data:`SHARED_POOL_RANKS` processes, started on
+    first use and stopped at interpreter exit (tests/conftest.py's ``rank_pool`` fixture
+    stops it at the session's end)."""
+    if not _shared:
+        _shared.append(RankPool(SHARED_POOL_RANKS))
+        atexit.register(_shared[0].close)
+    return _shared[0]

@@ -80,8 +80,11 @@ def test_resume_in_fresh_processes_is_bit_exact(
     mode: str, save_at: int, estimate_dtype: str | None, tmp_path
 ) -> None:
     cfg = Config(mode=mode, estimate_dtype=estimate_dtype)
-    straight = run_distributed("tests.engine.test_checkpoint:first_half", 2, cfg, save_at, str(tmp_path))
-    resumed = run_distributed("tests.engine.test_checkpoint:second_half", 2, cfg, save_at, str(tmp_path))
+    # each half in processes of its own: nothing the first half left in memory can help
+    straight = run_distributed("tests.engine.test_checkpoint:first_half", 2, cfg, save_at,
+                               str(tmp_path), fresh_processes=True)  # fmt: skip
+    resumed = run_distributed("tests.engine.test_checkpoint:second_half", 2, cfg, save_at,
+                              str(tmp_path), fresh_processes=True)  # fmt: skip
     for rank in range(2):
         assert resumed[rank].pop("lr_epoch") == (TOTAL_ROUNDS // 2 if mode == "acco" else TOTAL_ROUNDS)
         assert resumed[rank].keys() == straight[rank].keys()

@@ -78,7 +78,7 @@ def failing_step_run(rank: int, world_size: int) -> str:
 
 
 def test_worker_exception_reaches_every_rank() -> None:
-    messages = run_distributed("tests.engine.test_faults:failing_step_run", 2)
+    messages = run_distributed("tests.engine.test_faults:failing_step_run", 2, fresh_processes=True)
     assert "failed on rank 1" in messages[1] and "injected optimizer failure" in messages[1]
     # Rank 0's collective lost its peer: it fails too instead of waiting forever.
     assert messages[0].startswith("acco_hooks: the communication of round")
@@ -89,7 +89,7 @@ def test_killed_rank_makes_the_survivor_fail_clearly(tmp_path) -> None:
     # benchmarks/peer_death.py's scenario: rank 1 SIGKILLs itself with round 4's communication
     # in flight (the benchmark times the same run).
     survivor, dead = run_distributed("benchmarks.peer_death:killed_peer_run", 2, str(tmp_path),
-                                     may_die=(1,))  # fmt: skip
+                                     may_die=(1,), fresh_processes=True)  # fmt: skip
     assert dead is None
     assert survivor["message"].startswith("acco_hooks: the communication of round")
     assert "restart from the last complete checkpoint" in survivor["message"]
@@ -101,7 +101,7 @@ def test_nonfinite_round_is_skipped_on_every_rank(mode: str, nan_round: int, ski
     cfg = Config(mode=mode, rounds=14, nan_rounds=frozenset({nan_round}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = run_distributed("tests.scenario:engine_run", 2, cfg)
+        results = run_distributed("tests.scenario:engine_run", 2, cfg, fresh_processes=True)
     for result in results:
         assert result["skipped_rounds"] == skipped
         assert all(torch.isfinite(p).all() for p in result["params"].values())
@@ -136,12 +136,12 @@ def nonfinite_warning_run(rank: int, world_size: int, policy: str) -> str:
 
 
 def test_nonfinite_round_warns_with_its_number_on_every_rank() -> None:
-    for message in run_distributed("tests.engine.test_faults:nonfinite_warning_run", 2, "skip"):
+    for message in run_distributed("tests.engine.test_faults:nonfinite_warning_run", 2, "skip", fresh_processes=True):
         assert "non-finite gradient (NaN/Inf) in round 2: every rank skipped this update" in message
 
 
 def test_nonfinite_raise_policy_raises_on_every_rank() -> None:
-    for message in run_distributed("tests.engine.test_faults:nonfinite_warning_run", 2, "raise"):
+    for message in run_distributed("tests.engine.test_faults:nonfinite_warning_run", 2, "raise", fresh_processes=True):
         assert message.startswith("FloatingPointError: acco_hooks: the averaged gradient of round 2")
 
 
@@ -258,7 +258,7 @@ def faulted_run(rank: int, world_size: int, fault: Fault, ckpt_dir: str, resume:
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> list[dict]:
     ckpt_dir = str(tmp_path_factory.mktemp("golden"))
-    return run_distributed(RUN, 2, NONE, ckpt_dir, False)
+    return run_distributed(RUN, 2, NONE, ckpt_dir, False, fresh_processes=True)
 
 
 def _assert_replicas_agree(results: list[dict]) -> None:
@@ -267,7 +267,7 @@ def _assert_replicas_agree(results: list[dict]) -> None:
 
 
 def test_a_delayed_communication_changes_nothing(golden, tmp_path) -> None:
-    results = run_distributed(RUN, 2, Fault("delay", rank=1, round=5), str(tmp_path), False)
+    results = run_distributed(RUN, 2, Fault("delay", rank=1, round=5), str(tmp_path), False, fresh_processes=True)
     _assert_replicas_agree(results)
     for result, expected in zip(results, golden):
         assert result["losses"] == expected["losses"]
@@ -278,7 +278,7 @@ def test_a_delayed_communication_changes_nothing(golden, tmp_path) -> None:
 def test_a_nan_on_one_rank_is_skipped_by_every_rank(golden, tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = run_distributed(RUN, 2, Fault("nan", rank=0, round=7), str(tmp_path), False)
+        results = run_distributed(RUN, 2, Fault("nan", rank=0, round=7), str(tmp_path), False, fresh_processes=True)
     _assert_replicas_agree(results)
     for result, expected in zip(results, golden):
         assert result["skipped_rounds"] == 1  # round 7's update (its estimate was clean)
@@ -292,7 +292,7 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(golden, tmp_path) -> None:
 def test_a_failed_rank_ends_the_job_and_a_resume_reproduces_the_golden_run(
     fault: Fault, golden, tmp_path
 ) -> None:
-    faulted = run_distributed(RUN, 2, fault, str(tmp_path), False, may_die=(1,))
+    faulted = run_distributed(RUN, 2, fault, str(tmp_path), False, may_die=(1,), fresh_processes=True)
     survivor = faulted[0]
     assert survivor["error"] is not None
     assert "restart from the last complete checkpoint" in survivor["error"]
@@ -302,7 +302,7 @@ def test_a_failed_rank_ends_the_job_and_a_resume_reproduces_the_golden_run(
         assert faulted[1] is None  # killed
     assert _complete_checkpoint(str(tmp_path), 2) == 4  # round 8's never completed
 
-    resumed = run_distributed(RUN, 2, NONE, str(tmp_path), True)
+    resumed = run_distributed(RUN, 2, NONE, str(tmp_path), True, fresh_processes=True)
     _assert_replicas_agree(resumed)
     for result, expected in zip(resumed, golden):
         assert result["start"] == 4

@@ -220,7 +220,7 @@ def reference_with_counts(mode: str, counts: list[list[int]]) -> dict[str, Any]:
 
 def run_soak(mode: str, rounds: int, deadline_s: float) -> dict[str, Any]:
     start = time.perf_counter()
-    results = run_distributed(WORKER, WORLD_SIZE, mode, rounds, SEED, deadline_s=deadline_s)
+    results = run_distributed(WORKER, WORLD_SIZE, mode, rounds, SEED, deadline_s=deadline_s, fresh_processes=True)
     distributed_s = time.perf_counter() - start
     counts = [res["counts"] for res in results]
     for rank, res in enumerate(results):

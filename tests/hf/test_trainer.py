@@ -143,7 +143,9 @@ def distributed_results(output_dir) -> list[dict]:
     """Every 2-rank Trainer run of this file, in one pair of gloo processes (importing
     transformers dominates the cost): ``tests.hf.workers.ddp_vs_hf_ddp`` over ``DDP_VARIANTS``
     and ``tests.hf.workers.acco_runs``."""
-    return run_distributed("tests.hf.workers:all_runs", 2, DDP_VARIANTS, output_dir)
+    # fresh processes in every call here: Accelerate's state is one per process
+    return run_distributed("tests.hf.workers:all_runs", 2, DDP_VARIANTS, output_dir,
+                           fresh_processes=True)  # fmt: skip
 
 
 def test_ddp_mode_equals_plain_trainer_with_ddp(distributed_results) -> None:
@@ -208,7 +210,8 @@ def test_the_logged_learning_rate_is_the_one_of_the_update_each_round_joins(acco
 def test_the_logged_learning_rate_does_not_depend_on_the_communication_pace(tmp_path) -> None:
     """The same schedule with every shard step held 0.2 s: the rate each round logs is still
     the one of the update it joins (read at the start of a round, it was the previous one's)."""
-    (logged,) = run_distributed("tests.hf.workers:slow_shard_step_lrs", 1, str(tmp_path))
+    (logged,) = run_distributed("tests.hf.workers:slow_shard_step_lrs", 1, str(tmp_path),
+                                fresh_processes=True)  # fmt: skip
     expected = {s: 1e-2 * (4 - (s - 1) // 2) / 4 for s in range(1, 9)}
     assert logged == pytest.approx(expected, rel=1e-9), logged
 
@@ -255,7 +258,8 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(
 @pytest.fixture(scope="module")
 def resumed_on_one(acco_results, output_dir) -> dict:
     """``acco_results``' checkpoints resumed by one process (``resume_on_one_process``)."""
-    (resumed,) = run_distributed("tests.hf.workers:resume_on_one_process", 1, output_dir)
+    (resumed,) = run_distributed("tests.hf.workers:resume_on_one_process", 1, output_dir,
+                                 fresh_processes=True)  # fmt: skip
     return resumed
 
 
@@ -358,7 +362,8 @@ def test_decoupled_trainer_accepts_the_paper_config(tmp_path, monkeypatch) -> No
 
 
 def test_train_three_times_leaves_no_group_or_thread_behind(tmp_path) -> None:
-    for rank in run_distributed("tests.hf.workers:train_three_times", 2, str(tmp_path)):
+    for rank in run_distributed("tests.hf.workers:train_three_times", 2, str(tmp_path),
+                                fresh_processes=True):  # fmt: skip
         assert rank["distinct_groups"] >= 3  # a new engine, with new groups, per train()
         for call in rank["after"]:
             assert call["engine"] is None
@@ -401,7 +406,7 @@ def test_example_script_trains_with_torchrun(tmp_path) -> None:
 def test_evaluate_on_one_rank_during_training_raises_instead_of_hanging(tmp_path) -> None:
     # A faulted job: no orderly teardown barrier after the ranks' errors (may_die).
     rank0, rank1 = run_distributed("tests.hf.workers:evaluate_on_one_rank", 2, str(tmp_path),
-                                   deadline_s=120, may_die=(1,))  # fmt: skip
+                                   deadline_s=120, may_die=(1,), fresh_processes=True)  # fmt: skip
     assert rank0["error"] is not None and "must run on every rank" in rank0["error"]
     assert "ddp_timeout" in rank0["error"]
     assert rank1 is not None and rank1["error"] is not None  # its next collective lost rank 0

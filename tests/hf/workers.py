@@ -315,7 +315,8 @@ def _compare(steps: int) -> None:
     from tests.dist_utils import run_distributed
 
     variants = [dict(v, max_steps=steps) for v in COMPARISON.values()]
-    results = run_distributed("tests.hf.workers:ddp_vs_hf_ddp", 2, variants, deadline_s=1800)
+    results = run_distributed("tests.hf.workers:ddp_vs_hf_ddp", 2, variants, deadline_s=1800,
+                              fresh_processes=True)  # fmt: skip
     print(f"| run ({steps} steps, 2 ranks) | max abs loss diff | max abs param diff "
           "| max abs grad-norm diff | LR equal |")
     print("|---|---|---|---|---|")
