@@ -112,9 +112,10 @@ def test_with_acco_refuses_what_is_not_an_acco_setting_and_leaves_its_input_alon
 
 @pytest.mark.spmd_backends("spmd_types")  # the type checking exists only there
 def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None:
-    """ACCO with torchtitan's full activation checkpointing, with torch.compile of the model
-    and loss, and with spmd_types' type checking (``debug.spmd_typechecking``; only effective
-    under that backend): the same run as without them, to the printed digits."""
+    """ACCO with torchtitan's full activation checkpointing and spmd_types' type checking
+    (``debug.spmd_typechecking``; only effective under that backend) in one run, and with
+    torch.compile of the model and loss in another: the same run as without them, to the
+    printed digits."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=2", "train_titan.py", "--job.config_file",
                 str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
@@ -122,9 +123,9 @@ def test_activation_checkpointing_and_compile_stay_torchtitans(tmp_path) -> None
                 "--metrics.disable_color_printing", *backend_overrides()]  # fmt: skip
     plain = _losses([*torchrun, "--job.dump_folder", str(tmp_path / "plain")])
     assert sorted(plain) == [1, 2, 3, 4]
-    for name, flags in (("ac", ["--activation_checkpoint.mode", "full"]),
-                        ("compile", ["--compile.enable"]),
-                        ("typechecking", ["--debug.spmd_typechecking"])):  # fmt: skip
+    for name, flags in (("ac_typechecking", ["--activation_checkpoint.mode", "full",
+                                             "--debug.spmd_typechecking"]),
+                        ("compile", ["--compile.enable"])):  # fmt: skip
         assert _losses([*torchrun, *flags, "--job.dump_folder", str(tmp_path / name)]) == plain
 
 

@@ -79,7 +79,9 @@ def seed_checkpoint(tmp_path_factory) -> pathlib.Path:
     return dump / "checkpoint" / "step-0"
 
 
-@pytest.mark.spmd_backends("partial_dtensor")  # spmd_types: in test_hsdp_acco_composes_with_tp_and_pp
+# 0.2.2 only: 0.3.0 composes TP with its FSDP replicas in test_hsdp_acco_composes_with_tp_and_pp
+# and PP in the PP resume and non-finite tests (each launch costs CI tens of seconds)
+@pytest.mark.spmd_backends()
 def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
     """dp2, dp2 x tp2 and dp2 x pp2 from the same weights: the same losses and gradient norms.
 
@@ -109,7 +111,9 @@ def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
                 assert norms[name][step] == pytest.approx(norms["dp2"][step], rel=5e-3), (name, step)
 
 
-@pytest.mark.spmd_backends("spmd_types")  # plain replicas: no sharded layout to tell them apart
+# 0.2.2 only: 0.3.0's replicas are FSDP with 1-rank shards, its HSDP's degenerate case, whose
+# oracle test is test_hsdp_ddp_mode_equals_torchtitan_hsdp
+@pytest.mark.spmd_backends()
 def test_ddp_mode_equals_torchtitan_ddp_for_the_first_steps(tmp_path) -> None:
     """The engine's synchronous ZeRO-1 and torchtitan's DDP: same seed, data and batch.
 
@@ -149,7 +153,7 @@ def test_auto_mode_takes_one_step_per_update_and_starts_synchronous(tmp_path) ->
     assert float(auto[8]) < float(auto[1])
 
 
-@pytest.mark.spmd_backends("spmd_types")  # one replica: the backends apply FSDP alike
+@pytest.mark.spmd_backends()  # the engine over one rank, which both releases build alike
 def test_one_replica_ddp_mode_equals_torchtitan_without_acco(tmp_path) -> None:
     """``data_parallel_replicate_degree = 1`` (one GPU): the engine runs its rounds over the
     rank alone. Its synchronous mode trains as torchtitan's own single-process run, clipping
@@ -221,7 +225,9 @@ def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path)
     assert abs(sum(after) / len(after) - straight_mean) < 0.15, (straight, resumed)
 
 
-@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor resumes HSDP in the _and_resumes test
+# 0.2.2 only: the resharding is the engine's (tests/engine/test_resharding.py); 0.3.0's HSDP
+# checkpoint resumes in test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes
+@pytest.mark.spmd_backends()
 def test_an_hsdp_checkpoint_resumes_on_more_replicas_without_fsdp(tmp_path) -> None:
     """torchtitan's checkpointer, ``data_parallel_replicate_degree = -1`` and a fixed global
     batch: saved at step 4 by 2 replicas that FSDP shards 2 ways, resumed by 4 replicas without
@@ -408,10 +414,10 @@ def test_hsdp_acco_equals_acco_over_pure_data_parallelism_and_resumes(hsdp_acco,
     assert resumed == {s: hsdp[s] for s in (4, 5, 6)}
 
 
-@pytest.mark.spmd_backends("spmd_types")  # partial_dtensor: in test_acco_composes_with_tp_and_pp
+@pytest.mark.spmd_backends("spmd_types")  # the default backend: TP's composition with FSDP
 @pytest.mark.parametrize("layout", [
     ("--parallelism.tensor_parallel_degree", "2"),
-    # PP with HSDP on 0.2.2; 0.3.0's PP: test_acco_composes_with_tp_and_pp, the PP resume
+    # PP with HSDP on 0.2.2; 0.3.0's PP: the PP resume and the non-finite gradient tests
     pytest.param(("--parallelism.pipeline_parallel_degree", "2",
                   "--parallelism.pipeline_parallel_microbatch_size", "1"),
                  marks=pytest.mark.spmd_backends()),
