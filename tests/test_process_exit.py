@@ -79,6 +79,24 @@ def test_finish_leaves_without_finalizing_when_a_group_is_still_held() -> None:
     assert "terminate called" not in proc.stderr
 
 
+def test_finish_without_finalizing_does_what_an_exit_does_first() -> None:
+    """finalize=False (train_titan.py's end): nothing is held, and finish() still leaves
+    without finalizing, after what an exit does first: it waits for a non-daemon thread, runs
+    the exit handlers, flushes what was printed; no warning, since no group was held."""
+    proc = _run("""
+        import threading, time
+        threading.Thread(target=lambda: (time.sleep(0.5), print("thread ended"))).start()
+        atexit.register(print, "exit handler ran")
+        print("printed before finish, not flushed")
+        finish(finalize=False)
+        print("after finish")
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["printed before finish, not flushed", "thread ended",
+                                        "exit handler ran"]  # fmt: skip
+    assert "still running" not in proc.stderr
+
+
 def test_exit_stress_counts_clean_launches(tmp_path) -> None:
     """benchmarks/exit_stress.py (the proof by repetition) launches a job, classifies every
     launch and writes its figures: the race's job ends through finish(), so both launches are
