@@ -28,6 +28,10 @@ torchtitan has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda
 4. (0.3.0) replaces FlexAttention's call by SDPA over the block mask's own ``mask_mod``,
    evaluated densely (:func:`dense_mask_attention`): torch has no FlexAttention backward on
    CPU. Same attention pattern, another kernel.
+5. takes out the 2 s that rank 0 sleeps at the end of torchtitan's ``train()`` "for other ranks
+   to complete" (its module's only ``time.sleep``; its log line stays): every rank of
+   ``train_titan.py`` goes on to close the trainer and destroy its groups, which waits for the
+   others where it must. The checkout launches torchtitan about 170 times in CI, on CPU.
 
 With torchtitan's own entry point, from the checkout's root: 0.2.2 ``-m torchtitan.train
 --experimental.custom_import scaffolding.cpu_shim ...``; 0.3.0 has no hook that runs before the
@@ -42,6 +46,7 @@ import os
 import platform
 import resource
 import sys
+import time
 import types
 import warnings
 from typing import Any, Callable
@@ -235,6 +240,18 @@ def _a100_peak_flops(device_name: str) -> float:
     return 312e12  # torchtitan's fallback for a device it does not know
 
 
+def _without_end_of_training_sleep(trainer_module: types.ModuleType) -> None:
+    """Give torchtitan's trainer module a ``time`` whose ``sleep`` returns at once; every other
+    name is the real module's (idempotent)."""
+    if getattr(trainer_module.time, _MARK, False):
+        return
+    names = {k: v for k, v in vars(time).items() if not k.startswith("__")}
+    no_sleep = types.SimpleNamespace(**names)
+    no_sleep.sleep = lambda seconds: None
+    setattr(no_sleep, _MARK, True)
+    trainer_module.time = no_sleep
+
+
 def is_installed() -> bool:
     """True once :func:`install` patched torchtitan in this process."""
     import torchtitan.tools.utils as tt_utils
@@ -280,6 +297,7 @@ def install() -> None:
         import torchtitan.distributed.parallel_dims  # noqa: F401
         import torchtitan.distributed.utils  # noqa: F401
         import torchtitan.tools.profiling  # noqa: F401
+        import torchtitan.train  # noqa: F401  (the trainer's module: 5. below)
 
     import torchtitan.components.metrics as tt_metrics
 
@@ -320,6 +338,10 @@ def install() -> None:
 
         llama3_par.apply_fsdp = _with_force_sum(llama3_par.apply_fsdp, model_arg=True)
         train_spec_mod.get_train_spec = _wrap_get_train_spec(train_spec_mod.get_train_spec)
+
+    # 5. no sleep at the end of train() (see the module docstring)
+    trainer_module = "torchtitan.trainer" if TITAN_030 else "torchtitan.train"
+    _without_end_of_training_sleep(sys.modules[trainer_module])
 
     # 3. CPU-only noise (see the module docstring)
     tt_utils.get_peak_flops = _a100_peak_flops

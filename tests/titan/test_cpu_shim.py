@@ -246,6 +246,16 @@ def test_shim_patches_device_and_memory_monitor():
         assert par.apply_fsdp is wrapped                     # not wrapped twice
         spec = ts.get_train_spec("llama3")
         assert getattr(spec.parallelize_fn, "_acco_cpu_shim", False)
+        # the trainer module's one sleep (rank 0's 2 s at the end of train()) returns at once
+        import importlib, inspect, time
+        trainer = importlib.import_module(
+            "torchtitan.trainer" if shim.TITAN_030 else "torchtitan.train")
+        assert inspect.getsource(trainer).count("time.sleep(") == 1
+        start = time.perf_counter()
+        trainer.time.sleep(2)
+        assert time.perf_counter() - start < 0.5
+        assert trainer.time.perf_counter is time.perf_counter
+        assert time.sleep is not trainer.time.sleep                   # the real one untouched
 
         # That the wrapped apply_fsdp makes FSDP2 sum on gloo (no PREMUL_SUM) is shown by what
         # it computes: test_fsdp_and_ddp_train_on_cpu_gloo (FSDP's grad norm is 2x DDP's).
