@@ -39,7 +39,6 @@ import logging
 import os
 import pathlib
 import sys
-import threading
 
 import torch.distributed as dist
 
@@ -95,11 +94,12 @@ def finish(exit_code: int = 0, *, finalize: bool = True) -> None:
 
     Args:
         exit_code: the process's exit status when it leaves here, without finalizing.
-        finalize: ``False`` leaves here in any case, after what an exit does for the process
-            (waiting for its non-daemon threads, the exit handlers, the standard streams): for a
+        finalize: ``False`` leaves here in any case, as when a group is still held: for a
             process with nothing left that finalization must release but a large heap of
             modules to tear down. ``train_titan.py``: torchtitan's imports (inductor, datasets,
             pandas) take 1.8 s per process to finalize on a 2-core machine, on every rank.
+            Threads still running are not waited for: close what must finish first (a
+            trainer's ``close()`` waits for its checkpoint saves).
     """
     left = release_process_groups()
     if left == 0 and finalize:
@@ -112,13 +112,10 @@ def finish(exit_code: int = 0, *, finalize: bool = True) -> None:
             "something still holds a process group; leaving without interpreter finalization",
             left,
         )
-    # Skip finalization, after doing what it would have done for this process: wait for the
-    # threads an exit waits for, run the exit handlers (which include logging's flush and
-    # close), flush the standard streams.
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # Skip finalization, after doing what it would have done for this process: the exit
+    # handlers (which include logging's flush and close) and the standard streams. Idle
+    # worker threads (inductor's compile pool) would wait forever for the shutdown signal
+    # that finalization sends them: leaving does not join them.
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
