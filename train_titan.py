@@ -129,7 +129,7 @@ def _config_022():
                                           config.model.hf_assets_path)  # fmt: skip
             super()._validate_config()
 
-    config = _ConfigManager(JobConfig).parse_args()
+    config = _ConfigManager(JobConfig).parse_args(sys.argv[1:])
     settings = validate_acco_config(config)  # a bad [acco] value fails here, before building
     if settings is None:
         return config, lambda: Trainer(config), False

@@ -1,0 +1,232 @@
+"""A job's ranks as forks of a process that imported their modules already.
+
+Why this exists. A rank of ``train_titan.py`` spends 6-8 s of CPU importing torch, torchtitan
+and their dependencies (dynamo and inductor through torch's attention modules, datasets,
+pandas) before it reads its config, and a 4-step run of the debug model then trains for about
+one second. The test suite launches a hundred such jobs of 2 to 8 ranks on a 2-core machine:
+most of its time went to importing the same modules again in every rank, and to torchrun's
+agent (2.5 s per job), whose restarts and rendezvous those jobs do not use.
+
+:func:`run` starts a job's ranks the way torchrun's workers start, minus the imports: a server
+process imports ``preload`` once, then forks one process per rank for each job it is given.
+Each rank gets the environment the caller had, with the variables torchrun sets for its
+workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...; rank 0
+hosts the store, as without an agent), and runs the program as ``__main__``, as
+``python -m M`` or ``python script.py`` would. As torchrun's agent does, the server ends every
+rank of a job once one of them fails. A job that needs the agent itself (an elastic restart,
+torchrun's own output) or whose subject is a new process's start launches with torchrun.
+
+What a fork does not redo: variables read while the preloaded modules were imported (by torch
+at import, say ``OMP_NUM_THREADS``, which torchrun sets to 1 and so does the server) keep the
+server's values. CPU jobs only: a fork cannot use CUDA once its parent initialized it, so a
+server whose imports did refuses to start; GPU jobs launch with torchrun.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["run", "train_titan_preload"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# one server per preload list, started on first use and stopped at exit
+_servers: dict[tuple[str, ...], subprocess.Popen] = {}
+
+
+def run(
+    nproc: int, argv: Sequence[str], log: Path, *, preload: Sequence[str],
+    env: Mapping[str, str] | None = None, cwd: Path = ROOT, timeout_s: float = 600.0,
+) -> int:  # fmt: skip
+    """Run ``python *argv`` as ``nproc`` ranks of one job; return its exit status.
+
+    Args:
+        nproc: the ranks (one node: ``LOCAL_RANK == RANK``).
+        argv: what follows ``python``: ``["script.py", ...]`` or ``["-m", "module", ...]``.
+        log: every rank's stdout and stderr, appended as they come (torchrun's default).
+        preload: the modules the server imports once, in this order, before it forks.
+        env: the ranks' environment (``os.environ`` by default), before torchrun's variables.
+        cwd: the ranks' working directory.
+        timeout_s: every rank still running after this long is killed and the call fails.
+
+    Returns:
+        0 when every rank exited 0; otherwise the status of the first rank that failed (the
+        others were killed then), negative for a signal, as ``subprocess`` reports it.
+    """
+    server = _server(tuple(preload))
+    job = {"nproc": nproc, "argv": list(argv), "log": str(log), "cwd": str(cwd),
+           "env": dict(os.environ if env is None else env), "timeout_s": timeout_s}  # fmt: skip
+    server.stdin.write(json.dumps(job) + "\n")
+    server.stdin.flush()
+    reply = server.stdout.readline()
+    if not reply:
+        _servers.pop(tuple(preload), None)
+        raise RuntimeError(f"the forked-ranks server for {list(preload)} died "
+                           f"(exit status {server.wait()})")  # fmt: skip
+    result = json.loads(reply)
+    if result["timed_out"]:
+        raise TimeoutError(f"{' '.join(argv)} on {nproc} ranks ran past {timeout_s:.0f} s")
+    return result["status"]
+
+
+def train_titan_preload() -> tuple[str, ...]:
+    """What a rank of ``train_titan.py`` imports on a CPU before it reads its config, in its
+    order: the CPU shim first (it imports torchtitan's trainer), then the installed
+    release's front-end."""
+    from acco_hooks.titan import TITAN_030
+
+    release = (("acco_hooks.titan.v030", "acco_hooks.titan.toml_compat") if TITAN_030
+               else ("acco_hooks.titan.v022",))  # fmt: skip
+    return ("scaffolding.cpu_shim", *release, "scaffolding.stdlib_data",
+            "scaffolding.process_exit", "acco_hooks.elastic")  # fmt: skip
+
+
+def _server(preload: tuple[str, ...]) -> subprocess.Popen:
+    server = _servers.get(preload)
+    if server is None or server.poll() is not None:
+        # torchrun's default for its workers, read by OpenMP when torch is imported
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "scaffolding.forked_ranks", *preload], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _servers[preload] = server
+    return server
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for server in _servers.values():
+        server.stdin.close()  # the server's loop ends at end of input
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    _servers.clear()
+
+
+# ------------------------------------------------------------------------------- the server
+
+
+def _serve(preload: Sequence[str]) -> None:
+    for name in preload:
+        importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise SystemExit("scaffolding.forked_ranks: a forked rank cannot use CUDA once its "
+                         "parent initialized it; launch GPU jobs with torchrun")  # fmt: skip
+    replies = os.fdopen(os.dup(1), "w")  # fd 1 becomes /dev/null: nothing else writes here
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    for line in sys.stdin:
+        status, timed_out = _run_job(json.loads(line))
+        replies.write(json.dumps({"status": status, "timed_out": timed_out}) + "\n")
+        replies.flush()
+
+
+def _run_job(job: dict) -> tuple[int, bool]:
+    nproc = job["nproc"]
+    with socket.socket() as s:  # rank 0's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, nproc, port, job)  # never returns
+        ranks[pid] = rank
+    deadline = time.monotonic() + job["timeout_s"]
+    status, running = 0, set(ranks)
+    while running:
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                _kill(running)
+                for pid in running:
+                    os.waitpid(pid, 0)
+                return -signal.SIGKILL, True
+            time.sleep(0.02)
+            continue
+        running.discard(pid)
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code != 0 and status == 0:
+            status = code
+            _kill(running)  # as torchrun's agent: one failed rank ends the job
+    return status, False
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the rank and what it started
+        except ProcessLookupError:
+            pass
+
+
+def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
+    """One rank: what ``python *argv`` does in a process torchrun started. Exits."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own group: a kill takes what it started too
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        out = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        os.environ.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none",
+        })  # fmt: skip
+        argv = job["argv"]
+        # sys.path as the interpreter starts it: the program's folder, then PYTHONPATH's
+        pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[1:1] = [p for p in pythonpath if p not in sys.path]
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = job["cwd"]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # sys.exit("message"): printed, status 1
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, status 1
+        traceback.print_exc()
+    try:
+        # what the end of a process does (its exit handlers, its streams), then no
+        # finalization, as scaffolding.process_exit.finish(finalize=False)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

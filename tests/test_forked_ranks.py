@@ -1,0 +1,61 @@
+"""scaffolding.forked_ranks, which launches most of the suite's torchtitan jobs: each rank runs
+its program as ``__main__`` with torchrun's variables, the caller's environment and argv, and
+one failed rank ends the job with its status, as torchrun's agent does."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from scaffolding import forked_ranks
+
+PROGRAM = '''
+import json, os, sys, time
+import helper_on_pythonpath
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "report":
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FROM_CALLER")
+    print("REPORT", json.dumps({"argv": sys.argv[1:], "main": __name__, "cwd": os.getcwd(),
+                                "env": {n: os.environ.get(n) for n in names}}), flush=True)
+elif rank == 1:
+    sys.exit(3)
+else:
+    time.sleep(600)  # killed when rank 1 fails
+'''
+
+
+def _program(tmp_path: Path) -> Path:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper_on_pythonpath.py").write_text("")
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    return script
+
+
+def test_each_rank_runs_the_program_as_torchruns_workers_do(tmp_path: Path) -> None:
+    script, log = _program(tmp_path), tmp_path / "job.log"
+    env = {"FROM_CALLER": "yes", "PYTHONPATH": str(tmp_path / "lib")}
+    status = forked_ranks.run(3, [str(script), "report", "x"], log, preload=("json",), env=env,
+                              cwd=tmp_path)  # fmt: skip
+    assert status == 0, log.read_text()
+    reports = [json.loads(line.split(" ", 1)[1]) for line in log.read_text().splitlines()
+               if line.startswith("REPORT ")]  # fmt: skip
+    assert sorted(int(r["env"]["RANK"]) for r in reports) == [0, 1, 2]
+    for report in reports:
+        assert report["argv"] == ["report", "x"] and report["main"] == "__main__"
+        assert report["cwd"] == str(tmp_path)
+        env = report["env"]
+        assert env["LOCAL_RANK"] == env["RANK"] and env["WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["FROM_CALLER"] == "yes"
+    assert len({r["env"]["MASTER_PORT"] for r in reports}) == 1
+
+
+def test_a_failed_rank_ends_the_job_with_its_status(tmp_path: Path) -> None:
+    script, log = _program(tmp_path), tmp_path / "job.log"
+    started = time.monotonic()
+    status = forked_ranks.run(2, [str(script), "fail"], log, preload=("json",),
+                              env={"PYTHONPATH": str(tmp_path / "lib")})  # fmt: skip
+    assert status == 3, log.read_text()
+    assert time.monotonic() - started < 60, "rank 0 was not ended with the job"
