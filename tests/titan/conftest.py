@@ -13,7 +13,8 @@ with ``@pytest.mark.spmd_backends(...)``; the others are deselected, not skipped
 one ``pytest.param`` case takes precedence over the test's, and ``spmd_backends()`` with no
 backend runs a case on 0.2.2 only: its subject is what both releases share (the engine, the
 trainer's step loop in ``acco_hooks/titan/base.py``), not the release.
-Each torchtitan launch costs CI tens of seconds on 2 cores (CI is kept under 60 minutes).
+Each torchtitan launch costs CI seconds on 2 cores, more through torchrun (``scaffolding/forked_ranks.py``;
+CI is kept under 60 minutes).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from acco_hooks.titan import TITAN_030
+from scaffolding import forked_ranks
 from tests.titan.conftest import backend_overrides
 
 if not TITAN_030:
@@ -30,14 +31,34 @@ CONFIGS = ROOT / "torchtitan_configs"
 STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 
 
-def _losses(cmd: list[str], pythonpath: pathlib.Path | None = None) -> dict[int, tuple[str, str]]:
+def _env(pythonpath: pathlib.Path | None = None) -> dict[str, str]:
     # the checkout first: a script outside it imports the scaffolding too
     paths = [str(ROOT), *([str(pythonpath)] if pythonpath else []), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def _parse(output: str) -> dict[int, tuple[str, str]]:
+    return {int(step): (loss, norm) for step, loss, norm in STEP_LOSS.findall(output)}
+
+
+def _losses(cmd: list[str]) -> dict[int, tuple[str, str]]:
+    """A torchrun command's printed (loss, grad_norm) per step."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
-    return {int(step): (loss, norm) for step, loss, norm in STEP_LOSS.findall(output)}
+    return _parse(output)
+
+
+def _forked_losses(
+    nproc: int, argv: list[str], log: pathlib.Path, pythonpath: pathlib.Path | None = None
+) -> dict[int, tuple[str, str]]:  # fmt: skip
+    """The same from ``nproc`` ranks forked from a process that imported torchtitan once
+    (``scaffolding.forked_ranks``), where the launch is not the subject."""
+    status = forked_ranks.run(nproc, argv, log, env=_env(pythonpath),
+                              preload=forked_ranks.train_titan_preload())  # fmt: skip
+    output = log.read_text()
+    assert status == 0, output[-6000:]
+    return _parse(output)
 
 
 _RECIPES = '''
@@ -69,12 +90,14 @@ def test_native_entry_point_and_recipe_modules_train_as_the_toml_command(tmp_pat
     same run, loss and norm for loss and norm.
     """
     (tmp_path / "my_recipes.py").write_text(_RECIPES)
+    native = _forked_losses(2, ["train_titan.py", "--module", "acco_hooks.titan",
+                                "--config", "debug_cpu_acco", "--training.steps", "4",
+                                "--acco.mode", "dpu", "--dump-folder", str(tmp_path / "native"),
+                                "--metrics.disable-color-printing", *backend_overrides("-")],
+                            tmp_path / "native.log")  # fmt: skip
+    # the TOML command as a user types it, through torchrun
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=2"]  # fmt: skip
-    native = _losses([*torchrun, "train_titan.py", "--module", "acco_hooks.titan",
-                      "--config", "debug_cpu_acco", "--training.steps", "4", "--acco.mode",
-                      "dpu", "--dump-folder", str(tmp_path / "native"),
-                      "--metrics.disable-color-printing", *backend_overrides("-")])  # fmt: skip
     toml = _losses([*torchrun, "train_titan.py", "--job.config_file",
                     str(CONFIGS / "debug_cpu_acco.toml"), "--training.steps", "4",
                     "--acco.mode", "dpu", "--job.dump_folder", str(tmp_path / "toml"),
@@ -83,10 +106,10 @@ def test_native_entry_point_and_recipe_modules_train_as_the_toml_command(tmp_pat
     assert native == toml
     assert float(native[4][0]) < float(native[1][0])
     for recipe in ("shipped_config_changed", "torchtitan_baseline_with_acco"):
-        losses = _losses([*torchrun, "train_titan.py", "--module", "my_recipes", "--config",
-                          recipe, "--dump-folder", str(tmp_path / recipe),
-                          "--metrics.disable-color-printing", *backend_overrides("-")],
-                         pythonpath=tmp_path)  # fmt: skip
+        losses = _forked_losses(2, ["train_titan.py", "--module", "my_recipes", "--config",
+                                    recipe, "--dump-folder", str(tmp_path / recipe),
+                                    "--metrics.disable-color-printing", *backend_overrides("-")],
+                                tmp_path / f"{recipe}.log", pythonpath=tmp_path)  # fmt: skip
         assert losses == native, recipe
 
 
@@ -165,10 +188,10 @@ def test_chunked_loss_under_hsdp_acco_trains_as_plain_cross_entropy(spmd_backend
     as a 0.3.0 user does)."""
     script = tmp_path / "run.py"
     script.write_text(_CONFIG_BUILD_SCRIPT)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node=4", str(script)]  # fmt: skip
-    plain = _losses([*torchrun, "plain", str(tmp_path / "plain"), spmd_backend])
-    chunked = _losses([*torchrun, "chunked", str(tmp_path / "chunked"), spmd_backend])
+    plain = _forked_losses(4, [str(script), "plain", str(tmp_path / "plain"), spmd_backend],
+                           tmp_path / "plain.log")  # fmt: skip
+    chunked = _forked_losses(4, [str(script), "chunked", str(tmp_path / "chunked"), spmd_backend],
+                             tmp_path / "chunked.log")  # fmt: skip
     assert sorted(plain) == [1, 2, 3, 4]
     assert chunked == plain
 

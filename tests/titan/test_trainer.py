@@ -13,11 +13,13 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import pytest
 
 from acco_hooks.titan import TITAN_030
+from scaffolding import forked_ranks
 from tests.titan.conftest import backend_overrides
 
 pytestmark = pytest.mark.titan
@@ -25,24 +27,39 @@ ROOT = pathlib.Path(__file__).parents[2]
 STEP_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+)\s+grad_norm:\s*(-?[\d.]+)")
 
 
+def launch_titan(
+    nproc: int, config: str, *overrides: str, dump: pathlib.Path, env: dict | None = None
+) -> tuple[int, str]:
+    """Run train_titan.py on ``nproc`` CPU processes; return its exit status and output.
+
+    The ranks are forked from a process that imported torchtitan once
+    (``scaffolding.forked_ranks``), with the variables torchrun gives its workers: the tests
+    whose subject is torchrun's launch itself (its agent, its output) run torchrun.
+    """
+    argv = [str(ROOT / "train_titan.py"), "--job.config_file", str(ROOT / "torchtitan_configs" / config),
+            "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
+            *backend_overrides(), *overrides]  # fmt: skip
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    fd, log = tempfile.mkstemp(prefix=f"{dump.name}.", suffix=".log", dir=dump.parent)
+    os.close(fd)
+    status = forked_ranks.run(nproc, argv, pathlib.Path(log), env={**os.environ, **(env or {})},
+                              preload=forked_ranks.train_titan_preload())  # fmt: skip
+    return status, pathlib.Path(log).read_text()
+
+
 def run_titan(
     nproc: int, config: str, *overrides: str, dump: pathlib.Path, grad_norms: dict | None = None
 ) -> dict[int, str]:
-    """Run train_titan.py on ``nproc`` CPU processes; return {step: loss} as printed.
+    """Run train_titan.py on ``nproc`` CPU processes (:func:`launch_titan`); return
+    {step: loss} as printed.
 
     Losses are compared as printed strings (torchtitan prints 5 decimals), from every rank
     that has one (with PP only the last stage has the loss). ``grad_norms``, if given, receives
     {step: grad_norm}.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ROOT / "train_titan.py"),
-           "--job.config_file", str(ROOT / "torchtitan_configs" / config),
-           "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
-           *backend_overrides(), *overrides]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOG_RANK": "all"}  # every rank's losses
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+    status, output = launch_titan(nproc, config, *overrides, dump=dump,
+                                  env={"LOG_RANK": "all"})  # every rank's losses  # fmt: skip
+    assert status == 0, output[-6000:]
     losses: dict[int, str] = {}
     for step, loss, grad_norm in STEP_LOSS.findall(output):
         if float(loss) >= 0:
@@ -67,15 +84,14 @@ FAST = ("--optimizer.lr", "3e-3", "--training.seq_len", "64", "--training.local_
 def seed_checkpoint(tmp_path_factory) -> pathlib.Path:
     """Initial weights made once by one process, so every layout starts from the same model."""
     dump = tmp_path_factory.mktemp("seed")
-    cmd = [sys.executable, str(ROOT / "train_titan.py"), "--job.config_file",
-           str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder",
-           str(dump), "--acco.no-enable", "--parallelism.data_parallel_replicate_degree", "1",
-           "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
-           "--checkpoint.create_seed_checkpoint"]  # fmt: skip
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731"}  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    argv = [str(ROOT / "train_titan.py"), "--job.config_file",
+            str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder",
+            str(dump), "--acco.no-enable", "--parallelism.data_parallel_replicate_degree", "1",
+            "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint"]  # fmt: skip
+    log = dump / "seed.log"
+    status = forked_ranks.run(1, argv, log, preload=forked_ranks.train_titan_preload())
+    assert status == 0, log.read_text()[-4000:]
     return dump / "checkpoint" / "step-0"
 
 
@@ -527,16 +543,11 @@ def test_a_checkpoint_of_another_tensor_parallel_degree_is_refused_by_acco(tmp_p
               "1", "--parallelism.tensor_parallel_degree", "2", "--training.steps", "3",
               "--training.global_batch_size", "4", dump=tmp_path)  # fmt: skip
     shutil.rmtree(tmp_path / "checkpoint" / "step-3")  # the last one holds the model only
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train_titan.py"),
-           "--job.config_file", str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"),
-           "--job.dump_folder", str(tmp_path), *backend_overrides(), *common,
-           "--parallelism.data_parallel_replicate_degree", "2", "--training.steps", "4",
-           "--training.global_batch_size", "8"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    status, output = launch_titan(2, "debug_cpu_acco.toml", *common,
+                                  "--parallelism.data_parallel_replicate_degree", "2",
+                                  "--training.steps", "4", "--training.global_batch_size", "8",
+                                  dump=tmp_path)  # fmt: skip
+    assert status != 0
     assert ("ACCO: this checkpoint was saved with another tensor or pipeline parallel layout "
             "than this run's (tensor_parallel_degree = 1, pipeline_parallel_degree = 1)") in output
     assert "resume with the tensor_parallel_degree and pipeline_parallel_degree" in output
@@ -625,14 +636,8 @@ def test_a_non_finite_gradient_in_one_part_of_the_model_is_skipped_by_every_part
     same updates everywhere, and the clipping norm's all-reduce stays paired (it hung)."""
     common = ("--training.steps", "6", *FAST, "--training.global_batch_size", "8",
               "--experimental.custom_import", "tests.titan.poison_one_gradient")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "train_titan.py"), "--job.config_file",
-           str(ROOT / "torchtitan_configs" / "debug_cpu_dpu.toml"), "--job.dump_folder",
-           str(tmp_path), *backend_overrides(), *common, *layout]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+    status, output = launch_titan(4, "debug_cpu_dpu.toml", *common, *layout, dump=tmp_path)
+    assert status == 0, output[-6000:]
     reports = {int(rank): (int(updates), int(skipped))
                for rank, updates, skipped in POISONED.findall(output)}  # fmt: skip
     assert sorted(reports) == [0, 1, 2, 3], output[-3000:]
