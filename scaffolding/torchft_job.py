@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from scaffolding import forked_ranks
+
 __all__ = ["free_port", "run_groups", "run_reference"]
 
 EXAMPLE = "examples.torchft_train"
@@ -92,13 +94,18 @@ def run_reference(
     groups: int, group_size: int, args: Sequence[str], out: Path, timeout_s: float = 120.0,
     program: Sequence[str] = ("-m", EXAMPLE),
 ) -> int:  # fmt: skip
-    """The same job as one group of ``groups * group_size`` processes, without torchft."""
+    """The same job as one group of ``groups * group_size`` processes, without torchft; its
+    ranks are forked from a process that imported the program's modules once
+    (``scaffolding.forked_ranks``: a reference needs no agent, and a run of either program
+    here spends most of its time importing). Its output goes to ``out/reference.log``."""
     out.mkdir(parents=True, exist_ok=True)
-    own = ["--groups", str(groups), "--out", str(out)] if tuple(program) == ("-m", EXAMPLE) else []
-    argv = [*_torchrun(groups * group_size, program), *own, *args]
-    with _sessions() as started:
-        started.append(_start(argv, {}, out / "reference.log"))
-        return _wait(started, timeout_s)[0]
+    example = tuple(program) == ("-m", EXAMPLE)
+    own = ["--groups", str(groups), "--out", str(out)] if example else []
+    preload = (EXAMPLE,) if example else forked_ranks.train_titan_preload()
+    log = out / "reference.log"
+    log.write_bytes(b"")
+    return forked_ranks.run(groups * group_size, [*program, *own, *args], log, preload=preload,
+                            timeout_s=timeout_s)  # fmt: skip
 
 
 def _torchrun(processes: int, program: Sequence[str]) -> list[str]:
