@@ -18,8 +18,8 @@ torchrun's own output) or whose subject is a new process's start launches with t
 
 What a fork does not redo: variables read while the preloaded modules were imported (by torch
 at import, say ``OMP_NUM_THREADS``, which torchrun sets to 1 and so does the server) keep the
-server's values. CPU jobs only: a fork cannot use CUDA once its parent initialized it, so a
-server whose imports did refuses to start; GPU jobs launch with torchrun.
+server's values. CPU jobs only: a fork cannot use CUDA once its parent initialized it, so the
+server refuses to start where a GPU is visible; GPU jobs launch with torchrun.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _serve(preload: Sequence[str]) -> None:
     for name in preload:
         importlib.import_module(name)
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_available():
         raise SystemExit("scaffolding.forked_ranks: a forked rank cannot use CUDA once its "
                          "parent initialized it; launch GPU jobs with torchrun")  # fmt: skip
     replies = os.fdopen(os.dup(1), "w")  # fd 1 becomes /dev/null: nothing else writes here

@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 import pytest
+import torch
 
 from acco_hooks.titan import TITAN_030
 from scaffolding import forked_ranks
@@ -32,13 +33,20 @@ def launch_titan(
 ) -> tuple[int, str]:
     """Run train_titan.py on ``nproc`` CPU processes; return its exit status and output.
 
-    The ranks are forked from a process that imported torchtitan once
+    On a CPU the ranks are forked from a process that imported torchtitan once
     (``scaffolding.forked_ranks``), with the variables torchrun gives its workers: the tests
-    whose subject is torchrun's launch itself (its agent, its output) run torchrun.
+    whose subject is torchrun's launch itself (its agent, its output) run torchrun, as does
+    every job on a GPU (``tests/test_cuda.py``).
     """
     argv = [str(ROOT / "train_titan.py"), "--job.config_file", str(ROOT / "torchtitan_configs" / config),
             "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
             *backend_overrides(), *overrides]  # fmt: skip
+    if torch.cuda.is_available():  # a fork cannot use the CUDA its parent initialized
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", *argv]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+        return proc.returncode, proc.stdout + proc.stderr
     dump.parent.mkdir(parents=True, exist_ok=True)
     fd, log = tempfile.mkstemp(prefix=f"{dump.name}.", suffix=".log", dir=dump.parent)
     os.close(fd)
