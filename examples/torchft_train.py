@@ -94,8 +94,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--wait-for", default=None,
                    help="wait for this file in --out before joining (building the manager)")
     p.add_argument("--announce", default=None,
-                   help="write this file in --out once this group asked for its first quorum "
-                   "(a joiner: the running group's next quorum then waits for it)")
+                   help="write this file in --out once the lighthouse has this group's first "
+                   "quorum request (a joiner: the running group's next quorum then takes it "
+                   "in); the lighthouse's log must be --out/lighthouse.log, as in "
+                   "scaffolding.torchft_job.run_groups")
     p.add_argument("--hold-round", type=int, default=None,
                    help="once this many rounds ended (in --mode auto at the first update's end "
                    "from then on), wait for --hold-for in --out: a group that joins then meets "
@@ -157,16 +159,20 @@ def main() -> None:
         manager_class = _slow_link(Manager, args.link_seconds) if args.link_seconds else Manager
         if dying:
             manager_class = _dying_manager(manager_class, args.kill_round, out)
-        if args.announce is not None:
-            manager_class = _announcing_manager(manager_class, out / f"{args.announce}_r{rank}")
+        name = f"acco_{args.replica_id}"  # the lighthouse's, with a uuid per start of the group
         manager = manager_class(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
             min_replica_size=1,
-            replica_id=f"acco_{args.replica_id}", timeout=timeout, connect_timeout=timeout,
+            replica_id=name, timeout=timeout, connect_timeout=timeout,
             # every group builds the same model from the same seed: nothing to copy at the
             # start (init_sync=True copies the first group's state to the others)
             init_sync=args.init_sync,
         )  # fmt: skip
+        if args.announce is not None:  # a test's joiner, under scaffolding.torchft_job
+            from scaffolding.torchft_job import announce_first_quorum_request
+
+            announce_first_quorum_request(manager, name, out, out / f"{args.announce}_r{rank}",
+                                          4 * args.timeout)
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
         if args.start_together:  # every Manager heartbeats before any group asks for a quorum
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
@@ -208,12 +214,10 @@ def main() -> None:
             (out / f"round_{args.mark_round}").write_text("")
         if (ended and not held and args.hold_round is not None
                 and engine.round_index >= args.hold_round and engine.step_boundary):
-            # every rank of every joiner
+            # every rank of every joiner: its quorum request is at the lighthouse, so this
+            # group's next quorum takes it in
             _wait_for(out, [f"{args.hold_for}_r{r}" for r in range(group_size)], 6 * args.timeout)
             held = True
-            # and for its quorum request to reach the lighthouse, whose next quorum then
-            # waits for it
-            time.sleep(1.0)
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
                                engine.last_wait_s, tuple(ran), index))  # fmt: skip
@@ -262,20 +266,6 @@ def _slow_link(manager_class: type, seconds: float) -> type:
             return super().should_commit(*args, **kwargs)
 
     return SlowLinkManager
-
-
-def _announcing_manager(manager_class: type, announce: Path) -> type:
-    """A torchft Manager that writes ``announce`` once its first quorum request is out. Not
-    sooner: the lighthouse forms a running group's next quorum at once ("fast quorum") unless
-    another group asked to join it, however long that group has heartbeated."""
-
-    class AnnouncingManager(manager_class):
-        def start_quorum(self, *args: Any, **kwargs: Any) -> None:
-            super().start_quorum(*args, **kwargs)
-            if not announce.exists():
-                announce.write_text("")
-
-    return AnnouncingManager
 
 
 def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:

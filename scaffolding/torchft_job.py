@@ -19,13 +19,15 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from scaffolding import forked_ranks
 
-__all__ = ["free_port", "run_groups", "run_reference"]
+__all__ = ["announce_first_quorum_request", "free_port", "run_groups", "run_reference"]
 
 EXAMPLE = "examples.torchft_train"
 ROOT = Path(__file__).resolve().parent.parent
+LIGHTHOUSE_LOG = "lighthouse.log"  # in run_groups' ``out``
 
 
 def free_port() -> int:
@@ -59,7 +61,7 @@ def run_groups(
         started.append(_start(
             [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100",
              "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-             "--bind", f"[::]:{port}"], {}, out / "lighthouse.log",
+             "--bind", f"[::]:{port}"], {}, out / LIGHTHOUSE_LOG,
         ))  # fmt: skip
 
         def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
@@ -106,6 +108,46 @@ def run_reference(
     log.write_bytes(b"")
     return forked_ranks.run(groups * group_size, [*program, *own, *args], log, preload=preload,
                             timeout_s=timeout_s)  # fmt: skip
+
+
+def announce_first_quorum_request(
+    manager: Any, replica_name: str, out: Path, announce: Path, timeout_s: float = 60.0
+) -> None:  # fmt: skip
+    """Make ``manager`` (a joining group's torchft ``Manager``, named ``replica_name``) write
+    ``announce`` once the lighthouse ``run_groups`` started for ``out`` has received its
+    first quorum request; until then its first ``start_quorum`` call does not return.
+
+    Why the lighthouse, not the call: ``start_quorum`` hands the request to a thread, and
+    the lighthouse forms a live group's next quorum at once (torchft's "fast quorum": the
+    same participants as the last one) unless another group's request is already there,
+    however long that group has heartbeated. A live group that holds until ``announce``
+    exists therefore meets the joiner in its next quorum, on a loaded machine too. The
+    lighthouse logs each request with the group's name and the uuid its ``Manager`` took
+    at this start; a request logged after the call began is this start's (an earlier start
+    of the group was lost before it)."""
+    log = out / LIGHTHOUSE_LOG
+    request = f"Received quorum request for replica {replica_name}:".encode()
+    start_quorum = manager.start_quorum
+
+    def start_quorum_then_announce(*args: Any, **kwargs: Any) -> None:
+        if announce.exists():
+            start_quorum(*args, **kwargs)
+            return
+        since = log.stat().st_size
+        start_quorum(*args, **kwargs)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(log, "rb") as f:
+                f.seek(since)
+                if request in f.read():
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the lighthouse ({log}) logged no quorum request from "
+                                   f"{replica_name} within {timeout_s:.0f} s")  # fmt: skip
+            time.sleep(0.02)
+        announce.write_text("")
+
+    manager.start_quorum = start_quorum_then_announce
 
 
 def _torchrun(processes: int, program: Sequence[str]) -> list[str]:

@@ -14,7 +14,12 @@ import datetime
 import os
 from typing import Any
 
-__all__ = ["build_torchft_manager", "replica_group_folder", "split_data_over_replica_groups"]
+__all__ = [
+    "build_torchft_manager",
+    "replica_group_folder",
+    "replica_group_name",
+    "split_data_over_replica_groups",
+]
 
 
 def build_torchft_manager(fault_tolerance: Any, timeout: float | None) -> Any:
@@ -36,9 +41,15 @@ def build_torchft_manager(fault_tolerance: Any, timeout: float | None) -> Any:
     quorum_timeout = datetime.timedelta(seconds=timeout) if timeout is not None else pg_timeout
     return Manager(
         pg=pg, min_replica_size=fault_tolerance.min_replica_size, load_state_dict=None,
-        state_dict=None, replica_id=f"torchtitan_acco_{fault_tolerance.replica_id}",
+        state_dict=None, replica_id=replica_group_name(fault_tolerance.replica_id),
         timeout=quorum_timeout, connect_timeout=quorum_timeout,
     )  # fmt: skip
+
+
+def replica_group_name(replica_id: int) -> str:
+    """The name group ``replica_id``'s ``Manager`` gives the lighthouse, which shows it (with
+    a uuid each start of the group draws) in its log and on its status page."""
+    return f"torchtitan_acco_{replica_id}"
 
 
 def split_data_over_replica_groups(

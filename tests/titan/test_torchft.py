@@ -103,7 +103,10 @@ def _run(tmp_path: Path, monkeypatch, groups: int, group_size: int, mode: str,
         away = f"{kill[0]}:{group_size}:{kill[1]}"
         if restart:
             log = (tmp_path / f"g{kill[0]}_restart.log").read_text()
-            joined = int(re.search(r"joined the job at round (\d+)", log).group(1))
+            joined = re.search(r"joined the job at round (\d+)", log)
+            assert joined is not None, (f"exit statuses {status}; the restarted group never "
+                                        f"joined:\n{log[-4000:]}")  # fmt: skip
+            joined = int(joined.group(1))
             runs[f"g{kill[0]}r"] = _steps(tmp_path / f"g{kill[0]}_restart.log")
             away += f":{joined + 1}"
         monkeypatch.setenv("ACCO_TEST_FT_STOP", away)

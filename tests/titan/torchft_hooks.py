@@ -7,10 +7,11 @@ it does is set by environment variables, the same for every group of a job:
 - ``ACCO_TEST_FT_KILL = "group:round"``: that group's rank 0 SIGKILLs its whole ``torchrun``
   session (the node is lost) as that round's second micro-batch starts, once the previous
   round was summed over the groups: mid-round (a group restarted after it joins later, and
-  never meets that round);
+  never meets that round; nor is it killed again);
 - ``ACCO_TEST_FT_HOLD = "round"``: once a group was killed, the live groups wait at that
-  round's start until every rank of the restarted group asked for its first quorum (and a
-  second more), so that it joins in that round;
+  round's start until the lighthouse has the restarted group's first quorum request
+  (``scaffolding.torchft_job.announce_first_quorum_request``), so that it joins by that
+  round's sum;
 - ``ACCO_TEST_FT_STOP = "group:ranks_per_group:stop[:resume]"`` (the reference, one job of
   every rank without torchft): the ranks of that group contribute nothing in rounds
   [stop, resume) (their micro-batches' labels are all ignored, so the engine skips them).
@@ -29,6 +30,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.base import ACCOTrainerBase
+from acco_hooks.titan.replica_groups import replica_group_name
+from scaffolding.torchft_job import announce_first_quorum_request
 
 if TITAN_030:
     from acco_hooks.titan import v030 as release
@@ -45,23 +48,10 @@ def _build_manager_then_wait(fault_tolerance: Any, timeout: float | None) -> Any
     rank, size = dist.get_rank(), dist.get_world_size()
     (out / f"manager_up_g{fault_tolerance.replica_id}_r{rank}").write_text("")
     if (out / "killed_at").exists():  # restarted: the live groups may hold for it
-        _announce_first_quorum(manager, out / f"rejoining_r{rank}")
+        name = replica_group_name(fault_tolerance.replica_id)
+        announce_first_quorum_request(manager, name, out, out / f"rejoining_r{rank}")
     _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(groups) for r in range(size)])
     return manager
-
-
-def _announce_first_quorum(manager: Any, announce: Path) -> None:
-    """Write ``announce`` once the manager's first quorum request is out (as the engine is
-    built). Not sooner: the lighthouse forms a live group's next quorum at once ("fast
-    quorum") unless another group asked to join it, however long that one has heartbeated."""
-    start_quorum = manager.start_quorum
-
-    def start_quorum_then_announce(*args: Any, **kwargs: Any) -> None:
-        start_quorum(*args, **kwargs)
-        if not announce.exists():
-            announce.write_text("")
-
-    manager.start_quorum = start_quorum_then_announce
 
 
 def _wait_for(out: Path, names: list[str]) -> None:
@@ -77,20 +67,20 @@ def _next_microbatch_or_die_or_nothing(trainer: ACCOTrainerBase, data_iterator: 
     seen = getattr(trainer, "_test_seen", {})  # round -> its micro-batches started here
     trainer._test_seen = seen
     seen[engine.round_index] = seen.get(engine.round_index, 0) + 1
-    kill = os.environ.get("ACCO_TEST_FT_KILL")
-    if kill is not None:
+    kill, out = os.environ.get("ACCO_TEST_FT_KILL"), Path(os.environ.get("ACCO_TEST_FT_OUT", "."))
+    if kill is not None and not (out / "killed_at").exists():  # its restart is not killed again
         group, round_index = map(int, kill.split(":"))
         if (trainer.titan_config.fault_tolerance.replica_id, dist.get_rank(), engine.round_index,
                 seen[engine.round_index]) == (group, 0, round_index, 2):  # fmt: skip
             while engine.communication_in_flight:  # the previous round was summed (committed)
                 time.sleep(0.01)
-            (Path(os.environ["ACCO_TEST_FT_OUT"]) / "killed_at").write_text(str(round_index))
+            (out / "killed_at").write_text(str(round_index))
             os.killpg(os.getpgid(0), signal.SIGKILL)
-    hold, out = os.environ.get("ACCO_TEST_FT_HOLD"), Path(os.environ.get("ACCO_TEST_FT_OUT", "."))
+    hold = os.environ.get("ACCO_TEST_FT_HOLD")
     if (hold is not None and (engine.round_index, seen[engine.round_index]) == (int(hold), 1)
             and (out / "killed_at").exists()):  # fmt: skip
+        # its quorum request is at the lighthouse: this group's next quorum takes it in
         _wait_for(out, [f"rejoining_r{r}" for r in range(dist.get_world_size())])
-        time.sleep(1.0)  # its quorum request reaches the lighthouse: the next quorum waits
     input_dict, labels, valid = _next_microbatch(trainer, data_iterator)
     stop = os.environ.get("ACCO_TEST_FT_STOP")
     if stop is not None:
