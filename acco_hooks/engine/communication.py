@@ -27,6 +27,11 @@ groups for it (once, in the same order on every rank) and destroys them when it 
   ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
   any part of the model is skipped by every part.
 
+Every rank's rank sets are gathered first, except in a fake world (torch's ``fake`` backend,
+torchtitan's ``--comm.mode fake_backend``: one rank of a job measured at its real shape), whose
+other ranks do not exist: its groups are those of this rank alone, and an HSDP grid is
+assumed to be a ``DeviceMesh``'s.
+
 **One round's job** (:func:`communicate`), as the round's :class:`RoundPlan` says::
 
     reduce-scatter Σ gradients ─► ÷ global weight ─► clip ─► UPDATE: step the shard optimizer
@@ -285,10 +290,21 @@ def _product_ranks(
     this rank's data-parallel peers (the same set on every rank of the grid).
     """
     data_parallel_ranks = data_parallel_ranks or (dist.get_rank(),)
+    if fake_world():
+        # no peer to ask: in a DeviceMesh a peer's FSDP group is this rank's, shifted by the
+        # distance between the two ranks
+        offsets = [r - dist.get_rank() for r in fsdp_ranks]
+        return tuple(sorted({peer + o for peer in data_parallel_ranks for o in offsets}))
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (dist.get_rank(), fsdp_ranks))
     fsdp_of = dict(every)
     return tuple(sorted({r for peer in data_parallel_ranks for r in fsdp_of[peer]}))
+
+
+def fake_world() -> bool:
+    """Whether this process is one rank of a world whose other ranks do not exist: torch's
+    ``fake`` backend, whose collectives return at once and move nothing."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def _dedicated_group(
@@ -301,8 +317,10 @@ def _dedicated_group(
     """
     if my_ranks is None:
         return None  # a single local worker
-    every_ranks: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every_ranks, my_ranks)
+    every_ranks: list[Any] = [my_ranks]  # in a fake world, every rank there is
+    if not fake_world():
+        every_ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(every_ranks, my_ranks)
     mine = None
     for ranks in sorted(set(map(tuple, every_ranks))):
         group = dist.new_group(
