@@ -30,23 +30,27 @@ GIB = 1 << 30
 H100_BUDGET_GIB = 70  # of an 80 GB H100, leaving room for the CUDA context and fragmentation
 
 
-def model_facts() -> dict[str, int]:
-    """The 8B model's exact parameter count and the shapes the activation estimate needs."""
+def model_facts(flavor: str = "8B") -> dict[str, int]:
+    """The llama3 ``flavor``'s exact parameter count and the shapes the activation estimate
+    needs (the 8B model by default)."""
     import torch
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    args = llama3_args["8B"]
+    args = llama3_args[flavor]
     with torch.device("meta"):
         model = Transformer(args)
     return {"params": sum(p.numel() for p in model.parameters()), "layers": args.n_layers,
             "hidden": args.dim}  # fmt: skip
 
 
-def per_gpu_bytes(config_path: pathlib.Path, nodes: int, facts: dict[str, int]) -> dict[str, float]:
-    """GiB per GPU, by category, for ``config_path`` on ``nodes`` nodes."""
+def per_gpu_bytes(
+    config: pathlib.Path | dict, nodes: int, facts: dict[str, int], ndigits: int | None = 2
+) -> dict[str, float]:  # fmt: skip
+    """GiB per GPU, by category, for the job config ``config`` (a TOML file, or one read
+    already) on ``nodes`` nodes, rounded to ``ndigits`` (None: not rounded)."""
     import tomllib
 
-    cfg = tomllib.loads(config_path.read_text())
+    cfg = tomllib.loads(config.read_text()) if isinstance(config, pathlib.Path) else config
     par, training, acco = cfg["parallelism"], cfg["training"], cfg["acco"]
     tp, pp = par.get("tensor_parallel_degree", 1), par.get("pipeline_parallel_degree", 1)
     shard = par.get("data_parallel_shard_degree", 1)
@@ -57,7 +61,11 @@ def per_gpu_bytes(config_path: pathlib.Path, nodes: int, facts: dict[str, int]) 
     fsdp_unsharded = 0.0
     if shard > 1 and not acco.get("fsdp_sync_every_microbatch", False):
         fsdp_unsharded = local * shard * model_bytes  # a whole replica's gradients, unsharded
-    shard_side = 4 + 8 + reduce_bytes + model_bytes + (4 if acco["mode"] == "acco" else 0)
+    # per shard element: fp32 master, AdamW's two moments, the reduce-scattered sum, the shard to
+    # gather; the master's fp32 gradient where the sum is narrower (otherwise the sum is it);
+    # acco's carried half-batch sum (the engine's memory_bytes(), benchmarks/fake_rank.py)
+    shard_side = (4 + 8 + reduce_bytes + model_bytes + (4 if reduce_bytes != 4 else 0)
+                  + (4 if acco["mode"] == "acco" else 0))  # fmt: skip
     tokens = training["local_batch_size"] * training["seq_len"]
     activations = (facts["layers"] / pp) * 34 * tokens * facts["hidden"] / tp
     figures = {
@@ -74,12 +82,14 @@ def per_gpu_bytes(config_path: pathlib.Path, nodes: int, facts: dict[str, int]) 
     # data-parallel ranks only: the replicas inside one node.
     replicas_per_node = max(1, GPUS_PER_NODE // (tp * pp * shard))
     optimizer_ft = local * shard_side / replicas_per_node
-    row = {k: (v if k == "replicas" else round(v / GIB, 2)) for k, v in figures.items()}
-    row["total"] = round(total / GIB, 2)
-    row["optimizer_torchft"] = round(optimizer_ft / GIB, 2)
-    row["total_torchft"] = round(
-        (total - figures["optimizer"] + optimizer_ft) / GIB, 2
-    )
+
+    def gib(n: float) -> float:
+        return n / GIB if ndigits is None else round(n / GIB, ndigits)
+
+    row = {k: (v if k == "replicas" else gib(v)) for k, v in figures.items()}
+    row["total"] = gib(total)
+    row["optimizer_torchft"] = gib(optimizer_ft)
+    row["total_torchft"] = gib(total - figures["optimizer"] + optimizer_ft)
     row["runs"] = replicas >= 2  # ACCO (and its ddp mode) needs two replicas
     row["fits_h100_80gb"] = row["total"] <= H100_BUDGET_GIB
     return row

@@ -36,8 +36,9 @@ parallelism) counts once in the global gradient norm: ``norm_discounts`` says wh
 Memory per rank for Φ parameters (model in dtype d, AdamW): the model (Φ·d), the fp32
 accumulator (4Φ), one communication buffer shared by the reduce-scatter input and the
 all-gather output (Φ·max(reduce dtype, d)), and the 1/N shard: fp32 master + optimizer state +
-reduce/gather staging (≈ 20Φ/N), and in ``acco`` the carried half-batch sum (4Φ/N). The
-estimate step adds no memory for AdamW, Adam and SGD.
+reduce/gather staging (20Φ/N for AdamW with fp32 on the wire and an fp32 model; a narrower
+reduce dtype adds the master's fp32 gradient, 4Φ/N), and in ``acco`` the carried half-batch
+sum (4Φ/N). The estimate step adds no memory for AdamW, Adam and SGD.
 """
 
 from __future__ import annotations
