@@ -474,6 +474,10 @@ class ACCOTrainerBase(Trainer):
                 f"mean_loss_last_{tail}_steps={sum(losses[-tail:]) / tail:.4f} "
                 f"time={time.perf_counter() - start:.1f}s fsdp_shards={self.parallel_dims.dp_shard}"
             )
+        # What this rank's engine holds, by the categories of docs/torchtitan.md's memory table
+        # (benchmarks/fake_rank.py holds it against benchmarks/memory_8b.py's prediction)
+        logger.info("ACCO engine memory per rank (MiB): " + " ".join(
+            f"{name}={size / 2**20:.2f}" for name, size in engine.memory_bytes().items()))  # fmt: skip
 
     def close(self, *, barrier: bool = True) -> None:
         """torchtitan's ``close()``, after closing the engine (see ``ACCOEngine.close``)."""
