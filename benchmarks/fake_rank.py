@@ -96,12 +96,17 @@ def job_config(config: str, overrides: dict[str, object]) -> dict:
     return cfg
 
 
+NON_DATA_PARALLEL = ("tensor_parallel", "pipeline_parallel", "context_parallel")
+
+
+def degrees(cfg: dict, *dims: str) -> int:
+    """The product of the job config's ``[parallelism]`` degrees of ``dims`` (each set, none -1)."""
+    return math.prod(cfg["parallelism"].get(f"{dim}_degree", 1) for dim in dims)
+
+
 def world_size(cfg: dict) -> int:
-    """The world the job config's degrees make (every degree set, none -1)."""
-    par = cfg["parallelism"]
-    return math.prod(par.get(f"{dim}_degree", 1) for dim in (
-        "data_parallel_replicate", "data_parallel_shard", "tensor_parallel",
-        "pipeline_parallel", "context_parallel"))  # fmt: skip
+    """The world the job config's degrees make."""
+    return degrees(cfg, "data_parallel_replicate", "data_parallel_shard", *NON_DATA_PARALLEL)
 
 
 def _flags(overrides: dict[str, object]) -> list[str]:
@@ -121,7 +126,7 @@ def run_case(name: str, config: str, overrides: dict[str, object], steps: int) -
     module docstring); its output to ``LOGS/{name}.log``."""
     cfg = job_config(config, overrides)
     world = world_size(cfg)
-    par, training = cfg["parallelism"], cfg["training"]
+    training = cfg["training"]
     microbatches = cfg["acco"]["accumulation_steps"]
     argv = [sys.executable, str(harness.ROOT / "train_titan.py"),
             "--job.config_file", str(CONFIGS / config), *_flags(overrides),
@@ -137,10 +142,8 @@ def run_case(name: str, config: str, overrides: dict[str, object], steps: int) -
         raise RuntimeError(f"{name}: no engine memory line in the output:\n{output[-3000:]}")
     engine = {k: float(v) for k, v in (f.split("=") for f in match["figures"].split())}
     # torchtitan's tps is tokens per second over the ranks that share a batch (TP x PP x CP)
-    non_data_parallel = math.prod(par.get(f"{dim}_degree", 1) for dim in (
-        "tensor_parallel", "pipeline_parallel", "context_parallel"))  # fmt: skip
     tokens = training["local_batch_size"] * training["seq_len"] * microbatches
-    timing = harness.parse_steps(output, tokens / non_data_parallel)
+    timing = harness.parse_steps(output, tokens / degrees(cfg, *NON_DATA_PARALLEL))
     facts = memory_8b.model_facts(cfg["model"]["flavor"])
     predicted = memory_8b.per_gpu_bytes(cfg, world // memory_8b.GPUS_PER_NODE, facts, ndigits=None)
     predicted_mib = {k: predicted[k] * 1024 for k in (*PREDICTED_AS, "total")}
