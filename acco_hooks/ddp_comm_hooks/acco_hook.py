@@ -72,6 +72,9 @@ class ACCOState(EngineFrontEnd, Joinable):
         # What reached the engine since the last step(): bucket gradients from the hook, and
         # parameters whose .grad autograd accumulated (these stay in .grad under no_sync())
         "_delivered", "_accumulated",
+        # Parameters whose gradient is in .grad until DDP's backward ends (then in the engine),
+        # whether that end is queued, and whether every micro-batch weighed 1 (for Join)
+        "_in_grad", "_backward_open", "_unit_weights",
     )  # fmt: skip
 
     def __init__(
@@ -89,9 +92,21 @@ class ACCOState(EngineFrontEnd, Joinable):
             )
         Joinable.__init__(self)
         self.ddp_model = ddp_model
+        named = list(ddp_model.module.named_parameters())
+        param_groups = named if param_groups is None else list(param_groups)
+        given = {id(t) for t in _tensors_of(param_groups)}
+        ignored_trained = [n for n, p in named if n in ddp_model.parameters_to_ignore
+                           and p.requires_grad and id(p) in given]  # fmt: skip
+        if ignored_trained:
+            shown = ", ".join(ignored_trained[:5]) + (" and more" if len(ignored_trained) > 5 else "")
+            raise ValueError(
+                f"ACCOState: DDP ignores {shown} (its parameters_to_ignore): they are this "
+                "rank's own, and the engine would overwrite them with rank 0's and average their "
+                "gradients over every rank. Leave them out, param_groups=[(n, p) for n, p in "
+                "ddp_model.module.named_parameters() if n not in ddp_model.parameters_to_ignore], "
+                "and step them with a torch optimizer of your own, as plain DDP's optimizer would"
+            )
         model_params = set(ddp_model.module.parameters())
-        if param_groups is None:
-            param_groups = list(ddp_model.module.named_parameters())
         # With find_unused_parameters a rank that did not use a parameter gets zeros for it from
         # DDP: the engine then needs it on one rank at least (plain DDP would skip it).
         EngineFrontEnd.__init__(self, ACCOEngine(
@@ -102,14 +117,15 @@ class ACCOState(EngineFrontEnd, Joinable):
             raise ValueError("ACCOState: param_groups holds tensors that are not parameters of ddp_model")
         self._delivered: set[Tensor] = set()
         self._accumulated: set[Tensor] = set()
-        self.engine.hook_param_grads(self._accumulated.add)
+        self._in_grad: set[Tensor] = set()
+        self._backward_open = False
+        self._unit_weights = True
+        self.engine.hook_param_grads(self._on_grad)
 
     def step(self, weight: float = 1.0) -> bool:
         """Count the micro-batch just back-propagated; end the round when it may.
 
-        Replaces ``optimizer.step()`` and ``optimizer.zero_grad()``. Gradients that DDP left in
-        ``.grad`` (a backward under ``no_sync()``, which skips the hook) are moved to the
-        engine here.
+        Replaces ``optimizer.step()`` and ``optimizer.zero_grad()``.
 
         Args:
             weight: the number of units the micro-batch's loss sums over (default 1), as in
@@ -123,17 +139,37 @@ class ACCOState(EngineFrontEnd, Joinable):
                 "ACCOState.step() was called but no backward() ran since the last step(): call "
                 "loss.backward() on the DDP model's output first"
             )
-        with torch.no_grad():
-            for param in self._accumulated - self._delivered:
-                self.engine.accumulate_grad(param, param.grad)
-                param.grad.zero_()
         self._accumulated.clear()
         self._delivered.clear()
+        self._unit_weights = self._unit_weights and weight == 1.0
         return self.engine.microbatch_done(weight)
+
+    def _on_grad(self, param: Tensor) -> None:
+        """Autograd accumulated ``param``'s gradient into ``.grad`` (DDP's hook reads it next)."""
+        self._accumulated.add(param)
+        self._in_grad.add(param)
+        if not self._backward_open:
+            self._backward_open = True
+            # DDP queues its own end-of-backward callback (which copies the buckets into .grad)
+            # after the last bucket; a callback queued from a callback runs after it.
+            queue = torch.autograd.Variable._execution_engine.queue_callback
+            queue(lambda: queue(self._end_of_backward))
+
+    def _end_of_backward(self) -> None:
+        """After DDP is done with ``.grad``: the gradients it left there (a backward under
+        ``no_sync()``, which skips the hook) go to the engine, and every ``.grad`` holds a
+        placeholder until :meth:`step`, so that the loop cannot clip or read what the engine
+        has (``ownership``)."""
+        self._backward_open = False
+        with torch.no_grad():
+            for param in self._in_grad - self._delivered:
+                self.engine.accumulate_grad(param, param.grad)
+        self._in_grad.clear()
+        self.engine.leave_placeholders()
 
     # Joinable: a rank out of data counts empty micro-batches while the others train.
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _ACCOJoinHook(self)
+        return _ACCOJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -145,14 +181,35 @@ class ACCOState(EngineFrontEnd, Joinable):
 
 
 class _ACCOJoinHook(JoinHook):
-    def __init__(self, state: ACCOState) -> None:
+    """A rank out of data, while the others train: one empty micro-batch per their iteration.
+
+    Plain DDP under ``Join`` divides by the initial world size by default
+    (``divide_by_initial_world_size=True``): a joined rank counts as a rank that contributed a
+    zero gradient. The empty micro-batch then weighs what one of this rank's micro-batches
+    weighed, 1; with ``False``, or where this rank's micro-batches carried token weights (a
+    joined rank has no tokens), nothing, and the average is over the micro-batches that ran.
+    """
+
+    def __init__(self, state: ACCOState, divide_by_initial_world_size: bool) -> None:
         self.state = state
+        self.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         """One iteration of the ranks still training: this rank contributes nothing."""
-        self.state._delivered.clear()
-        self.state._accumulated.clear()
-        self.state.engine.skip_microbatch()
+        state = self.state
+        state._delivered.clear()
+        state._accumulated.clear()
+        as_a_rank = self.divide_by_initial_world_size and state._unit_weights
+        state.engine.skip_microbatch(weight=1.0 if as_a_rank else 0.0)
+
+
+def _tensors_of(param_groups: Any) -> list[Tensor]:
+    """The tensors of ``param_groups`` (tensors, ``(name, tensor)`` pairs or group dicts)."""
+    items = list(param_groups)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    members = [m for g in groups for m in ([g["params"]] if isinstance(g["params"], Tensor)
+                                          else g["params"])]  # fmt: skip
+    return [m[1] if isinstance(m, tuple) else m for m in members]
 
 
 def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

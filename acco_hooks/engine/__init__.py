@@ -2,8 +2,8 @@
 (``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
 thread with its process groups and its per-round job (``communication``), the collectives
 (``collectives``), the estimate step (``peek``), the optimizers the flat shard can step
-(``shard_optimizer``), parameter ownership (``ownership``), a rank's saved state and its checks
-(``state``), the shards as checkpoint DTensors (``placement``) and the sum over torchft replica
+(``shard_optimizer``), parameter ownership and what ``.grad`` holds meanwhile (``ownership``),
+a rank's saved state and its checks (``state``), the shards as checkpoint DTensors (``placement``) and the sum over torchft replica
 groups (``replicas``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
@@ -11,6 +11,7 @@ Read ``engine.py`` first: its docstring draws the round timeline and follows one
 
 from acco_hooks.engine.communication import ACCOCommunicationError
 from acco_hooks.engine.engine import ACCOEngine
+from acco_hooks.engine.ownership import GradientInEngine
 from acco_hooks.engine.settings import (
     MODES,
     NONFINITE_POLICIES,
@@ -22,6 +23,6 @@ from acco_hooks.engine.settings import (
     real_updates,
 )
 
-__all__ = ["ACCOCommunicationError", "ACCOEngine", "ACCOSettings", "EngineSettings", "MODES",
-           "Mode", "NONFINITE_POLICIES", "REDUCE_DTYPES", "SettingError",
-           "real_updates"]  # fmt: skip
+__all__ = ["ACCOCommunicationError", "ACCOEngine", "ACCOSettings", "EngineSettings",
+           "GradientInEngine", "MODES", "Mode", "NONFINITE_POLICIES", "REDUCE_DTYPES",
+           "SettingError", "real_updates"]  # fmt: skip

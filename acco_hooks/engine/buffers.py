@@ -43,6 +43,7 @@ sum (4Φ/N). The estimate step adds no memory for AdamW, Adam and SGD.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -61,7 +62,9 @@ def normalize_param_groups(
     """Parameter groups as dicts with ``params`` and ``names``, and the frozen parameters
     (``requires_grad=False``) left out of them, by name.
 
-    All on one device, each tensor once, floating point.
+    All on one device, each tensor once, floating point. A group whose parameters are all
+    frozen stays, empty, at its index (as in a torch optimizer, where a schedule or a warm-up
+    addresses groups by index); it has no buffers and steps nothing.
     """
     if isinstance(params, Tensor):
         raise TypeError("acco_hooks: params must be an iterable of tensors or dicts, got a Tensor")
@@ -90,9 +93,8 @@ def normalize_param_groups(
                 raise TypeError(f"acco_hooks: {name} has dtype {p.dtype}; only floating parameters train")
             tensors.append(p)
             names.append(name)
-        if tensors:
-            normalized.append({**group, "params": tensors, "names": names})
-    if not normalized:
+        normalized.append({**group, "params": tensors, "names": names})
+    if not any(g["params"] for g in normalized):
         raise ValueError("acco_hooks: none of the given parameters requires grad")
     devices = {p.device for g in normalized for p in g["params"]}
     if len(devices) != 1:
@@ -228,19 +230,47 @@ def build_shard(
         optimizer_class, optimizer_kwargs, lr_scheduler: the shard optimizer and its scheduler.
 
     Returns:
-        ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group.
+        ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group that
+        has parameters; the optimizer has every group, at its index.
     """
     buffers = [
         GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks,
                      carry, wire_bytes)  # fmt: skip
-        for g in param_groups
+        for g in param_groups if g["params"]
     ]
+    # every group, at its index: an empty one (all its parameters frozen) steps nothing
+    masters = iter(b.master for b in buffers)
     shard_groups = [
-        {**{k: v for k, v in g.items() if k not in ("params", "names")}, "params": [b.master]}
-        for g, b in zip(param_groups, buffers)
-    ]
+        {**{k: v for k, v in g.items() if k not in ("params", "names")},
+         "params": [next(masters)] if g["params"] else []}
+        for g in param_groups
+    ]  # fmt: skip
     optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
-    return buffers, optimizer, None if lr_scheduler is None else lr_scheduler(optimizer)
+    scheduler = None if lr_scheduler is None else lr_scheduler(optimizer)
+    if scheduler is not None:
+        _check_scheduler(scheduler)
+    return buffers, optimizer, scheduler
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    """Refuse a scheduler the engine cannot step: it steps it after each real update, on its
+    communication thread, with no argument (no metric exists there)."""
+    name = type(scheduler).__qualname__
+    step = getattr(scheduler, "step", None)
+    needs = [] if not callable(step) else [
+        p.name for p in inspect.signature(step).parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]  # fmt: skip
+    if not callable(step) or needs:
+        raise TypeError(
+            f"acco_hooks: lr_scheduler= built a {name}, whose step() "
+            + (f"needs {', '.join(needs)}" if callable(step) else "does not exist")
+            + " (ReduceLROnPlateau steps on a validation metric): the engine steps the scheduler "
+            "after each real update, on its communication thread, with no argument. Use a "
+            "schedule of the update count (CosineAnnealingLR, LambdaLR, OneCycleLR, "
+            "SequentialLR, ...)"
+        )
 
 
 def memory_bytes(

@@ -183,7 +183,7 @@ class ACCOEngine:
         # Where each element of the shards lives in the model, for checkpoints
         "_placement",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
-        "_worker", "_hook_handles", "_release", "__weakref__",
+        "_worker", "_hook_handles", "_placeholders", "_release", "__weakref__",
         # The round in flight (launched, not yet applied), the failure that stopped the engine,
         # and inside real_weights() the live parameters its block replaced
         "_in_flight", "_failure", "_live_outside",
@@ -234,11 +234,13 @@ class ACCOEngine:
             )
         self.settings = settings
         param_groups, self._frozen = normalize_param_groups(params)
-        self.device = param_groups[0]["params"][0].device
+        trained = [g for g in param_groups if g["params"]]  # the others are all frozen
+        self.device = trained[0]["params"][0].device
         # Refused here, before any process group exists, unless its step is per element
         self._state_layout: ShardStateLayout = check_optimizer(
             optimizer_class, [{k: v for k, v in g.items() if k not in ("params", "names")}
-                              for g in param_groups], optimizer_kwargs, self.device,
+                              for g in trained], optimizer_kwargs, self.device,
+            [[tuple(local_tensor(p).shape) for p in g["params"]] for g in trained],
         )  # fmt: skip
 
         replicas = None
@@ -258,6 +260,7 @@ class ACCOEngine:
         self.fsdp_world_size = self._groups.fsdp_world_size
         self._worker = CommWorker(self.device)
         self._hook_handles: list[Any] = []
+        self._placeholders = False  # .grad holds a GradientInEngine meanwhile (hook_param_grads)
         # Every group built above is this engine's alone; close() destroys them. An engine its
         # owner never closes is released when it is garbage-collected or at interpreter exit:
         # a gloo group destructed during interpreter finalization can abort the process.
@@ -398,13 +401,23 @@ class ACCOEngine:
         """The model parameters the engine trains, in layout order."""
         return [p for g in self._buffers for p in g.params]
 
-    def hook_param_grads(self, on_grad: Callable[[Tensor], None] | None = None) -> None:
+    def hook_param_grads(
+        self, on_grad: Callable[[Tensor], None] | None = None, *, placeholders: bool = True
+    ) -> None:
         """Register a post-accumulate-grad hook on every parameter; :meth:`close` removes them.
 
         Args:
             on_grad: what the hook does with the parameter. Default: hand ``.grad`` to
-                :meth:`accumulate_grad` and drop it, so ``.grad`` is ``None`` after backward.
-                The DDP hook passes its own (DDP's buckets deliver the gradients there).
+                :meth:`accumulate_grad` and, with ``placeholders``, leave a placeholder in it
+                (else ``None``). The DDP hook passes its own (DDP's buckets deliver the
+                gradients there) and leaves the placeholders itself once DDP is done
+                (:meth:`leave_placeholders`).
+            placeholders: from a parameter's backward to the micro-batch's count, ``.grad``
+                holds a ``GradientInEngine`` (``ownership``), which refuses by name whatever
+                reads or clips it in the training loop: the gradient is in the engine, and only
+                ``max_grad_norm`` can clip the averaged one. ``False``: ``.grad`` is ``None``
+                then (the torchtitan trainer, whose loop reads no gradient and whose pipeline
+                schedules write ``.grad`` themselves).
         """
         if on_grad is None:
             # A weak reference: the parameters must not keep an engine its owner dropped alive
@@ -416,6 +429,8 @@ class ACCOEngine:
                 if engine is not None:
                     engine.accumulate_grad(param, param.grad)
                     param.grad = None
+                    if placeholders:
+                        engine.leave_placeholders([param])
 
         params = self.params
         try:
@@ -424,6 +439,26 @@ class ACCOEngine:
             self.close(flush=False, barrier=False)  # its groups go now, not with the traceback
             raise
         self._hook_handles += [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+        self._placeholders = placeholders
+        if placeholders:  # a second backward before the count accumulates into an empty .grad
+            self._hook_handles += [p.register_hook(_clear_before_accumulating(p)) for p in params]
+
+    def leave_placeholders(self, params: Iterable[Tensor] | None = None) -> None:
+        """Put a ``GradientInEngine`` in the ``.grad`` of ``params`` (default: every parameter
+        the engine trains), until the micro-batch is counted: their gradients are in the
+        engine (see :meth:`hook_param_grads`)."""
+        if not self._placeholders:
+            return
+        for param in self.params if params is None else params:
+            gi, pi = self._slot_of[param]
+            ownership.leave_placeholder(param, self._buffers[gi].names[pi])
+
+    def clear_placeholders(self) -> None:
+        """``.grad = None`` where :meth:`leave_placeholders` left one: counting a micro-batch
+        does it; a front-end whose gradients arrive outside autograd (FSDP2's reduce-scatter
+        accumulates into a ``.grad`` it finds) calls it before each forward."""
+        if self._placeholders:
+            ownership.clear_placeholders(self.params)
 
     def accumulate_grad(self, param: Tensor, grad: Tensor) -> None:
         """Add one micro-batch gradient of ``param`` to the fp32 accumulator."""
@@ -508,18 +543,26 @@ class ACCOEngine:
             raise ValueError(f"acco_hooks: micro-batch weight must be > 0, got {weight}")
         return self._count_microbatch(float(weight))
 
-    def skip_microbatch(self) -> bool:
-        """Count a micro-batch that contributes nothing, e.g. on a rank that ran out of data.
+    def skip_microbatch(self, weight: float = 0.0) -> bool:
+        """Count a micro-batch that contributes no gradient, e.g. on a rank that ran out of data.
 
-        Keeps this rank's rounds (and so its collectives) in step with the other ranks; the
-        averaged gradient is taken over the ranks that did contribute.
+        Keeps this rank's rounds (and so its collectives) in step with the other ranks.
+
+        Args:
+            weight: what it counts in the average's denominator. 0 (default): nothing, the
+                average is over the micro-batches that ran. What a real micro-batch weighs: a
+                zero gradient in the average, as plain DDP under ``Join`` counts a joined rank
+                (``divide_by_initial_world_size=True``).
         """
+        if not weight >= 0:
+            raise ValueError(f"acco_hooks: an empty micro-batch's weight must be >= 0, got {weight}")
         for arrived in self._grad_arrived:
             arrived[:] = [True] * len(arrived)
-        return self._count_microbatch(0.0)
+        return self._count_microbatch(float(weight))
 
     def _count_microbatch(self, weight: float) -> bool:
         self._raise_if_failed()
+        self.clear_placeholders()
         self._grads_counted = self.grads_received
         if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
             elapsed = time.perf_counter() - self._microbatch_started
@@ -966,6 +1009,7 @@ class ACCOEngine:
             for handle in self._hook_handles:
                 handle.remove()
             self._hook_handles = []
+            self.clear_placeholders()
             ownership.release(self)
             if barrier and self._failure is None and self.process_groups:
                 self._meet_peers()
@@ -1116,6 +1160,19 @@ def _check_round_inputs(
             "round: run backward() before step(), and set requires_grad=False on parameters "
             "that are not trained (or leave them out of the optimizer's params)"
         )
+
+
+def _clear_before_accumulating(param: Tensor) -> Callable[[Tensor], None]:
+    """A tensor hook that empties ``param.grad`` of its placeholder before autograd accumulates
+    the next gradient into it (another backward before the micro-batch is counted)."""
+    param_ref = weakref.ref(param)  # the hook is kept by the parameter: no cycle through it
+
+    def clear(grad: Tensor) -> None:
+        param = param_ref()
+        if param is not None:
+            ownership.clear_placeholders([param])
+
+    return clear
 
 
 def _some(names: list[str]) -> str:

@@ -27,6 +27,7 @@ cross-replica all-reduce) is :mod:`acco_hooks.fsdp`'s, shared with the torchtita
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -124,6 +125,17 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
             **kwargs,
         )  # fmt: skip
         self._set_gradient_sync()
+        # FSDP2 adds a reduce-scattered gradient to the .grad it finds (a second backward before
+        # step()), outside autograd's hooks: the engine's placeholder must be gone before it
+        engine = weakref.ref(self.engine)
+        self._clear_before_forward = model.register_forward_pre_hook(
+            lambda *_: None if engine() is None else engine().clear_placeholders()
+        )
+
+    def close(self, *, flush: bool = True, barrier: bool = True) -> None:
+        """As :meth:`ACCOOptimizer.close`; also removes the hook on the model's forward."""
+        self._clear_before_forward.remove()
+        super().close(flush=flush, barrier=barrier)
 
     def _set_gradient_sync(self) -> None:
         self._gradient_sync = set_gradient_sync_for_next_microbatch(

@@ -147,7 +147,9 @@ class EngineOptimizersContainer(OptimizersContainer):
         )  # fmt: skip
         self.manager = manager
         self.optimizers = [self.engine.optimizer]
-        self.engine.hook_param_grads()
+        # No placeholders in .grad: torchtitan's loop reads no gradient, and the zero-bubble
+        # pipeline schedules write .grad themselves
+        self.engine.hook_param_grads(placeholders=False)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(

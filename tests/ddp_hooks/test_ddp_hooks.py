@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from acco_hooks.engine import GradientInEngine
 from tests.dist_utils import run_distributed
 from tests.scenario import OPTIMIZERS, Config, reference_run, relative_error
 
@@ -81,9 +82,8 @@ def hook_vs_optimizer(rank: int, world_size: int, mode: str, variant: DDPVariant
             buckets_per_backward.append([])
             with ddp.no_sync() if skip_sync else contextlib.nullcontext():
                 microbatch_loss(ddp, rank, r, m).backward()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            if not skip_sync:  # the gradient went to the engine; .grad is left zero
-                assert all(not g.any() for g in grads)
+            # the gradient went to the engine (under no_sync too); .grad holds its placeholder
+            assert all(isinstance(p.grad, GradientInEngine) for p in state.engine.params)
             state.step()
     state.flush()
     state.close()
@@ -190,7 +190,9 @@ def uneven_inputs_run(rank: int, world_size: int, limits: list[int]) -> dict:
     opt_class, kwargs = OPTIMIZERS["adamw"]
     state = ACCOState(ddp, opt_class, mode="acco", accumulation_steps=MICRO, **kwargs)
     ddp.register_comm_hook(state, acco_hook)
-    with Join([ddp, state]):
+    # averaged over the micro-batches that ran, as the engine's reference does (the default
+    # divides by the initial world size, as plain DDP does: test_against_plain_ddp.py)
+    with Join([ddp, state], divide_by_initial_world_size=False):
         for i in range(limits[rank]):
             microbatch_loss(ddp, rank, i // MICRO, i % MICRO).backward()
             state.step()
@@ -256,7 +258,11 @@ def forgotten_step_run(rank: int, world_size: int) -> dict:
     with ddp.no_sync():  # accumulating under no_sync() is legitimate: no refusal
         microbatch_loss(ddp, rank, 0, 0).backward()
     microbatch_loss(ddp, rank, 0, 1).backward()
-    old_optimizer.step()
+    try:  # refused at once: .grad holds the engine's placeholder
+        old_optimizer.step()
+        old_step = None
+    except RuntimeError as error:
+        old_step = str(error)
     old_optimizer.zero_grad()
     try:
         microbatch_loss(ddp, rank, 0, 2).backward()
@@ -268,12 +274,14 @@ def forgotten_step_run(rank: int, world_size: int) -> dict:
     handler.emit = records.append
     logging.getLogger("acco_hooks").addHandler(handler)
     state.close()
-    return {"refusal": refusal, "close": [r.getMessage() for r in records
+    return {"old_step": old_step, "refusal": refusal, "close": [r.getMessage() for r in records
                                           if r.levelno >= logging.WARNING]}
 
 
 def test_a_forgotten_state_step_is_refused_at_the_next_backward_and_named_at_close() -> None:
     for result in run_distributed("tests.ddp_hooks.test_ddp_hooks:forgotten_step_run", 2):
+        assert result["old_step"] is not None, "the old optimizer stepped the placeholders"
+        assert "ACCOState.step() under DDP) replaces it" in result["old_step"]
         assert result["refusal"] is not None, "a second backward without state.step() ran"
         assert "call state.step() after every backward()" in result["refusal"]
         assert "ddp_model.no_sync()" in result["refusal"]
