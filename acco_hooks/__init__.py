@@ -31,6 +31,7 @@ from acco_hooks.engine import (  # noqa: E402
     EngineSettings,
     SettingError,
 )
+from acco_hooks.engine.shard_optimizer import declare_per_element_optimizer  # noqa: E402
 from acco_hooks.optim import ACCOHSDPOptimizer, ACCOOptimizer  # noqa: E402
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "UntestedVersionWarning",
     "acco_hook",
     "check_supported_versions",
+    "declare_per_element_optimizer",
     "delayed_allreduce_hook",
     "label_tokens",
 ]

@@ -165,7 +165,8 @@ def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
     saved = engine.optimizer.state_dict()
     stepped = bool(saved["state"])
     state = saved["state"] if stepped else first_step_state(
-        engine.optimizer, [g.master for g in engine._buffers]
+        engine.optimizer, [g.master for g in engine._buffers],
+        engine._state_layout.optimizer_kwargs,
     )  # fmt: skip
     names = {name for entry in state.values() for name in entry}
     layout = engine._state_layout

@@ -18,10 +18,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from acco_hooks import declare_per_element_optimizer
+
+@declare_per_element_optimizer
+class RequiredArgsSGD(torch.optim.SGD):
+    """A user's SGD whose constructor requires its arguments (declared per element): a copy of
+    it can be built only with the run's own keyword arguments (a save before the first step)."""
+
+    def __init__(self, params: Any, lr: float, momentum: float) -> None:
+        super().__init__(params, lr=lr, momentum=momentum)
+
+
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "SGD": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9)),
     "Adagrad": (torch.optim.Adagrad, dict(lr=0.1)),  # a snapshot estimate (no functional Peek)
+    "RequiredArgsSGD": (RequiredArgsSGD, dict(lr=5e-2, momentum=0.9)),
 }
 
 
@@ -42,6 +54,8 @@ class ResumeCase:
     # share, weighed by its size, and the global batch cycles through 12, 24 and 36 samples
     weights: str = "mean"
     named: bool = True  # the optimizer gets (name, parameter) pairs; else bare parameters
+    # parameters with requires_grad=False (a group of frozen ones only stays, at its index)
+    frozen: tuple[bool, ...] = ()
 
     @property
     def exact_on_the_same_ranks(self) -> bool:
@@ -72,6 +86,8 @@ def build(case: ResumeCase) -> tuple[Generic, Any]:
     from acco_hooks import ACCOOptimizer
 
     model = Generic(case.shapes)
+    for p, frozen in zip(model.parameters(), case.frozen):
+        p.requires_grad_(not frozen)
     named = list(model.named_parameters())
     groups = [
         {"params": [item if case.named else item[1]

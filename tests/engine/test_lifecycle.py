@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from acco_hooks import ACCOEngine, ACCOOptimizer
+from acco_hooks import ACCOEngine, ACCOOptimizer, declare_per_element_optimizer
 from scaffolding.process_exit import group_worker_threads
 from tests.dist_utils import run_distributed
 
@@ -171,6 +171,7 @@ def test_a_constructor_that_fails_releases_the_groups_it_built() -> None:
 # ------------------------------------------------ the update in flight: applied, dropped, seen
 
 
+@declare_per_element_optimizer
 class _SlowAdamW(torch.optim.AdamW):
     """AdamW whose real step takes ``delay_s`` (on the communication thread): rounds stay in
     flight while it is 1 s; the same numbers at 0 (the default: the engine's build probes the

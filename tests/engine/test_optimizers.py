@@ -2,7 +2,9 @@
 parameters themselves, on 1 and 2 ranks, and resumes through DCP on the same and on another
 number of ranks; or it is refused when the optimizer is built, by name and with the reason.
 
-Other classes (a user's, transformers') run only where the probe finds their step per element
+Any other class (a user's, transformers', a subclass of torch's) is refused by name unless
+its author declares it per element, and a declared one is refused where the probe, at the run's
+parameter shapes with one instance per piece, finds it is not
 (``acco_hooks/engine/shard_optimizer.py``).
 
 The parameter groups differ in their options, and one holds a single element with its own
@@ -19,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from acco_hooks import declare_per_element_optimizer
 from tests.scenario import make_model, relative_error
 
 # Every class torch.optim exports, with options that make it keep all the state it can.
@@ -167,6 +170,132 @@ class TrustRatioSGD(torch.optim.SGD):
                 p.add_(p.grad, alpha=-group["lr"] * float(ratio))
 
 
+class LARS(torch.optim.SGD):
+    """LARS with the usual 1-D filters: biases and norms take neither decay nor trust ratio."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                update = p.grad.clone()
+                if p.ndim > 1:
+                    update.add_(p, alpha=1e-2)
+                    update.mul_(p.norm() / update.norm().clamp(min=1e-12))
+                p.add_(update, alpha=-group["lr"])
+
+
+class MuPSGD(torch.optim.SGD):
+    """muP-style: a matrix's step divided by its fan-in."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                fan_in = p.shape[1] if p.ndim > 1 else 1
+                p.add_(p.grad, alpha=-group["lr"] / fan_in)
+
+
+class MatrixDecayAdamW(torch.optim.AdamW):
+    """AdamW that decays only p.ndim >= 2 (an option a user sets in step())."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim >= 2:
+                    p.mul_(1 - group["lr"] * 0.1)
+        return super().step(closure)
+
+
+class GlobalClippingSGD(torch.optim.SGD):
+    """Clipping by the norm over all of the optimizer's parameters inside step(), as timm's
+    Lamb, apex's FusedLAMB and Adan do."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for g in self.param_groups for p in g["params"]], 0.5,
+            torch.nn.utils.get_total_norm(grads),
+        )
+        return super().step(closure)
+
+
+class LateTrustRatioSGD(TrustRatioSGD):
+    """Plain SGD for 3 steps, a trust ratio from the 4th (as preconditioners start late)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps = getattr(self, "steps", 0) + 1
+        return super().step(closure) if self.steps > 3 else torch.optim.SGD.step(self, closure)
+
+
+NOT_PER_ELEMENT = {"TrustRatioSGD": TrustRatioSGD, "LARS": LARS, "MuPSGD": MuPSGD,
+                   "MatrixDecayAdamW": MatrixDecayAdamW, "GlobalClippingSGD": GlobalClippingSGD,
+                   "LateTrustRatioSGD": LateTrustRatioSGD}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NOT_PER_ELEMENT) + ["transformers.Adafactor"])
+def test_a_class_not_known_to_be_per_element_is_refused_by_name(name: str) -> None:
+    from acco_hooks import ACCOOptimizer
+
+    if name == "transformers.Adafactor":  # as the Trainer's optim="adafactor"
+        from transformers.optimization import Adafactor as cls
+    else:
+        cls = NOT_PER_ELEMENT[name]
+    with pytest.raises(TypeError, match=rf"{cls.__qualname__} is not known to step each "
+                                        r"parameter element on its own.*declare_per_element_"
+                                        rf"optimizer\({cls.__qualname__}\)"):  # fmt: skip
+        ACCOOptimizer(nn.Linear(4, 2).named_parameters(), cls, lr=0.1)
+
+
+class DeclaredLARS(LARS):
+    pass
+
+
+class DeclaredMuPSGD(MuPSGD):
+    pass
+
+
+class DeclaredMatrixDecayAdamW(MatrixDecayAdamW):
+    pass
+
+
+class DeclaredGlobalClippingSGD(GlobalClippingSGD):
+    pass
+
+
+class DeclaredLateTrustRatioSGD(LateTrustRatioSGD):
+    pass
+
+
+@pytest.mark.parametrize("cls, differs", [
+    (DeclaredLARS, "update"), (DeclaredMatrixDecayAdamW, "update"),
+    (DeclaredGlobalClippingSGD, "update"),
+    (DeclaredLateTrustRatioSGD, "update"),  # from step 4: the probe's last (one from step 10 runs)
+    (DeclaredMuPSGD, "update"),  # a flat piece has no fan-in
+])  # fmt: skip
+def test_a_declared_class_the_probe_finds_not_per_element_is_refused(cls: type, differs) -> None:
+    """The probe steps the run's own parameter shapes whole, and flat pieces in instances of
+    their own (as ranks' shards)."""
+    from acco_hooks import ACCOOptimizer, declare_per_element_optimizer
+
+    declare_per_element_optimizer(cls)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    expected = (rf"{cls.__qualname__} was declared per element .*gave a different its {differs}"
+                if differs else rf"{cls.__qualname__} failed to step a flat 1-D piece")
+    with pytest.raises(TypeError, match=expected):
+        ACCOOptimizer(model.named_parameters(), cls, lr=0.1)
+
+
+def test_torchs_own_classes_cannot_be_declared_when_the_flat_shard_cannot_run_them() -> None:
+    from acco_hooks import declare_per_element_optimizer
+
+    with pytest.raises(TypeError, match=r"torch\.optim\.Adafactor is not per element"):
+        declare_per_element_optimizer(torch.optim.Adafactor)
+
+
+@declare_per_element_optimizer
 class ClippedSGD(torch.optim.SGD):
     """A user's per-element variant: each gradient element clipped to [-1, 1] first."""
 
@@ -178,26 +307,7 @@ class ClippedSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_an_optimizer_that_looks_at_a_whole_parameter_is_refused_by_the_probe() -> None:
-    from transformers.optimization import Adafactor
-
-    from acco_hooks import ACCOOptimizer
-
-    for cls, kwargs in ((TrustRatioSGD, dict(lr=0.1)),  # as the Trainer's optim="adafactor":
-                        (Adafactor, dict(lr=1e-2, scale_parameter=False, relative_step=False))):
-        with pytest.raises(TypeError, match=rf"{cls.__qualname__}'s step is not per element: "
-                                            r"stepping a vector whole and cut in two pieces"):
-            ACCOOptimizer(nn.Linear(4, 2).named_parameters(), cls, **kwargs)
-    with pytest.raises(TypeError, match=r"failed to step a flat 1-D parameter \(ValueError"):
-        ACCOOptimizer(nn.Linear(4, 2).named_parameters(), FlatRefusing, lr=0.1)
-
-
-class FlatRefusing(torch.optim.SGD):
-    def step(self, closure=None):
-        raise ValueError("needs 2-D parameters")
-
-
-def test_a_users_per_element_optimizer_runs_exactly() -> None:
+def test_a_declared_per_element_optimizer_runs_exactly() -> None:
     from acco_hooks import ACCOOptimizer
 
     torch.manual_seed(0)

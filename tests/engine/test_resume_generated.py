@@ -2,10 +2,12 @@
 same number of ranks or another, once or twice in a row, or its load is refused by name.
 
 Hypothesis draws the parameters (their count and shapes, one-element ones included, so that
-some ranks hold an empty shard), their split into groups with differing options, the optimizer,
-the mode and its schedule (an uneven split, a narrow estimate), the weighting of the
-micro-batches (a mean loss, or a token-summed one with batches of varying size), names or bare
-parameters, the ranks that save and those that load, and the save points. The oracle is the
+some ranks hold an empty shard, and which are frozen: a group of frozen ones only keeps its
+index), their split into groups with differing options, the optimizer (among them one a user
+declared per element, whose constructor requires its arguments), the mode and its schedule (an
+uneven split, a narrow estimate), the weighting of the micro-batches (a mean loss, or a
+token-summed one with batches of varying size), names or bare parameters, the ranks that save
+and those that load, and the save points (before the first step too). The oracle is the
 uninterrupted run (``tests/engine/resume_cases.py``): bit for bit on the same ranks, to 1e-5
 elsewhere, or, with a narrow estimate, to what its rounding alone moves two uninterrupted runs
 on the two worlds apart (each rank rounds its own part of the estimate's gradient). A save in
@@ -25,7 +27,7 @@ import dataclasses
 import itertools
 import os
 
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from tests.engine.resume_cases import OPTIMIZERS, ResumeCase, relative_error
@@ -53,7 +55,8 @@ class Plan:
         sizes = [steps]
         if case.mode == "acco":  # an estimate round, then an update round
             sizes = [case.estimate_microbatches or steps, steps]
-        return set(itertools.accumulate(itertools.islice(itertools.cycle(sizes), self.total)))
+        ends = itertools.accumulate(itertools.islice(itertools.cycle(sizes), self.total))
+        return {0, *ends}  # before the first step too
 
 
 @st.composite
@@ -62,6 +65,10 @@ def plans(draw) -> Plan:
     shapes = tuple(draw(st.sampled_from(SHAPES)) for _ in range(count))
     drawn = [draw(st.integers(0, 2)) for _ in range(count)]
     group_of = tuple(sorted(set(drawn)).index(g) for g in drawn)  # every group non-empty
+    # frozen parameters: a group of them only keeps its index; one parameter at least trains
+    frozen = tuple(draw(st.booleans()) if count > 1 else False for _ in range(count))
+    if all(frozen):
+        frozen = (False, *frozen[1:])
     optimizer = draw(st.sampled_from(sorted(OPTIMIZERS)))
     base = OPTIMIZERS[optimizer][1]
 
@@ -86,11 +93,11 @@ def plans(draw) -> Plan:
         group_options=tuple(options() for _ in range(max(group_of) + 1)),
         optimizer=optimizer, mode=mode, accumulation_steps=steps, estimate_microbatches=split,
         estimate_dtype=dtype, weights=draw(st.sampled_from(["mean", "tokens"])),
-        named=draw(st.booleans()),
+        named=draw(st.booleans()), frozen=frozen,
     )  # fmt: skip
     # three updates: auto stays on its synchronous schedule while it times its first five
     total = 3 * (steps + (split or steps) if mode == "acco" else steps)
-    at = draw(st.integers(1, total - 2))
+    at = draw(st.integers(0, total - 2))  # 0: saved before the first step
     again = None
     if draw(st.booleans()):
         again = (draw(st.integers(at + 1, total - 1)), draw(st.integers(1, 4)))
@@ -133,7 +140,17 @@ def generated(test):
     return test if SEED is None else seed(int(SEED))(test)
 
 
+# Always run, besides the drawn ones: a first group of frozen parameters only, a declared
+# optimizer whose constructor requires its arguments, saved before the first step on 2 ranks,
+# resumed on 3, saved again between an estimate and its update and resumed on 1.
+FROZEN_GROUP_SAVED_BEFORE_THE_FIRST_STEP = Plan(
+    ResumeCase(frozen=(True, True, False), optimizer="RequiredArgsSGD", mode="acco"),
+    total=12, saved_by=2, at=0, resumed_on=3, again=(4, 1),
+)
+
+
 @generated
+@example(plan=FROZEN_GROUP_SAVED_BEFORE_THE_FIRST_STEP)
 @given(plan=plans())
 def test_every_checkpoint_resumes_exactly_or_is_refused_by_name(plan, rank_pool, tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume")
