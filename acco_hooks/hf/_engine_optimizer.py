@@ -51,7 +51,7 @@ def build_engine(
         max_grad_norm=max_grad_norm, timeout=timeout,
     )
     return ACCOEngine(
-        [g for g in groups if g["params"]],
+        groups,  # both, as the Trainer's own optimizer has them (one may be empty)
         optimizer_cls,
         settings=settings,
         lr_scheduler=functools.partial(schedule_over_real_updates, trainer.args, acco.mode, rounds),

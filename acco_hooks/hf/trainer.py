@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
@@ -132,6 +133,9 @@ class ACCOTrainer(Trainer):
         self._acco_rounds_since_log = 0
         self._acco_wait_since_log = 0.0
         self._acco_evaluation_barrier = EvaluationBarrier()
+        # Whether the next forward takes rank 0's buffers first (BatchNorm's statistics), as
+        # DDP's broadcast_buffers does without the DDP wrapper: the first forward of train()
+        self._acco_broadcast_buffers_next = False
         super().__init__(*args, **kwargs)
         refuse_after_init(self)
 
@@ -238,6 +242,10 @@ class ACCOTrainer(Trainer):
             raise RuntimeError("ACCOTrainer.training_step runs inside train() only")
         items = label_tokens(self, inputs)  # before compute_loss consumes the inputs
         last = self.accelerator.sync_gradients
+        if self._acco_broadcast_buffers_next:
+            _broadcast_buffers(self.model)
+        # DDP broadcasts before a forward that follows a synchronizing one: each step's first
+        self._acco_broadcast_buffers_next = last and self.args.ddp_broadcast_buffers is not False
         loss = super().training_step(model, inputs, num_items_in_batch)
         weight = microbatch_weight(self, items, num_items_in_batch)
         ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()
@@ -371,6 +379,7 @@ class ACCOTrainer(Trainer):
         ``resume_from_checkpoint`` to keep the optimizer state.
         """
         self._acco_evaluation_barrier.open()
+        self._acco_broadcast_buffers_next = self.args.ddp_broadcast_buffers is not False
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -387,6 +396,15 @@ class ACCOTrainer(Trainer):
         if not isinstance(optimizer, EngineOptimizer):
             return
         optimizer.close(flush=flush, barrier=flush)
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Every rank's buffers become rank 0's, as DDP's ``broadcast_buffers`` makes them before a
+    forward (the engine's groups belong to its thread: the default group, on this one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer.detach(), src=0)
 
 
 def _ranks(count: int) -> str:

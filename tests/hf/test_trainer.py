@@ -62,6 +62,16 @@ def test_acco_arguments_are_command_line_flags_with_help() -> None:
 # ------------------------------------------------------------------------------ refusals
 
 
+class MatrixDecayAdamW(torch.optim.AdamW):
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim >= 2:
+                    p.mul_(1 - group["lr"] * 0.1)
+        return super().step(closure)
+
+
 REFUSALS = {  # setting: (how to spoil the run, what the message must name)
     "deepspeed": ({"after": {"deepspeed": {"zero_optimization": {"stage": 1}}}},
                   "TrainingArguments.deepspeed"),
@@ -75,8 +85,15 @@ REFUSALS = {  # setting: (how to spoil the run, what the message must name)
     # transformers' Adafactor scales each update by RMS values over a whole parameter
     "adafactor": ({"args": {"optim": "adafactor"}},
                   "TrainingArguments.optim='adafactor' gives Adafactor, which the ACCO engine "
-                  "cannot run (acco_hooks: transformers.optimization.Adafactor's step is not per "
-                  "element"),
+                  "cannot run (acco_hooks: transformers.optimization.Adafactor is not known to "
+                  "step each parameter element on its own"),
+    # a user's AdamW that decays matrices only (a branch on p.ndim): refused unless declared,
+    # and the probe at the model's shapes refuses it declared
+    "matrix_decay_adamw": ({"trainer": {"optimizer_cls_and_kwargs": (MatrixDecayAdamW,
+                                                                     {"lr": 1e-2})}},
+                           "optimizer_cls_and_kwargs gives MatrixDecayAdamW, which the ACCO "
+                           "engine cannot run (acco_hooks: tests.hf.test_trainer."
+                           "MatrixDecayAdamW is not known to step each parameter element"),
     "torch_adafactor": ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {})}},
                         "optimizer_cls_and_kwargs gives Adafactor, which the ACCO engine cannot "
                         "run (acco_hooks: torch.optim.Adafactor cannot step the engine's flat "
@@ -130,6 +147,9 @@ DDP_VARIANTS = [
          label_smoothing_factor=0.1, ragged=True),
     dict(learning_rate=1e-2, lr_scheduler_type="warmup_stable_decay", warmup_steps=1,
          lr_scheduler_kwargs={"num_stable_steps": 2, "num_decay_steps": 3}, ragged=True),
+    # BatchNorm's running statistics (buffers, which DDP broadcasts from rank 0 before each
+    # step's first forward), and the evaluation each rank runs with its own
+    dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, batchnorm=True),
 ]  # fmt: skip
 
 
@@ -161,6 +181,9 @@ def test_ddp_mode_equals_plain_trainer_with_ddp(distributed_results) -> None:
                                        msg=where)  # fmt: skip
             assert acco["lr"] == hf["lr"], where
             assert _max_param_diff(acco["params"], hf["params"]) <= PARAM_TOLERANCE, where
+            if "buffers" in hf:
+                assert _max_param_diff(acco["buffers"], hf["buffers"]) <= PARAM_TOLERANCE, where
+                assert abs(acco["eval_loss"] - hf["eval_loss"]) <= LOSS_TOLERANCE, where
             assert hf["loss"][6] < hf["loss"][1] - 0.05, where  # it trained: the check has teeth
     for variant_0, variant_1 in zip(*results):  # the replicas agree
         assert _max_param_diff(variant_0["acco"]["params"], variant_1["acco"]["params"]) == 0

@@ -29,6 +29,13 @@ def distributed_env(rank: int, world_size: int) -> None:
     )  # fmt: skip
 
 
+class BatchNormOverHidden(torch.nn.BatchNorm1d):
+    """BatchNorm over the hidden features of ``(batch, sequence, hidden)`` activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 256) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,11 +103,16 @@ def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) ->
             variant = dict(variant)
             ragged = variant.pop("ragged", False)
             mean_loss = variant.pop("mean_loss", False)
+            batchnorm = variant.pop("batchnorm", False)
             data = byte_dataset(32, ragged=ragged)
             out = {}
             for name in ("hf", "acco"):
                 args = training_args(os.path.join(tmp, name), **variant)
                 model = tiny_llama()
+                if batchnorm:  # running statistics: buffers DDP broadcasts from rank 0
+                    model.model.embed_tokens = torch.nn.Sequential(
+                        model.model.embed_tokens, BatchNormOverHidden(model.config.hidden_size)
+                    )
                 if name == "hf":
                     trainer = Trainer(model=model, args=args, train_dataset=data)
                 else:
@@ -114,6 +126,13 @@ def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) ->
                     "grad_norm": step_logs(trainer, "grad_norm"), "params": params(model),
                     "log_history": trainer.state.log_history,
                 }  # fmt: skip
+                if batchnorm:  # this rank's statistics, and what evaluating with them gives
+                    out[name]["buffers"] = {n: b.detach().clone().double()
+                                            for n, b in model.named_buffers()
+                                            if "embed_tokens" in n}  # fmt: skip
+                    out[name]["eval_loss"] = trainer.evaluate(byte_dataset(8, offset=4096))[
+                        "eval_loss"
+                    ]
             results.append(out)
     return results
 
