@@ -22,10 +22,11 @@ The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at th
       …
 
 Follow one gradient. ``backward()`` produces it; a post-accumulate-grad hook adds it to the
-fp32 accumulator (:meth:`ACCOEngine.accumulate_grad`) and drops ``.grad``. The front-end then
-calls :meth:`~ACCOEngine.microbatch_done`, which counts the micro-batch; the round ends after
-``accumulation_steps`` of them (or later, with ``accumulate_until_ready``, while the previous
-round still communicates, up to ``max_microbatches_per_round``). At the round end
+fp32 accumulator (:meth:`ACCOEngine.accumulate_grad`) and leaves in ``.grad`` a placeholder
+that refuses to be read (``ownership``: the loop must not clip what it cannot see). The
+front-end then calls :meth:`~ACCOEngine.microbatch_done`, which counts the micro-batch; the
+round ends after ``accumulation_steps`` of them (or later, with ``accumulate_until_ready``,
+while the previous round still communicates, up to ``max_microbatches_per_round``). At the round end
 (:meth:`~ACCOEngine._end_round`) the main thread
 
 1. waits for the communication launched at the end of the previous round and copies its

@@ -10,8 +10,11 @@ callbacks, checkpoint folders, ``resume_from_checkpoint``):
   Trainer's two parameter groups (weight decay / none) with the optimizer class and keyword
   arguments of ``TrainingArguments.optim`` (or ``optimizer_cls_and_kwargs``). A
   post-accumulate-grad hook moves each gradient into the engine during backward, so ``.grad``
-  stays empty and the Trainer's own clipping has nothing to clip: ``max_grad_norm`` goes to the
-  engine, which clips the averaged gradient (global norm, on its shard).
+  holds nothing to clip (a placeholder that refuses to be read) and the Trainer's own clipping
+  is the engine's: ``max_grad_norm`` goes to the engine, which clips the averaged gradient
+  (global norm, on its shard).
+* **Buffers** are rank 0's before each step's first forward, as DDP's ``broadcast_buffers``
+  makes them (``_broadcast_buffers``).
 * **One Trainer step is one round** of ``gradient_accumulation_steps`` micro-batches per rank.
   ``training_step`` counts each micro-batch with the engine; the round ends (and its
   communication starts on the engine's thread) with the step's last micro-batch.

@@ -24,8 +24,10 @@ class ACCOOptimizer(EngineFrontEnd):
     the next parameters, which removes the damage of the one-round delay (arXiv 2406.02613).
 
     Gradients never stay in ``.grad``: a hook moves each one into the engine's fp32
-    accumulator as soon as backward produces it, so ``.grad`` is ``None`` after ``backward()``
-    and ``zero_grad()`` is a no-op. The model holds the *live* parameters: in ``acco`` mode
+    accumulator as soon as backward produces it. Until :meth:`step` counts the micro-batch,
+    ``.grad`` holds a placeholder that refuses every operation by name (clipping in the loop
+    would clip nothing: pass ``max_grad_norm=``); after it, ``None``. ``zero_grad()`` is a
+    no-op. The model holds the *live* parameters: in ``acco`` mode
     these alternate between the real θ and the estimate θ̃; call :meth:`flush` to put the real
     θ in the model (before evaluating or exporting it).
 
