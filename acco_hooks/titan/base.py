@@ -182,6 +182,22 @@ class EngineOptimizersContainer(OptimizersContainer):
         if live is not None:
             self.engine.load_live_state_dict(live)
 
+    def take_assigned_grads(self) -> None:
+        """Hand the engine every gradient that reached ``.grad`` without its hook.
+
+        The zero-bubble pipeline schedules (``ZBVZeroBubble``, ``InterleavedZeroBubble``) split
+        a backward into an input pass and a later weight pass, and the weight pass
+        (``torch.distributed.pipelining``'s ``stage_backward_weight``) assigns ``weight.grad``
+        by hand, so the post-accumulate-grad hooks that move gradients into the engine never
+        fire for it. The trainer calls this after each pipeline schedule step; under any other
+        schedule (and under FSDP, which runs the hooks itself) nothing is left in ``.grad``.
+        """
+        engine = self.engine
+        for param in engine.params:
+            if param.grad is not None:
+                engine.accumulate_grad(param, param.grad)
+                param.grad = None
+
     def close(self, *, flush: bool = True, barrier: bool = True) -> None:
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
         and remove its gradient hooks (see ``ACCOEngine.close``)."""
@@ -406,6 +422,8 @@ class ACCOTrainerBase(Trainer):
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=one
             )
+            if self.parallel_dims.pp_enabled:  # a zero-bubble schedule's weight pass
+                self.optimizers.take_assigned_grads()
             if isinstance(loss, DTensor):  # loss parallel under TP
                 loss = loss.full_tensor()
             loss_sum += loss.detach().reshape(())
