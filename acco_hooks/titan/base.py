@@ -28,6 +28,7 @@ PP alike (torchtitan's PP schedule sums token losses).
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 from collections.abc import Iterator
@@ -321,11 +322,20 @@ class ACCOTrainerBase(Trainer):
                     "group's state; its own checkpoint is not loaded", engine.joined_round,
                 )  # fmt: skip
                 return False
+            # torchtitan's lr_scheduler entry is the engine's scheduler, whose state the
+            # engine's own entry (under optimizer) carries too: a schedule torchtitan was told
+            # to restart (exclude_from_loading lr_scheduler) must stay as built.
+            schedule = engine.lr_scheduler
+            excluded = getattr(self.checkpointer, "exclude_from_loading", ())  # off: unset
+            restart = "lr_scheduler" in excluded and schedule is not None
+            as_built = copy.deepcopy(schedule.state_dict()) if restart else None
             try:
                 loaded = load(*args, **kwargs)
             except BaseException as error:  # DCP's CheckpointException is a BaseException
                 refuse_other_model_layout(error, self.parallel_dims)
                 raise
+            if as_built is not None:
+                schedule.load_state_dict(as_built)
             if engine.round_index == 0:
                 # Model weights loaded without engine state (seed or pretrained checkpoint):
                 # the master shard was copied from the freshly initialised model.
