@@ -44,6 +44,7 @@ from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
 from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.dataloader import ReshardableLoaderState
+from acco_hooks.titan.titan_checkpoint import states_to_load
 
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: I001
 from torchtitan.components.optimizer import OptimizersContainer
@@ -131,8 +132,7 @@ class EngineOptimizersContainer(OptimizersContainer):
         the LR schedulers ``lr_scheduler(shard_optimizer)`` builds (or, later,
         :meth:`attach_lr_schedulers`)."""
         optimizer_class, optimizer_kwargs, settings = self._engine_plan
-        named = [(name, p) for m in self.model_parts for name, p in m.named_parameters()
-                 if p.requires_grad]  # fmt: skip
+        named = self.trained_parameters()
         # With TP or PP a rank holds only part of the model: the gradient norm is summed over
         # every rank (each counts its shard of its part; replicated tensors count once).
         model_parallel = parallel_dims.tp_enabled or parallel_dims.pp_enabled
@@ -149,6 +149,11 @@ class EngineOptimizersContainer(OptimizersContainer):
         self.manager = manager
         self.optimizers = [self.engine.optimizer]
         self.engine.hook_param_grads()
+
+    def trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters of every model part by name: what the engine trains."""
+        return [(name, p) for m in self.model_parts for name, p in m.named_parameters()
+                if p.requires_grad]  # fmt: skip
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
@@ -357,6 +362,17 @@ class ACCOTrainerBase(Trainer):
                 return saved
 
         self.checkpointer.save = save_real_parameters
+        dcp_load = getattr(self.checkpointer, "dcp_load", None)  # absent when checkpoints are off
+        if dcp_load is not None:
+
+            def load_torchtitans_own_too(states: dict, checkpoint_id: Any, *args, **kwargs):
+                # A checkpoint of torchtitan's own trainer keeps the optimizer's state by
+                # parameter and each data-parallel rank's position apart: read as ACCO's own
+                states = states_to_load(states, checkpoint_id, engine,
+                                        self.optimizers.trained_parameters(), acco.mode)  # fmt: skip
+                return dcp_load(states, checkpoint_id, *args, **kwargs)
+
+            self.checkpointer.dcp_load = load_torchtitans_own_too
         # The data loader's state must load on another number of replicas too (elastic
         # restarts): torchtitan's refuses to.
         states = getattr(self.checkpointer, "states", None)  # absent when checkpoints are off
