@@ -60,7 +60,7 @@ class TitanOptimizerState:
         saved: the checkpoint's keys under ``optimizer.`` (without that prefix).
     """
 
-    __slots__ = ("engine", "named", "hyperparameters")
+    __slots__ = ("engine", "hyperparameters", "named")
 
     def __init__(self, engine: ACCOEngine, named: list[tuple[str, nn.Parameter]],
                  saved: set[str]) -> None:  # fmt: skip

@@ -63,7 +63,8 @@ def test_a_missing_parameter_is_named() -> None:
     from acco_hooks import ACCOOptimizer
 
     model = make_model()
-    with ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, mode="ddp",
-                       process_group=None, lr=1e-2) as opt:  # fmt: skip
-        with pytest.raises(KeyError, match=r"no \w+(\.weight|\.bias)?\.exp_avg \(and 14 more\)"):
-            opt.engine.load_optimizer_state_by_name({})
+    with (
+        ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, mode="ddp", lr=1e-2) as opt,
+        pytest.raises(KeyError, match=r"no \w+(\.weight|\.bias)?\.exp_avg \(and 14 more\)"),
+    ):
+        opt.engine.load_optimizer_state_by_name({})
