@@ -16,10 +16,11 @@ Each launch costs CI seconds, so a torchtitan run is made once per module and sh
 cases that need the same one: a checkpoint several cases resume from, and the run of the
 options that leave torchtitan's own numbers as they are, which the others take as their
 oracle. Activation checkpointing recomputes the same forward, and torchtitan's pipeline
-schedules take the same step (measured here: its 1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble
-and InterleavedZeroBubble print the same losses, and norms within 1e-6 relative; its runs with
-and without activation checkpointing print the same losses and norms): those cases are held
-against torchtitan without activation checkpointing, and with 1F1B.
+schedules take the same step (measured here: its 1F1B, GPipe, Interleaved1F1B, LoopedBFS,
+ZBVZeroBubble and InterleavedZeroBubble print the same losses, and norms within 1e-6
+relative; its runs with and without activation checkpointing print the same losses and
+norms): those cases are held against torchtitan without activation checkpointing, and with
+1F1B.
 
 On torchtitan 0.3.0 the cases run where 0.3.0's own code is their subject (its checkpointer,
 its pipeline schedules' step loop); what both releases share (the engine, the trainer's round
@@ -129,23 +130,25 @@ CASES = [
     pytest.param(Case("hsdp"), marks=also_030, id="hsdp"),
     pytest.param(Case("hsdp", (RESHARD, "never")), marks=only_022,
                  id="hsdp-fsdp_reshard_after_forward_never"),
-    # bfloat16 compute (0.2.2 without FSDP: autocast, on both sides): a parameter that
-    # differs in its last float32 bit rounds to another bfloat16, which moves a loss by 1e-4.
-    # Under FSDP (HSDP, and every 0.3.0 layout) the cast is FSDP's own, on both sides alike
-    # (and bfloat16 on this CPU is 12x slower than float32: not run there)
+    # bfloat16 compute, 0.2.2 without FSDP (autocast, on both sides) and under FSDP (its cast):
+    # a parameter that differs in its last float32 bit rounds to another bfloat16, which moves
+    # a loss by 1e-4. Not on 0.3.0: bfloat16 on this CPU is 12x slower than float32 there
     pytest.param(Case("dp2_ddp", ("--training.mixed_precision_param", "bfloat16",
                                   "--training.max_norm", "1e9"), loss_abs=5e-4),
                  marks=only_022, id="torchtitan_ddp-mixed_precision_bf16"),
-    pytest.param(Case(options=VALIDATING, validation=True), marks=only_022, id="validation"),
+    pytest.param(Case("hsdp", ("--training.mixed_precision_param", "bfloat16"), loss_abs=5e-4),
+                 marks=only_022, id="hsdp-mixed_precision_bf16"),
+    pytest.param(Case(options=VALIDATING, validation=True), marks=also_030, id="validation"),
     *[pytest.param(Case("pp2", (SCHEDULE, schedule), oracle_options=(SCHEDULE, "1F1B")),
                    marks=also_030 if "ZeroBubble" in schedule else only_022, id=schedule)
-      for schedule in ("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble",
+      # DualPipeV needs an accelerator (CUDA streams)
+      for schedule in ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "ZBVZeroBubble",
                        "InterleavedZeroBubble")],
     pytest.param(Case(resume=Resume(options=(EXCLUDE, "lr_scheduler"))), marks=also_030,
                  id="resume-exclude_lr_scheduler"),
     pytest.param(Case(resume=Resume(from_="theirs")), marks=also_030,
                  id="torchtitans_checkpoint-in_the_folder"),
-    pytest.param(Case(resume=Resume(from_="theirs", via="initial_load_path")), marks=only_022,
+    pytest.param(Case(resume=Resume(from_="theirs", via="initial_load_path")), marks=also_030,
                  id="torchtitans_checkpoint-initial_load_path"),
     pytest.param(Case(resume=Resume(from_="theirs", options=(EXCLUDE, "dataloader"))),
                  marks=only_022, id="torchtitans_checkpoint-exclude_dataloader"),
