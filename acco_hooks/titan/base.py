@@ -362,7 +362,8 @@ class ACCOTrainerBase(Trainer):
                 return saved
 
         self.checkpointer.save = save_real_parameters
-        dcp_load = getattr(self.checkpointer, "dcp_load", None)  # absent when checkpoints are off
+        # (0.3.0's torch_checkpointing backend has none: a checkpoint of its own format)
+        dcp_load = getattr(self.checkpointer, "dcp_load", None)
         if dcp_load is not None:
 
             def load_torchtitans_own_too(states: dict, checkpoint_id: Any, *args, **kwargs):

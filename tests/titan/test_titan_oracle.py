@@ -108,9 +108,10 @@ SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 RESHARD = "--parallelism.fsdp_reshard_after_forward"
 EXCLUDE = "--checkpoint.exclude_from_loading"
 
-# 0.2.2 only: its subject is the engine or the round loop both releases share
+# 0.2.2 only: the engine or the round loop both releases share (or 0.2.2's own DDP)
 only_022 = pytest.mark.spmd_backends()
-# also on 0.3.0 (its default backend): 0.3.0's own checkpointer or pipeline step loop
+# also on 0.3.0 (its default backend): 0.3.0's own checkpointer, validator, FSDP layout or
+# pipeline step loop
 also_030 = pytest.mark.spmd_backends("spmd_types")
 
 CASES = [
