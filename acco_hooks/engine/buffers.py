@@ -190,9 +190,15 @@ class GroupBuffers:
     @torch.no_grad()
     def reset_master(self, rank: int) -> None:
         """Take this rank's fp32 master shard from the parameters' current values."""
+        self.master.copy_(self.shard_of(self.locals, rank))
+
+    @torch.no_grad()
+    def shard_of(self, tensors: list[Tensor], rank: int) -> Tensor:
+        """Rank ``rank``'s fp32 shard of ``tensors``, one per parameter and shaped as its local
+        tensor, laid end to end as the parameters are (the padding zero)."""
         flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.accumulator.device)
-        torch._foreach_copy_(_split(flat, self.locals), self.locals)
-        self.master.copy_(flat[rank * self.shard_numel : (rank + 1) * self.shard_numel])
+        torch._foreach_copy_(_split(flat, self.locals), list(tensors))
+        return flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
 
     def moved_params(self) -> list[str]:
         """Names of parameters whose storage is no longer the one the buffers were laid over.

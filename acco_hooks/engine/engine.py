@@ -51,6 +51,7 @@ number of data-parallel ranks; the format and its checks are ``state``'s) and cl
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -957,6 +958,42 @@ class ACCOEngine:
             )
         for g in self._buffers:
             g.reset_master(self.rank)
+
+    def load_optimizer_state_by_name(self, state: dict[str, dict[str, Any]]) -> None:
+        """Take the shard optimizer's state from per-parameter state keyed by parameter name.
+
+        ``state[name]`` is what a torch optimizer of the engine's class over the model's own
+        parameters keeps for that parameter (AdamW: ``exp_avg`` and ``exp_avg_sq`` shaped as
+        the parameter, a ``DTensor`` parameter's as its local shard, and ``step``), e.g. what
+        torchtitan's own trainer checkpoints. The per-element entries are laid out as the
+        master shard is; a per-parameter entry (a step count) is the group's first
+        parameter's. Call it before the first round, beside :meth:`reset_master_from_params`
+        for the weights; the param groups' hyperparameters stay as they are.
+
+        Raises:
+            KeyError: naming a parameter or entry that ``state`` lacks.
+        """
+        if self.round_index != 0 or self._in_flight is not None:
+            raise RuntimeError(
+                "acco_hooks: load_optimizer_state_by_name() after training started would drop "
+                "the optimizer's progress; call it before the first step"
+            )
+        layout, shard_state = self._state_layout, {}
+        for gi, g in enumerate(self._buffers):
+            missing = [f"{name}.{key}" for name in g.names
+                       for key in sorted(layout.per_element | layout.per_parameter)
+                       if key not in state.get(name, {})]  # fmt: skip
+            if missing:
+                raise KeyError(f"acco_hooks: load_optimizer_state_by_name: no {missing[0]} "
+                               f"(and {len(missing) - 1} more) in the state given")  # fmt: skip
+            shard_state[gi] = {
+                **{key: g.shard_of([local_tensor(state[name][key]) for name in g.names],
+                                   self.rank).clone() for key in layout.per_element},
+                # a copy: torch's optimizers count their steps in place
+                **{key: copy.deepcopy(state[g.names[0]][key]) for key in layout.per_parameter},
+            }  # fmt: skip
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by the categories of the spec's memory table."""

@@ -28,6 +28,7 @@ PP alike (torchtitan's PP schedule sums token losses).
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
 from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.dataloader import ReshardableLoaderState
+from acco_hooks.titan.titan_checkpoint import states_to_load
 
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: I001
 from torchtitan.components.optimizer import OptimizersContainer
@@ -130,8 +132,7 @@ class EngineOptimizersContainer(OptimizersContainer):
         the LR schedulers ``lr_scheduler(shard_optimizer)`` builds (or, later,
         :meth:`attach_lr_schedulers`)."""
         optimizer_class, optimizer_kwargs, settings = self._engine_plan
-        named = [(name, p) for m in self.model_parts for name, p in m.named_parameters()
-                 if p.requires_grad]  # fmt: skip
+        named = self.trained_parameters()
         # With TP or PP a rank holds only part of the model: the gradient norm is summed over
         # every rank (each counts its shard of its part; replicated tensors count once).
         model_parallel = parallel_dims.tp_enabled or parallel_dims.pp_enabled
@@ -150,6 +151,11 @@ class EngineOptimizersContainer(OptimizersContainer):
         # No placeholders in .grad: torchtitan's loop reads no gradient, and the zero-bubble
         # pipeline schedules write .grad themselves
         self.engine.hook_param_grads(placeholders=False)
+
+    def trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters of every model part by name: what the engine trains."""
+        return [(name, p) for m in self.model_parts for name, p in m.named_parameters()
+                if p.requires_grad]  # fmt: skip
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
@@ -183,6 +189,22 @@ class EngineOptimizersContainer(OptimizersContainer):
         live, self._live_to_restore = getattr(self, "_live_to_restore", None), None
         if live is not None:
             self.engine.load_live_state_dict(live)
+
+    def take_assigned_grads(self) -> None:
+        """Hand the engine every gradient that reached ``.grad`` without its hook.
+
+        The zero-bubble pipeline schedules (``ZBVZeroBubble``, ``InterleavedZeroBubble``) split
+        a backward into an input pass and a later weight pass, and the weight pass
+        (``torch.distributed.pipelining``'s ``stage_backward_weight``) assigns ``weight.grad``
+        by hand, so the post-accumulate-grad hooks that move gradients into the engine never
+        fire for it. The trainer calls this after each pipeline schedule step; under any other
+        schedule (and under FSDP, which runs the hooks itself) nothing is left in ``.grad``.
+        """
+        engine = self.engine
+        for param in engine.params:
+            if param.grad is not None:
+                engine.accumulate_grad(param, param.grad)
+                param.grad = None
 
     def close(self, *, flush: bool = True, barrier: bool = True) -> None:
         """Apply or drop the update in flight, join the engine's thread, destroy its groups
@@ -307,11 +329,20 @@ class ACCOTrainerBase(Trainer):
                     "group's state; its own checkpoint is not loaded", engine.joined_round,
                 )  # fmt: skip
                 return False
+            # torchtitan's lr_scheduler entry is the engine's scheduler, whose state the
+            # engine's own entry (under optimizer) carries too: a schedule torchtitan was told
+            # to restart (exclude_from_loading lr_scheduler) must stay as built.
+            schedule = engine.lr_scheduler
+            excluded = getattr(self.checkpointer, "exclude_from_loading", ())  # off: unset
+            restart = "lr_scheduler" in excluded and schedule is not None
+            as_built = copy.deepcopy(schedule.state_dict()) if restart else None
             try:
                 loaded = load(*args, **kwargs)
             except BaseException as error:  # DCP's CheckpointException is a BaseException
                 refuse_other_model_layout(error, self.parallel_dims)
                 raise
+            if as_built is not None:
+                schedule.load_state_dict(as_built)
             if engine.round_index == 0:
                 # Model weights loaded without engine state (seed or pretrained checkpoint):
                 # the master shard was copied from the freshly initialised model.
@@ -333,6 +364,18 @@ class ACCOTrainerBase(Trainer):
                 return saved
 
         self.checkpointer.save = save_real_parameters
+        # (0.3.0's torch_checkpointing backend has none: a checkpoint of its own format)
+        dcp_load = getattr(self.checkpointer, "dcp_load", None)
+        if dcp_load is not None:
+
+            def load_torchtitans_own_too(states: dict, checkpoint_id: Any, *args, **kwargs):
+                # A checkpoint of torchtitan's own trainer keeps the optimizer's state by
+                # parameter and each data-parallel rank's position apart: read as ACCO's own
+                states = states_to_load(states, checkpoint_id, engine,
+                                        self.optimizers.trained_parameters(), acco.mode)  # fmt: skip
+                return dcp_load(states, checkpoint_id, *args, **kwargs)
+
+            self.checkpointer.dcp_load = load_torchtitans_own_too
         # The data loader's state must load on another number of replicas too (elastic
         # restarts): torchtitan's refuses to.
         states = getattr(self.checkpointer, "states", None)  # absent when checkpoints are off
@@ -408,6 +451,8 @@ class ACCOTrainerBase(Trainer):
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=one
             )
+            if self.parallel_dims.pp_enabled:  # a zero-bubble schedule's weight pass
+                self.optimizers.take_assigned_grads()
             if isinstance(loss, DTensor):  # loss parallel under TP
                 loss = loss.full_tensor()
             loss_sum += loss.detach().reshape(())

@@ -79,6 +79,7 @@ KEYS: dict[str, Key] = {
     "parallelism.pipeline_parallel_schedule": Key(str, "parallelism.pipeline_parallel_schedule"),
     "parallelism.spmd_backend": Key(str, "parallelism.spmd_backend"),  # 0.3.0 only
     "parallelism.enable_sequence_parallel": Key(bool, "parallelism.enable_sequence_parallel"),
+    "parallelism.fsdp_reshard_after_forward": Key(str, "parallelism.fsdp_reshard_after_forward"),
     "activation_checkpoint.mode": Key(str, None),
     "activation_checkpoint.selective_ac_option": Key(str, None),
     "compile.enable": Key(bool, "compile.enable"),
@@ -88,6 +89,7 @@ KEYS: dict[str, Key] = {
     **_same("checkpoint", "interval keep_latest_k load_step", int),
     **_same("checkpoint", "folder export_dtype async_mode", str),
     "checkpoint.initial_load_path": Key(str, None),  # made absolute (0.3.0 requires it)
+    "checkpoint.exclude_from_loading": Key(list, "checkpoint.exclude_from_loading"),
     **_same("metrics", "log_freq", int),
     **_same("metrics", "enable_tensorboard disable_color_printing", bool),
     "debug.seed": Key(int, "debug.seed"),

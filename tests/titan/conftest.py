@@ -19,9 +19,14 @@ CI is kept under 60 minutes).
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from acco_hooks.titan import TITAN_030
+from scaffolding import forked_ranks
+
+ROOT = pathlib.Path(__file__).parents[2]
 
 SPMD_BACKENDS: tuple[str | None, ...] = ("spmd_types", "partial_dtensor") if TITAN_030 else (None,)
 
@@ -71,3 +76,19 @@ def backend_overrides(spelling: str = "_") -> tuple[str, ...]:
     if backend is None:
         return ()
     return (f"--parallelism.spmd{spelling}backend", backend)
+
+
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """Initial weights made once by one process, so every layout (and every test module)
+    starts from the same model."""
+    dump = tmp_path_factory.mktemp("seed")
+    argv = [str(ROOT / "train_titan.py"), "--job.config_file",
+            str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder",
+            str(dump), "--acco.no-enable", "--parallelism.data_parallel_replicate_degree", "1",
+            "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint"]  # fmt: skip
+    log = dump / "seed.log"
+    status = forked_ranks.run(1, argv, log, preload=forked_ranks.train_titan_preload())
+    assert status == 0, log.read_text()[-4000:]
+    return dump / "checkpoint" / "step-0"

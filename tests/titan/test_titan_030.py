@@ -223,7 +223,9 @@ def test_a_debug_config_without_its_corpus_says_how_to_launch_it() -> None:
 def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     config = load_toml_config(CONFIGS / "debug_cpu_hsdp_acco.toml",
                               ["--optimizer.lr", "1e-3", "--acco.mode=dpu",
-                               "--checkpoint.no-enable", "--training.steps", "7"])  # fmt: skip
+                               "--checkpoint.no-enable", "--training.steps", "7",
+                               "--checkpoint.exclude_from_loading", "lr_scheduler,dataloader",
+                               "--parallelism.fsdp_reshard_after_forward", "never"])  # fmt: skip
     (group,) = config.optimizer.param_groups
     assert group.optimizer_name == "AdamW" and group.pattern == ".*"
     assert group.optimizer_kwargs == {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8,
@@ -232,9 +234,11 @@ def test_the_translation_keeps_every_setting_of_a_toml() -> None:
     assert (config.acco.mode, config.acco.enable) == ("dpu", True)
     assert config.training.steps == 7 and config.training.disable_cuda_graphs
     assert config.checkpoint.enable is False
+    assert config.checkpoint.exclude_from_loading == ["lr_scheduler", "dataloader"]
     par = config.parallelism
     assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree) == (2, 2)
     assert par.spmd_backend == "spmd_types"  # torchtitan's default: no flag to set
+    assert par.fsdp_reshard_after_forward == "never"
     assert config.dataloader.dataset == "stdlib" and config.activation_checkpoint is None
     assert (config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_type) == (2, "cosine")
 
