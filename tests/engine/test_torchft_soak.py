@@ -23,7 +23,9 @@ Three generators, each case drawn from its seed (2 or 3 replica groups of 1 or 2
 * **groups that differ** in one setting (the learning rate, ``accumulation_steps``, the mode,
   clipping, the LR scheduler or its arguments, the initial parameters, a learning rate set by
   hand at some round, the number of ranks): every group must stop with the refusal naming it,
-  and none may finish training.
+  and none may finish training; or the group that differs starts late, joining a running job:
+  it must stop with the refusal, alone, and the live groups finish as the reference in which
+  it never contributed.
 
 Not in the default suite (each case is a torchft job and its reference: 10-40 s); the default
 suite runs fixed cases of each kind in ``test_torchft.py``. ``ACCO_TORCHFT_SOAK_CASES`` sets
@@ -237,6 +239,12 @@ MISMATCHES = {
 }
 
 
+# What a joiner that differs is refused for in its first step (it takes the live groups' state,
+# so its own initial parameters and learning rate by hand do not apply)
+JOINER_MISMATCHES = ["lr", "accumulation_steps", "mode", "max_grad_norm", "lr_scheduler",
+                     "lr_scheduler_arguments", "group_size"]  # fmt: skip
+
+
 @pytest.mark.soak
 @pytest.mark.parametrize("seed", SEEDS)
 def test_generated_groups_that_differ_are_all_refused_by_name(tmp_path: Path, seed: int) -> None:
@@ -246,7 +254,8 @@ def test_generated_groups_that_differ_are_all_refused_by_name(tmp_path: Path, se
     groups, size = rng.choice([2, 3]), rng.choice([1, 2])
     odd = rng.randrange(groups)  # the group that differs
     mode = rng.choice(["acco", "dpu", "ddp"])
-    args = ["--mode", mode, "--rounds", "12", "--timeout", "10"]
+    late = kind in JOINER_MISMATCHES and rng.random() < 0.4  # it joins a running job
+    args = ["--mode", mode, "--rounds", "16" if late else "12", "--timeout", "10"]
     if kind == "lr_scheduler_arguments":
         args += ["--lr-step-size", "3"]
     sizes = [size] * groups
@@ -254,10 +263,27 @@ def test_generated_groups_that_differ_are_all_refused_by_name(tmp_path: Path, se
         differs = ["--mode", rng.choice([m for m in ("acco", "dpu", "ddp") if m != mode])]
     if kind == "group_size":
         sizes[odd], differs = 3 - size, []
-    status = run_groups(groups, sizes, args, tmp_path, replica_args={odd: differs})
-    case = (kind, groups, sizes, odd, mode)
-    assert all(code != 0 for code in status), (case, status)
+    replica_args = {odd: differs}
+    if late:
+        live = [g for g in range(groups) if g != odd]
+        hold = ["--hold-round", "6", "--hold-for", "joining"]
+        replica_args = {**{g: hold for g in live}, live[0]: [*hold, "--mark-round", "6"],
+                        odd: [*differs, "--wait-for", "round_6", "--announce", "joining"]}  # fmt: skip
+    status = run_groups(groups, sizes, args, tmp_path, replica_args=replica_args,
+                        start_together=not late, timeout_s=360)  # fmt: skip
+    case = (kind, groups, sizes, odd, mode, late)
+    refused = [odd] if late else list(range(groups))
     for g in range(groups):
         log = (tmp_path / f"g{g}.log").read_text()
-        assert f"the replica groups differ in their {named}" in log, (case, g, log[-3000:])
-    assert not list(tmp_path.glob("params_*")), (case, "a group finished training")
+        if g in refused:
+            assert status[g] != 0, (case, status)
+            assert f"the replica groups differ in their {named}" in log, (case, g, log[-3000:])
+        else:
+            assert status[g] == 0, (case, status, log[-3000:])
+    if not late:
+        assert not list(tmp_path.glob("params_*")), (case, "a group finished training")
+        return
+    assert not list(tmp_path.glob(f"params_g{odd}_*")), (case, "the joiner trained")
+    never = ["--stop-group", str(odd), "--stop-round", "0"]
+    assert run_reference(groups, size, [*args, *never], tmp_path) == 0
+    _assert_every_rank_equals(tmp_path, case, live, size, _params(tmp_path, "ref_r0"))
