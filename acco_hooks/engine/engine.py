@@ -577,8 +577,8 @@ class ACCOEngine:
     def _count_or_end_round(self, weight: float) -> bool:
         if self._waits_for_own_round and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
-            self._finish_in_flight(apply=True)
-            self._at_update_end(self.schedule)
+            if self._finish_in_flight(apply=True):
+                self._at_update_end(self.schedule)
             self.step_boundary = True
             return True
         counted = (self._round_microbatches, self._local_count, self._local_unit)
@@ -662,9 +662,10 @@ class ACCOEngine:
             arrived[:] = [False] * len(arrived)
         if not schedule.synchronous:
             self._estimate_next = not estimate
-        if self._waits_for_own_round:  # its own result is the next parameters
-            self._finish_in_flight(apply=True)
-        if not estimate:
+        # its own result is the next parameters; a torchft group that took a live group's
+        # state instead holds that update's counters already (``_rejoin``)
+        taken = not self._waits_for_own_round or self._finish_in_flight(apply=True)
+        if not estimate and taken:
             self._at_update_end(schedule)
         self.step_boundary = self.settings.mode is not Mode.AUTO or not estimate
         # 4. return: the next round computes while the network works
@@ -696,19 +697,23 @@ class ACCOEngine:
             self._auto.record_update(ran, now - self._update_started)
         agreed = self._agreed
         if agreed is not None and agreed != self.schedule:
-            if agreed.synchronous:  # the update in flight is applied: the next round computes at θ
-                self._finish_in_flight(apply=True)
+            # the update in flight is applied: the next round computes at θ (unless a torchft
+            # group took a live group's state instead, which holds the schedule already)
+            if agreed.synchronous and not self._finish_in_flight(apply=True):
+                return
             self.schedule, self._estimate_next = agreed, True
         self._update_started = time.perf_counter()
 
-    def _finish_in_flight(self, apply: bool) -> None:
+    def _finish_in_flight(self, apply: bool) -> bool:
         """Wait for the round in flight; with ``apply``, its result becomes the live parameters.
 
-        The one place that waits for the communication thread and applies its result.
+        The one place that waits for the communication thread and applies its result. Returns
+        ``False`` when the round was dropped instead: under torchft, this group took a live
+        group's state (:meth:`_rejoin`), whose counters are past that round's bookkeeping.
         """
         flight = self._in_flight
         if flight is None:
-            return
+            return True
         if self._failure is not None:
             raise self._failure
         try:
@@ -716,7 +721,7 @@ class ACCOEngine:
                 result = self._wait(flight.future)
         except GroupFellBehind as behind:  # torchft: the job stopped to take the others' state
             self._rejoin(behind)
-            return
+            return False
         except Exception as exc:  # not KeyboardInterrupt: the communication itself goes on
             self._failure = ACCOCommunicationError(
                 f"acco_hooks: the communication of round {flight.round_index} failed on rank "
@@ -732,6 +737,7 @@ class ACCOEngine:
                 for g in self._buffers:
                     g.copy_gathered_into_params(difference=flight.plan.wire is not None)
             self._in_flight = None
+        return True
 
     def _wait(self, job: Future) -> Any:
         """Wait for a job of the communication thread. The timeout is a backstop only: a dead
@@ -854,7 +860,9 @@ class ACCOEngine:
         if self._in_flight is None or self._in_flight.plan.job is not Job.UPDATE:
             yield None
             return
-        self._finish_in_flight(apply=False)
+        if not self._finish_in_flight(apply=False):  # torchft: a live group's state, taken now
+            yield None
+            return
         live = {n: t.clone() for g in self._buffers for n, t in zip(g.names, g.locals)}
         with torch.no_grad():
             for g in self._buffers:
