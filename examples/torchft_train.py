@@ -120,10 +120,10 @@ def parse_args() -> argparse.Namespace:
                    "an error on its own link")
     p.add_argument("--flaky-round", type=int, default=5)
     # A group that joins a running job: it waits for a file the running group writes at a round
-    p.add_argument("--start-together", action="store_true",
-                   help="wait until every group's Manager is up (files in --out) before the "
-                   "first round, so that the first quorum holds every group; a group that "
-                   "comes later joins the running job (takes a live group's state)")
+    p.add_argument("--start-together", type=int, nargs="*", default=None, metavar="GROUP",
+                   help="wait until every group's Manager is up (files in --out; or these "
+                   "groups') before the first round, so that the first quorum holds every group; "
+                   "a group that comes later joins the running job (takes a live group's state)")
     p.add_argument("--mark-round", type=int, default=None,
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
@@ -220,11 +220,12 @@ def main() -> None:
             announce_first_quorum_request(manager, name, out, out / f"{args.announce}_r{rank}",
                                           4 * args.timeout)
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
-        if args.start_together:  # every Manager heartbeats before any group asks for a quorum
+        if args.start_together is not None:  # these Managers heartbeat before any quorum
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
             # every group's first rank (its Manager's server) and this group's ranks: groups
             # of another size are the engine's to refuse, not a wait's
-            _wait_for(out, [f"manager_up_g{g}_r0" for g in range(args.groups)]
+            together = args.start_together or range(args.groups)
+            _wait_for(out, [f"manager_up_g{g}_r0" for g in together]
                       + [f"manager_up_g{args.replica_id}_r{r}" for r in range(group_size)],
                       4 * args.timeout)  # fmt: skip
     model = build_model(args.seed, args.fsdp)

@@ -40,14 +40,15 @@ def run_groups(
     groups: int, group_size: int | Sequence[int], args: Sequence[str], out: Path, *,
     timeout_s: float = 240.0,
     heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
-    start_together: bool = True, restart: dict[int, Sequence[str]] | None = None,
+    start_together: bool | Sequence[int] = True, restart: dict[int, Sequence[str]] | None = None,
     program: Sequence[str] = ("-m", EXAMPLE),
 ) -> list[int]:  # fmt: skip
     """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
     (or ``group_size[i]`` in group ``i``: groups that differ, which the engine refuses) under
     one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
     goes to ``out/g{i}.log``; ``replica_args`` adds arguments to some groups. With
-    ``start_together`` no group starts training before every group's Manager is up: the
+    ``start_together`` no group starts training before every group's Manager is up (or, given
+    groups, no group of those before theirs, and the others start as they come: late): the
     groups start at slightly different moments here, and one that missed the first quorum
     would join the running job. ``restart``: a group that exits is started again, once, with
     these arguments instead of its ``replica_args`` (what a node's restart does; its output
@@ -72,8 +73,11 @@ def run_groups(
                    "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
             own = []  # the example's own flags
             if tuple(program) == ("-m", EXAMPLE):
-                own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out),
-                       *(["--start-together"] if start_together else [])]  # fmt: skip
+                own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out)]
+                if start_together is True:
+                    own.append("--start-together")
+                elif start_together and i in start_together:
+                    own += ["--start-together", *map(str, start_together)]
             argv = [*_torchrun(sizes[i], program), *own, *args, *extra]
             job = _start(argv, env, out / log)
             started.append(job)

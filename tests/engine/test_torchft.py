@@ -307,13 +307,14 @@ def test_groups_of_another_number_of_ranks_are_refused_by_name_before_the_first_
     assert not list(tmp_path.glob("params_*")), "no group trained on"
 
 
-def test_a_group_whose_sum_failed_alone_heals_and_trains_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["acco", "ddp"])  # ddp: the group waits for its own round
+def test_a_group_whose_sum_failed_alone_heals_and_trains_exactly(tmp_path: Path, mode: str) -> None:
     """torchft's commit is each group's: group 1's vote on round 5 fails (an error on its own
     link, after the sum went through), group 0 commits the round and goes on. Group 1's retry
     meets group 0 a round later, behind by a committed round: it takes group 0's state, sits
     that round out, and both end bit-identical, equal to a reference whose group 1 skipped that
     one round."""
-    args = ["--rounds", "14", "--timeout", "10"]
+    args = ["--mode", mode, "--rounds", "14", "--timeout", "10"]
     flaky = {1: ["--flaky-group", "1", "--flaky-round", "5"]}
     assert run_groups(2, 1, args, tmp_path, replica_args=flaky) == [0, 0]
     assert _params(tmp_path, "g0_r0")["last_joined"] is None
@@ -340,7 +341,7 @@ def test_a_group_joining_in_a_round_whose_sum_fails_takes_the_state_on_the_retry
     ra = {0: [*HOLD, "--mark-round", "10"],
           1: [*HOLD, "--kill-group", "1", "--kill-at", "in_reduction", "--kill-round", "11"],
           2: ["--wait-for", "round_10", "--announce", "joining"]}  # fmt: skip
-    status = run_groups(3, 1, HEAL_ARGS, tmp_path, replica_args=ra, start_together=False)
+    status = run_groups(3, 1, HEAL_ARGS, tmp_path, replica_args=ra, start_together=[0, 1])
     assert status[0] == 0 and status[2] == 0 and status[1] != 0, status
     assert _params(tmp_path, "g2_r0")["first_round"] == 12
     assert "joined the job at round 11" in (tmp_path / "g2.log").read_text()

@@ -137,7 +137,9 @@ def test_generated_torchft_job_equals_its_oracle(tmp_path: Path, seed: int) -> N
         case.groups, case.group_size, case.args, tmp_path,
         replica_args=replica_args[case.event],
         restart={lost: ["--announce", "joining"]} if case.event == "restart" else None,
-        start_together=case.event not in ("late", "join_in_failed_round"), timeout_s=360,
+        # the groups that do not start late start together
+        start_together=list(range(lost)) if case.event in ("late", "join_in_failed_round")
+        else True, timeout_s=360,
     )  # fmt: skip
     dead = {"kill": [lost], "join_in_failed_round": [1]}.get(case.event, [])
     alive = [g for g in range(case.groups) if g not in dead]
@@ -263,14 +265,14 @@ def test_generated_groups_that_differ_are_all_refused_by_name(tmp_path: Path, se
         differs = ["--mode", rng.choice([m for m in ("acco", "dpu", "ddp") if m != mode])]
     if kind == "group_size":
         sizes[odd], differs = 3 - size, []
-    replica_args = {odd: differs}
+    replica_args, live = {odd: differs}, list(range(groups))
     if late:
         live = [g for g in range(groups) if g != odd]
         hold = ["--hold-round", "6", "--hold-for", "joining"]
         replica_args = {**{g: hold for g in live}, live[0]: [*hold, "--mark-round", "6"],
                         odd: [*differs, "--wait-for", "round_6", "--announce", "joining"]}  # fmt: skip
     status = run_groups(groups, sizes, args, tmp_path, replica_args=replica_args,
-                        start_together=not late, timeout_s=360)  # fmt: skip
+                        start_together=live if late else True, timeout_s=360)  # fmt: skip
     case = (kind, groups, sizes, odd, mode, late)
     refused = [odd] if late else list(range(groups))
     for g in range(groups):
