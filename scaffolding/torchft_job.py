@@ -69,8 +69,9 @@ def run_groups(
         ))  # fmt: skip
 
         def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
-            env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
-                   "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
+            # the manager's server binds a port of its own (0) and publishes it in the group's
+            # store: a port picked here first may be taken by another process before it binds
+            env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "TORCHFT_MANAGER_PORT": "0"}
             own = []  # the example's own flags
             if tuple(program) == ("-m", EXAMPLE):
                 own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out)]
