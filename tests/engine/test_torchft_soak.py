@@ -125,17 +125,14 @@ def test_generated_torchft_job_equals_its_oracle(tmp_path: Path, seed: int) -> N
         "none": {}, "kill": {lost: kill}, "restart": {**hold, lost: kill},
         "late": {**hold, 0: [*hold[0], "--mark-round", str(HOLD_ROUND)], lost: joiner},
         "flaky": {lost: ["--flaky-group", str(lost), "--flaky-round", str(case.kill_round)]},
-        # group 1 dies in the sum in which group 2 (the joiner) is healed
-        "join_in_failed_round": {
-            0: [*hold[0], "--mark-round", str(HOLD_ROUND)],
-            1: [*hold[1], "--kill-group", "1", "--kill-at", "in_reduction",
-                "--kill-round", str(HOLD_ROUND + 1)],
-            2: joiner,
-        },
-    }  # fmt: skip
+    }.get(case.event)  # fmt: skip
+    if case.event == "join_in_failed_round":  # group 1 dies in the sum that heals group 2
+        replica_args = {0: [*hold[0], "--mark-round", str(HOLD_ROUND)],
+                        1: [*hold[1], "--kill-group", "1", "--kill-at", "in_reduction",
+                            "--kill-round", str(HOLD_ROUND + 1)],
+                        2: joiner}  # fmt: skip
     status = run_groups(
-        case.groups, case.group_size, case.args, tmp_path,
-        replica_args=replica_args[case.event],
+        case.groups, case.group_size, case.args, tmp_path, replica_args=replica_args,
         restart={lost: ["--announce", "joining"]} if case.event == "restart" else None,
         # the groups that do not start late start together
         start_together=list(range(lost)) if case.event in ("late", "join_in_failed_round")
