@@ -21,11 +21,22 @@ torchrun again) takes a live group's state when the optimizer is built and train
 round the engine says (``engine.round_index``), reading its data on from
 ``engine.microbatches_scheduled`` (in ``--mode auto`` rounds change size).
 
+A group whose sum failed alone (its link, not the others') is left a committed round behind:
+it takes a live group's state again in a later round's sum, sits that round out, and reads on
+from ``engine.microbatches_scheduled``, which the loop therefore reads at every round end.
+
+``--save NAME`` writes a distributed checkpoint (``torch.distributed.checkpoint``: the model and
+``opt.state_dict()``) once the rounds are done, to ``--out/NAME_g{i}`` (the reference run:
+``--out/NAME_ref``); ``--resume PATH`` loads one (a folder, in ``--out`` if relative) into the
+optimizer just built, on any number of groups and ranks, with or without torchft, and trains on
+to ``--rounds``.
+
 Each rank writes its real parameters at the end to ``--out/params_g{i}_r{r}.pt`` (the reference
 run: ``params_ref_r{rank}.pt``), with the updates it applied, the round it started training in
-(after a join, the round after the one it joined in) and its data position then, and, for
-each round end, the rounds ended, the updates applied, the time, how long the round end waited,
-the schedule the round ran (``--mode auto`` changes it, the same in every group) and the data
+(after a join, the round after the one it joined in) and its data position then, the last
+round it sat out to take a live group's state (``engine.joined_round``), and, for each round
+end, the rounds ended, the updates applied, the time, how long the round end waited, the
+schedule the round ran (``--mode auto`` changes it, the same in every group) and the data
 position.
 """
 
@@ -41,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from acco_hooks import ACCOHSDPOptimizer, ACCOOptimizer
@@ -69,6 +81,23 @@ def parse_args() -> argparse.Namespace:
                    "parameters (and state) at the start")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a collective may wait for a silent peer")
+    p.add_argument("--engine-timeout", default=None,
+                   help="the optimizer's timeout= if not --timeout ('none': None, the manager's "
+                   "timeout bounds the search for a quorum)")
+    p.add_argument("--min-replica-size", type=int, default=1,
+                   help="torchft's min_replica_size: a step commits only over this many groups")
+    p.add_argument("--lr-step-size", type=int, default=0,
+                   help="an LR scheduler: halve the learning rate every this many updates "
+                   "(StepLR; 0: none)")
+    p.add_argument("--lr-at", type=float, nargs=2, default=None, metavar=("ROUND", "LR"),
+                   help="set the learning rate by hand (opt.param_groups) once ROUND rounds "
+                   "ended, as a warm-up written in the loop would")
+    p.add_argument("--save", default=None,
+                   help="write a distributed checkpoint to --out/NAME_g{i} (the reference: "
+                   "NAME_ref) once the rounds are done")
+    p.add_argument("--resume", default=None,
+                   help="load this distributed checkpoint (a folder; relative: in --out) before "
+                   "training")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
                    help="extra compute time per micro-batch, to stand for a real model")
     p.add_argument("--link-seconds", type=float, default=0.0,
@@ -84,11 +113,17 @@ def parse_args() -> argparse.Namespace:
                    "after_estimate: once estimate round --kill-round was summed, before its "
                    "update; in_reduction: as the round's sum over the groups starts")
     p.add_argument("--kill-round", type=int, default=4)
+    # A transient fault on one group's link: its sum of a round fails there alone (the others
+    # commit it), and torchft retries that group by itself
+    p.add_argument("--flaky-group", type=int, default=None,
+                   help="this replica group's vote on round --flaky-round fails once, as after "
+                   "an error on its own link")
+    p.add_argument("--flaky-round", type=int, default=5)
     # A group that joins a running job: it waits for a file the running group writes at a round
-    p.add_argument("--start-together", action="store_true",
-                   help="wait until every group's Manager is up (files in --out) before the "
-                   "first round, so that the first quorum holds every group; a group that "
-                   "comes later joins the running job (takes a live group's state)")
+    p.add_argument("--start-together", type=int, nargs="*", default=None, metavar="GROUP",
+                   help="wait until every group's Manager is up (files in --out; or these "
+                   "groups') before the first round, so that the first quorum holds every group; "
+                   "a group that comes later joins the running job (takes a live group's state)")
     p.add_argument("--mark-round", type=int, default=None,
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
@@ -101,13 +136,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hold-round", type=int, default=None,
                    help="once this many rounds ended (in --mode auto at the first update's end "
                    "from then on), wait for --hold-for in --out: a group that joins then meets "
-                   "this one in the next round's sum, whenever it comes")
+                   "this one in the next round's sum (its first step, which compares settings) "
+                   "and joins in the one after, whenever it comes")
     p.add_argument("--hold-for", default=None)
+    p.add_argument("--hold-mid-update", action="store_true",
+                   help="--mode auto: hold at a round end inside an update instead (after an "
+                   "estimate round), so that a joiner's first step meets this group in the "
+                   "update round's sum, and its join in the next estimate round's")
     # The reference of such a run: the same ranks without torchft, the lost group's ranks
     # contributing nothing from --stop-round on, until --resume-round (it joined again)
     p.add_argument("--stop-group", type=int, default=None)
     p.add_argument("--stop-round", type=int, default=None)
     p.add_argument("--resume-round", type=int, default=None)
+    p.add_argument("--also-stop", type=int, nargs=3, action="append", default=[],
+                   metavar=("GROUP", "FROM", "UNTIL"),
+                   help="the same for another group: its ranks contribute nothing in rounds "
+                   "FROM to UNTIL - 1")
     return p.parse_args()
 
 
@@ -159,10 +203,12 @@ def main() -> None:
         manager_class = _slow_link(Manager, args.link_seconds) if args.link_seconds else Manager
         if dying:
             manager_class = _dying_manager(manager_class, args.kill_round, out)
+        if args.flaky_group == args.replica_id:
+            manager_class = _flaky_link(manager_class, args.flaky_round)
         name = f"acco_{args.replica_id}"  # the lighthouse's, with a uuid per start of the group
         manager = manager_class(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-            min_replica_size=1,
+            min_replica_size=args.min_replica_size,
             replica_id=name, timeout=timeout, connect_timeout=timeout,
             # every group builds the same model from the same seed: nothing to copy at the
             # start (init_sync=True copies the first group's state to the others)
@@ -174,27 +220,46 @@ def main() -> None:
             announce_first_quorum_request(manager, name, out, out / f"{args.announce}_r{rank}",
                                           4 * args.timeout)
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
-        if args.start_together:  # every Manager heartbeats before any group asks for a quorum
+        if args.start_together is not None:  # these Managers heartbeat before any quorum
             (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
-            _wait_for(out, [f"manager_up_g{g}_r{r}" for g in range(args.groups)
-                            for r in range(group_size)], 4 * args.timeout)  # fmt: skip
+            # every group's first rank (its Manager's server) and this group's ranks: groups
+            # of another size are the engine's to refuse, not a wait's
+            together = args.start_together or range(args.groups)
+            _wait_for(out, [f"manager_up_g{g}_r0" for g in together]
+                      + [f"manager_up_g{args.replica_id}_r{r}" for r in range(group_size)],
+                      4 * args.timeout)  # fmt: skip
     model = build_model(args.seed, args.fsdp)
+    engine_timeout = args.timeout if args.engine_timeout is None else (
+        None if args.engine_timeout == "none" else float(args.engine_timeout)
+    )  # fmt: skip
+    step_size = args.lr_step_size
     settings = dict(mode=args.mode, accumulation_steps=args.accumulation_steps,
-                    max_grad_norm=args.max_grad_norm, timeout=args.timeout, manager=manager,
-                    lr=args.lr)  # fmt: skip
+                    max_grad_norm=args.max_grad_norm, timeout=engine_timeout, manager=manager,
+                    lr=args.lr,
+                    lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size, 0.5))
+                    if step_size else None)  # fmt: skip
     if args.fsdp:
         opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, **settings)
     else:
         opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **settings)
     engine = opt.engine
+    if args.resume is not None:  # every group loads the same checkpoint, before its first round
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=out / args.resume)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
     # at each round end: rounds ended, updates applied, the time, how long the end waited, the
     # schedule the round ran and the micro-batches read so far
     round_ends = []
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
-    stopped = args.stop_group is not None and dp_rank // ranks_per_group == args.stop_group
+    stops = [tuple(away) for away in args.also_stop]
+    if args.stop_group is not None:
+        stops.append((args.stop_group, args.stop_round,
+                      args.rounds if args.resume_round is None else args.resume_round))
+    # the rounds in which this rank contributes nothing (the reference's lost groups)
+    away = [(start, until) for group, start, until in stops if dp_rank // ranks_per_group == group]
     first_round = engine.round_index  # > 0: this group joined a running job (joined_round)
-    resume = args.rounds if args.resume_round is None else args.resume_round
     # the data position: 0, or where the live groups stand after the round this group sat out
     index = first_index = engine.microbatches_scheduled
     # the round this group joined in was an estimate round: it trains from its update round on
@@ -202,7 +267,7 @@ def main() -> None:
     held = False
     while engine.round_index < args.rounds:
         ran = engine.schedule
-        if stopped and args.stop_round <= engine.round_index < resume:
+        if any(start <= engine.round_index < until for start, until in away):
             ended = engine.skip_microbatch()  # the reference: the lost group contributes nothing
         else:
             x, y = microbatch(index, dp_rank)
@@ -210,13 +275,18 @@ def main() -> None:
             time.sleep(args.microbatch_seconds)
             ended = opt.step()
         index += 1
+        if ended:  # a group that fell behind took a live group's state: it reads on from theirs
+            index = engine.microbatches_scheduled
+        if ended and args.lr_at is not None and engine.round_index == int(args.lr_at[0]):
+            opt.param_groups[0]["lr"] = args.lr_at[1]
         if ended and engine.round_index == args.mark_round and rank == 0:
             (out / f"round_{args.mark_round}").write_text("")
         if (ended and not held and args.hold_round is not None
-                and engine.round_index >= args.hold_round and engine.step_boundary):
-            # every rank of every joiner: its quorum request is at the lighthouse, so this
-            # group's next quorum takes it in
-            _wait_for(out, [f"{args.hold_for}_r{r}" for r in range(group_size)], 6 * args.timeout)
+                and engine.round_index >= args.hold_round
+                and engine.step_boundary != args.hold_mid_update):
+            # the joiner's quorum request is at the lighthouse (its manager sends it once every
+            # rank of the joiner asked), so this group's next quorum takes it in
+            _wait_for(out, [f"{args.hold_for}_r0"], 6 * args.timeout)
             held = True
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
@@ -226,13 +296,17 @@ def main() -> None:
             "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended
         }.get(args.kill_at):
             _kill_when_summed(engine, out)
+    if args.save is not None:  # before flush(): the round in flight stays pending in it
+        group = "ref" if manager is None else f"g{args.replica_id}"
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                 checkpoint_id=out / f"{args.save}_{group}")  # fmt: skip
     opt.flush()
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in model.named_parameters()}  # fmt: skip
     torch.save({"params": params,
                 "updates": engine.num_updates, "first_round": first_round,
                 "first_index": first_index, "joined_mid_update": joined_mid_update,
-                "round_ends": round_ends},
+                "last_joined": engine.joined_round, "round_ends": round_ends},
                out / f"params_{tag}.pt")  # fmt: skip
     opt.close()
     if manager is not None:
@@ -266,6 +340,23 @@ def _slow_link(manager_class: type, seconds: float) -> type:
             return super().should_commit(*args, **kwargs)
 
     return SlowLinkManager
+
+
+def _flaky_link(manager_class: type, round_index: int) -> type:
+    """A torchft Manager whose group's vote on round ``round_index`` fails once, as after an
+    error on its own link once the round's sum was through: the other groups commit the round,
+    this one retries it alone (torchft's commit is each group's)."""
+
+    class FlakyLinkManager(manager_class):
+        failed = False
+
+        def should_commit(self, *args: Any, **kwargs: Any) -> bool:
+            if not self.failed and self.current_step() == round_index + 1:
+                self.failed = True
+                self.report_error(RuntimeError("a transient error on this group's link"))
+            return super().should_commit(*args, **kwargs)
+
+    return FlakyLinkManager
 
 
 def _dying_manager(manager_class: type, round_index: int, out: Path) -> type:

@@ -37,15 +37,18 @@ def free_port() -> int:
 
 
 def run_groups(
-    groups: int, group_size: int, args: Sequence[str], out: Path, *, timeout_s: float = 240.0,
+    groups: int, group_size: int | Sequence[int], args: Sequence[str], out: Path, *,
+    timeout_s: float = 240.0,
     heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
-    start_together: bool = True, restart: dict[int, Sequence[str]] | None = None,
+    start_together: bool | Sequence[int] = True, restart: dict[int, Sequence[str]] | None = None,
     program: Sequence[str] = ("-m", EXAMPLE),
 ) -> list[int]:  # fmt: skip
     """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
-    under one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
+    (or ``group_size[i]`` in group ``i``: groups that differ, which the engine refuses) under
+    one lighthouse; return each group's exit status (``torchrun``'s). Each group's output
     goes to ``out/g{i}.log``; ``replica_args`` adds arguments to some groups. With
-    ``start_together`` no group starts training before every group's Manager is up: the
+    ``start_together`` no group starts training before every group's Manager is up (or, given
+    groups, no group of those before theirs, and the others start as they come: late): the
     groups start at slightly different moments here, and one that missed the first quorum
     would join the running job. ``restart``: a group that exits is started again, once, with
     these arguments instead of its ``replica_args`` (what a node's restart does; its output
@@ -53,6 +56,7 @@ def run_groups(
     each ``torchrun`` runs, the example by default; another program (``train_titan.py``) gets
     ``args`` and the group's ``replica_args`` alone (its replica id among them)."""
     out.mkdir(parents=True, exist_ok=True)
+    sizes = [group_size] * groups if isinstance(group_size, int) else list(group_size)
     lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
     if lighthouse is None:
         raise RuntimeError("torchft_lighthouse not found: pip install 'acco_hooks[ft]'")
@@ -65,13 +69,17 @@ def run_groups(
         ))  # fmt: skip
 
         def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
-            env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
-                   "TORCHFT_MANAGER_PORT": str(free_port())}  # fmt: skip
+            # the manager's server binds a port of its own (0) and publishes it in the group's
+            # store: a port picked here first may be taken by another process before it binds
+            env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "TORCHFT_MANAGER_PORT": "0"}
             own = []  # the example's own flags
             if tuple(program) == ("-m", EXAMPLE):
-                own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out),
-                       *(["--start-together"] if start_together else [])]  # fmt: skip
-            argv = [*_torchrun(group_size, program), *own, *args, *extra]
+                own = ["--replica-id", str(i), "--groups", str(groups), "--out", str(out)]
+                if start_together is True:
+                    own.append("--start-together")
+                elif start_together and i in start_together:
+                    own += ["--start-together", *map(str, start_together)]
+            argv = [*_torchrun(sizes[i], program), *own, *args, *extra]
             job = _start(argv, env, out / log)
             started.append(job)
             return job

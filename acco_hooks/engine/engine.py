@@ -92,7 +92,7 @@ from acco_hooks.engine.communication import (
 )
 from acco_hooks.engine.peek import has_functional_peek
 from acco_hooks.engine.placement import ShardPlacement
-from acco_hooks.engine.replicas import ReplicaGroups
+from acco_hooks.engine.replicas import GroupFellBehind, ReplicaGroups
 from acco_hooks.engine.schedule import (
     AUTO_ESTIMATE_DTYPES,
     AutoSchedule,
@@ -169,8 +169,13 @@ class ACCOEngine:
             (``replicas``, docs/multinode.md). A group that joins a running job (restarted, or
             started late) takes a live group's state in this constructor, which then blocks
             until the other groups reach their next sum; :attr:`round_index` is then the first
-            round it trains (the data position). Inside a group: data parallelism, HSDP
-            (``fsdp_process_group``), tensor and pipeline parallelism (``norm_process_group``).
+            round it trains (the data position). A group whose sum fails where the others
+            committed it takes their state the same way, a round later, and sits the round
+            under way out (:attr:`joined_round`; read the data position from
+            :attr:`microbatches_scheduled` at round ends). Every group must build the same
+            settings, LR scheduler and number of ranks (refused by name before the first
+            round). Inside a group: data parallelism, HSDP (``fsdp_process_group``), tensor
+            and pipeline parallelism (``norm_process_group``).
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -251,8 +256,9 @@ class ACCOEngine:
                 manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
                                               param_groups, process_group, fsdp_process_group,
                                               norm_process_group),
+                group_size=dist.get_world_size() if dist.is_initialized() else 1,
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
-                timeout=settings.timeout,
+                until_ready=settings.accumulate_until_ready, timeout=settings.timeout,
             )  # fmt: skip
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
@@ -351,8 +357,9 @@ class ACCOEngine:
             )  # fmt: skip
         logger.debug("acco_hooks: %s", settings)
         self._handover_counters: dict[str, Any] | None = None
-        # The round a torchft replica group joined a running job in, with a live group's state
-        # (it sat that round out); None when it started with the job
+        # The last round this torchft replica group sat out to take a live group's state: as
+        # it joined a running job, or after its sum failed where the others committed it; None
+        # while it has trained every round since it started with the job
         self.joined_round: int | None = None
         if replicas is not None:
             try:
@@ -366,12 +373,24 @@ class ACCOEngine:
         """torchft: take the job's current step with the other replica groups before the first
         round, and a live group's state if they are training already (``replicas``)."""
         self._handover_counters = round_counters(self)
-        engine = weakref.ref(self)  # torchft's manager keeps the callback: not the engine
-        replicas.attach(lambda: handover_state(engine(), engine()._handover_counters))
+        engine = weakref.ref(self)  # torchft's manager keeps the callbacks: not the engine
+        replicas.attach(
+            lambda: handover_state(engine(), engine()._handover_counters),
+            lambda: repr([{k: v for k, v in group.items() if k != "params"}
+                          for group in engine().optimizer.param_groups]),
+            self.lr_scheduler,
+        )  # fmt: skip
         arrived = (0.0,) * len(self._slot_of) if self._gradients_may_skip_ranks else None
         skipped = [torch.zeros_like(g.shard_sum) for g in self._buffers]
         skipped.append(round_weights(0.0, True, arrived, self.device))
-        handover, joined_round = replicas.join(skipped)
+
+        def agree(value: float) -> float:  # summed over the group's ranks: every part of it
+            total = torch.tensor([value], dtype=torch.float64, device=self.device)
+            if self._groups.norm is not None:
+                self._run_on_thread(dist.all_reduce, total, dist.ReduceOp.SUM, self._groups.norm)
+            return total.item()
+
+        handover, joined_round = replicas.join(skipped, agree)
         if self._groups.norm is not None:
             # torchft heals rank by rank: with init_sync, rank r takes the state of the group
             # its rank picks, and may be the one to give it. The group loads together, every
@@ -395,6 +414,28 @@ class ACCOEngine:
         )  # fmt: skip
         for _ in range(self.round_size):  # ends the round: its job takes the sum joined
             self.skip_microbatch()
+
+    def _rejoin(self, behind: GroupFellBehind) -> None:
+        """torchft: this group's sum of a round failed where the other groups committed it, and
+        its retry took a later round's sum with a live group's state (``replicas``). The round
+        in flight is dropped, the state taken, and the round the training loop is in becomes
+        the one sat out: its gradients go nowhere (its job takes the sum the others made), and
+        it ends as rounds do, or now if the loop is at its end. The loop reads on from
+        :attr:`microbatches_scheduled` then."""
+        handover, joined_round = self._groups.replicas.take_rejoin()
+        counted = self._round_microbatches
+        self._in_flight = None
+        load_handover(self, handover)
+        self._handover_counters = round_counters(self)
+        self.joined_round = joined_round
+        self._round_microbatches = counted
+        for arrived in self._grad_arrived:
+            arrived[:] = [True] * len(arrived)
+        logger.warning(
+            "acco_hooks: round %d: this replica group's sum failed where the other groups "
+            "committed it; it took a live group's state in round %d, sits that round out and "
+            "trains from round %d on", behind.round_index, joined_round, joined_round + 1,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ gradients in (main thread)
 
@@ -581,8 +622,8 @@ class ACCOEngine:
     def _count_or_end_round(self, weight: float) -> bool:
         if self._waits_for_own_round and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
-            self._finish_in_flight(apply=True)
-            self._at_update_end(self.schedule)
+            if self._finish_in_flight(apply=True):
+                self._at_update_end(self.schedule)
             self.step_boundary = True
             return True
         counted = (self._round_microbatches, self._local_count, self._local_unit)
@@ -666,9 +707,10 @@ class ACCOEngine:
             arrived[:] = [False] * len(arrived)
         if not schedule.synchronous:
             self._estimate_next = not estimate
-        if self._waits_for_own_round:  # its own result is the next parameters
-            self._finish_in_flight(apply=True)
-        if not estimate:
+        # its own result is the next parameters; a torchft group that took a live group's
+        # state instead holds that update's counters already (``_rejoin``)
+        taken = not self._waits_for_own_round or self._finish_in_flight(apply=True)
+        if not estimate and taken:
             self._at_update_end(schedule)
         self.step_boundary = self.settings.mode is not Mode.AUTO or not estimate
         # 4. return: the next round computes while the network works
@@ -700,24 +742,31 @@ class ACCOEngine:
             self._auto.record_update(ran, now - self._update_started)
         agreed = self._agreed
         if agreed is not None and agreed != self.schedule:
-            if agreed.synchronous:  # the update in flight is applied: the next round computes at θ
-                self._finish_in_flight(apply=True)
+            # the update in flight is applied: the next round computes at θ (unless a torchft
+            # group took a live group's state instead, which holds the schedule already)
+            if agreed.synchronous and not self._finish_in_flight(apply=True):
+                return
             self.schedule, self._estimate_next = agreed, True
         self._update_started = time.perf_counter()
 
-    def _finish_in_flight(self, apply: bool) -> None:
+    def _finish_in_flight(self, apply: bool) -> bool:
         """Wait for the round in flight; with ``apply``, its result becomes the live parameters.
 
-        The one place that waits for the communication thread and applies its result.
+        The one place that waits for the communication thread and applies its result. Returns
+        ``False`` when the round was dropped instead: under torchft, this group took a live
+        group's state (:meth:`_rejoin`), whose counters are past that round's bookkeeping.
         """
         flight = self._in_flight
         if flight is None:
-            return
+            return True
         if self._failure is not None:
             raise self._failure
         try:
             with record_function("acco::wait"):
                 result = self._wait(flight.future)
+        except GroupFellBehind as behind:  # torchft: the job stopped to take the others' state
+            self._rejoin(behind)
+            return False
         except Exception as exc:  # not KeyboardInterrupt: the communication itself goes on
             self._failure = ACCOCommunicationError(
                 f"acco_hooks: the communication of round {flight.round_index} failed on rank "
@@ -733,6 +782,7 @@ class ACCOEngine:
                 for g in self._buffers:
                     g.copy_gathered_into_params(difference=flight.plan.wire is not None)
             self._in_flight = None
+        return True
 
     def _wait(self, job: Future) -> Any:
         """Wait for a job of the communication thread. The timeout is a backstop only: a dead
@@ -855,7 +905,9 @@ class ACCOEngine:
         if self._in_flight is None or self._in_flight.plan.job is not Job.UPDATE:
             yield None
             return
-        self._finish_in_flight(apply=False)
+        if not self._finish_in_flight(apply=False):  # torchft: a live group's state, taken now
+            yield None
+            return
         live = {n: t.clone() for g in self._buffers for n, t in zip(g.names, g.locals)}
         with torch.no_grad():
             for g in self._buffers:

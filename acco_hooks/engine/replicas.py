@@ -17,14 +17,37 @@ the training loop computes the next round as usual.
 in it and asks ``should_commit``. A group that died makes the sum fail on the others; no group
 commits, nothing of the round is applied, and the same payload (kept aside, since a failed
 collective may leave its buffer half-summed) is summed again in a new quorum without the dead
-group, until a quorum commits or the round's patience (twice ``timeout``) runs out. The
+group, until a quorum commits or the round's patience (twice ``timeout``; with
+``timeout=None`` twice the manager's own timeout) runs out. Attempts after the second wait a
+little longer each (0.1 s, doubling, at most 5 s): a quorum that cannot commit (fewer groups
+than the manager's ``min_replica_size``) is asked a few times a patience, not hundreds. The
 average is then over the groups that took part (the weights as without torchft), and in
 ``acco`` the carried half-batch and its weight are the committed estimate round's on every
 survivor: the estimate/update pairing holds across the change.
 
-**What every group must agree on** is checked in every round, in the same sum: the settings,
-the round index and, in the first round, a checksum of the parameters (replicas that were not
-initialized the same). A mismatch is refused by name.
+**What every group must agree on** travels in every sum beside the tensors, as small integers
+and their squares (equal sums of both over k groups mean that all k agree):
+
+* from every group, also in the first step a group takes (before it trains or takes a state):
+  its settings (the engine's settings, the optimizer and its arguments, the LR scheduler, the
+  parameters' names and shapes, the group's layout) and its number of ranks;
+* from the groups whose tensors are in the sum: the round index, the optimizer's
+  hyperparameters as the round will step with them (an LR scheduler's learning rate, one set by
+  hand) and, in the first round, a checksum of the parameters (replicas that were not
+  initialized the same).
+
+A difference is refused by name. Groups of another number of ranks never commit a step
+together (rank r of one group has no rank r to sum with in the other), so what they differ in
+is read from the sums of the ranks that do meet, before anything else: every group's first
+rank. A group's first step is therefore one of its own, before the step it joins in
+(:meth:`join`): a quorum without healing and without a commit, in which every group that starts
+with the job sends its marks (torchft zeroes what a group it is healing sends, and would hide
+them), alone first, and compares them before it sends anything shaped by its size (a shard is
+another size in a group of another size, and gloo aborts the process on a sum of two sizes).
+The whole job then stops, by name, before the first round. A group that joins a running job
+sees the live groups' marks there, and is refused by name, alone, if it differs: the live
+groups see nothing of a group until it trains with them (torchft zeroes a joiner's sums), and
+go on as the run they were. A sum's marks are its first tensor.
 
 **``mode="auto"``** changes the schedule at update boundaries, and every group must change it at
 the same one. As inside a group, where the first rank's proposal is the one run, one group
@@ -35,15 +58,28 @@ Only the reduce dtype's schedules are candidates (an estimate sent narrower is r
 
 **A group that joins** (one restarted after it was lost, or started late) takes a live
 group's state before it trains: healing, torchft's mechanism, with what the engine holds. Every
-group takes one torchft step before its first round (:meth:`join`). At the job's start all
-groups are in that step: nothing is summed (with torchft's ``init_sync``, rank r of every
-group takes the state of the one group its rank picks, and the group loads together). Later,
-the live groups are in some round's sum when the joiner's step meets them: torchft hands the joiner a live group's state as it was
-at that round's end (``state.handover_state``: parameters, master shard, optimizer state, LR
-scheduler, counters, the carried half-batch); the joiner sends zeros in that sum, takes its
-result, and then sits that round out (``skip_microbatch``): its job steps with the same sum from
-the same state, and from the next round on it computes at the same parameters as every group.
-A torchft step is therefore a round plus one.
+group takes one torchft step before its first round (:meth:`join`), after the one that compares
+(above). At the job's start all groups are in that step and sum zeros (with torchft's
+``init_sync``, rank r of every group takes the state of the one group its rank picks, and the
+group loads together). Later, the live groups are in some round's sum when the joiner's step
+meets them (the round after the one its first step met): torchft hands the
+joiner a live group's state as it was at that round's end (``state.handover_state``:
+parameters, master shard, optimizer state, LR scheduler, counters, the carried half-batch); the
+joiner sends zeros in that sum, takes its result, and then sits that round out
+(``skip_microbatch``): its job steps with the same sum from the same state, and from the next
+round on it computes at the same parameters as every group. A torchft step is therefore a round
+plus one. torchft heals a group only in the attempt whose quorum finds it behind: where that
+sum then fails (another group died in it), the state handed over stays this group's for the
+retries of the same round.
+
+**A group that falls behind.** torchft's commit is each group's own: a sum that fails on one
+group alone (an error on its link once the others had their result) is committed by the others,
+which go on to the next round, and retried by that group alone. Its retry meets them a round
+(or more) further, behind by a committed round, and torchft heals it there: it sends zeros,
+takes the others' state and that round's sum, and its communication thread stops the round's
+job (:class:`GroupFellBehind`). The engine then loads the state on the training loop's thread
+and sits the round under way out, as a group that joins does (``ACCOEngine``; the loop reads on
+from ``microbatches_scheduled`` at its next round end).
 """
 
 from __future__ import annotations
@@ -59,45 +95,70 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 
 from acco_hooks._versions import check_supported_versions
 
-__all__ = ["ReplicaGroups"]
+__all__ = ["GroupFellBehind", "ReplicaGroups"]
 
 logger = logging.getLogger(__name__)
 
-# A fingerprint's parts are integers below 2**20, so that their sums and the sums of their
-# squares over up to 2**12 groups are exact in float64: equal sums of both over k groups mean
-# that all k agree.
+# A mark is an integer below 2**20, so that the sums of marks and of their squares over up to
+# 2**12 groups are exact in float64.
 _FINGERPRINT_BITS = 20
-_MARKS = 3  # the settings, the round index, the initial parameters' checksum
-# What a group adds to a round's sum beside its tensors: 1 (it takes part), its marks, their
-# squares, and, from the deciding group of mode="auto", 1 and its proposal
-_SUMMED = 1 + 2 * _MARKS + 2
+# What a group adds to every sum beside its tensors, one float64 slot each:
+_TAKES_PART = 0  # 1: this group's tensors are in the sum (not a joiner's zeros)
+_ROUND = slice(1, 4)  # the round index, the parameters' checksum (round 0), the hyperparameters
+_ROUND_SQUARES = slice(4, 7)
+_DECIDES, _PROPOSAL = 7, 8  # mode="auto": 1 and the proposal, from the deciding group alone
+_PRESENT = 9  # 1 from every group, in the first step it takes too
+_GROUP = slice(10, 12)  # the settings, the group's number of ranks
+_GROUP_SQUARES = slice(12, 14)
+_SUMMED = 14
 _STATE_KEY = "acco_hooks"
+# The wait before each attempt after the second: doubling from the first, at most the last
+_BACKOFF_S = (0.1, 5.0)
+
+
+class GroupFellBehind(Exception):
+    """This replica group's sum of round ``round_index`` failed where the other groups committed
+    it; its retry met them in round ``joined_round``, where torchft handed it a live group's
+    state and this group took that round's sum. Raised out of the round's job on the
+    communication thread: the engine loads the state (:meth:`ReplicaGroups.take_rejoin`) and
+    sits ``joined_round`` out."""
+
+    def __init__(self, round_index: int, joined_round: int) -> None:
+        super().__init__(f"round {round_index}: this replica group fell behind the others, "
+                         f"which summed round {joined_round} already")  # fmt: skip
+        self.round_index, self.joined_round = round_index, joined_round
 
 
 class ReplicaGroups:
     """The replica groups of a torchft ``Manager``, as the engine's communication thread uses
-    them: :meth:`join` once, before the first round, then :meth:`sum` once per round.
+    them: :meth:`attach` and :meth:`join` once, before the first round, then :meth:`sum` once
+    per round.
 
     Args:
         manager: the ``torchft.Manager`` of this replica group.
         description: what every group must build the same (the settings, the optimizer and its
             arguments, the parameters' names and shapes, the group's layout), as text.
+        group_size: this replica group's number of ranks (its ``torchrun``'s world).
         narrow_estimate: ``estimate_dtype`` is narrower than ``reduce_dtype`` (refused).
-        timeout: the engine's ``timeout`` (seconds; ``None``: none): the longest a sum over
-            the groups may wait for a silent peer. A round looks for a quorum that commits for
-            :attr:`patience_s`, twice that: one failed sum notices the dead group, and the
-            quorum without it forms within the other (the lighthouse's heartbeat timeout).
+        until_ready: ``accumulate_until_ready`` (refused).
+        timeout: the engine's ``timeout`` (seconds; ``None``: the manager's own timeout): the
+            longest a sum over the groups may wait for a silent peer. A round looks for a
+            quorum that commits for :attr:`patience_s`, twice that: one failed sum notices the
+            dead group, and the quorum without it forms within the other (the lighthouse's
+            heartbeat timeout).
     """
 
-    __slots__ = ("_joined", "_received", "_serve", "_settings_mark", "manager", "patience_s",
-                 "timeout")  # fmt: skip
+    __slots__ = ("_description", "_hyperparameters", "_joined", "_received", "_rejoin",
+                 "_serve", "_settings_mark", "_size", "groups", "manager", "patience_s",
+                 "summed_groups", "timeout")  # fmt: skip
 
     def __init__(
-        self, manager: Any, description: str, *, narrow_estimate: bool,
-        timeout: float | None,
+        self, manager: Any, description: str, *, group_size: int, narrow_estimate: bool,
+        until_ready: bool, timeout: float | None,
     ) -> None:  # fmt: skip
         try:
             from torchft import Manager
@@ -112,28 +173,54 @@ class ReplicaGroups:
                 "a torchft manager yet (the estimate would be summed across groups encoded). "
                 "Leave estimate_dtype unset"
             )
+        if until_ready:
+            raise ValueError(
+                "acco_hooks: accumulate_until_ready=True is not supported with a torchft "
+                "manager: a group that joins reads its data on to the live groups' position, "
+                "the micro-batches their schedule took, and a round that accumulates until "
+                "ready takes as many as the network leaves time for, another number on each "
+                "rank. Set accumulate_until_ready=False"
+            )
         if not isinstance(manager, Manager):
             raise TypeError(
                 f"acco_hooks: manager must be a torchft.Manager, got {type(manager).__name__}"
             )
         self.manager, self.timeout = manager, timeout
-        self.patience_s = None if timeout is None else 2.0 * timeout
-        self._settings_mark = _small(hashlib.sha256(description.encode()).digest())
+        # timeout=None: the manager's own, which bounds its collectives and votes (torchft 0.2
+        # keeps it as _timeout)
+        manager_timeout = getattr(manager, "_timeout", default_pg_timeout).total_seconds()
+        self.patience_s = 2.0 * (manager_timeout if timeout is None else timeout)
+        self._description, self._size = description, group_size
+        self._settings_mark = _mark(description)  # with the LR scheduler, in attach()
         self._serve: Callable[[], dict[str, Any]] | None = None  # the engine's handover
+        self._hyperparameters: Callable[[], str] = str
         self._received: dict[str, Any] | None = None  # a live group's, as torchft hands it
-        # a round whose sum this group took while joining: (round, sums, fingerprints)
+        # a round whose sum this group took while joining or catching up: (round, sums, marks)
         self._joined: tuple[int, list[Tensor], Tensor] | None = None
+        self._rejoin: tuple[dict[str, Any], int] | None = None  # for take_rejoin()
+        # The groups in the job's first step (this one's, at the start: every group's), and
+        # the groups whose tensors the last committed sum holds
+        self.groups = self.summed_groups = 1
         # torchft asks a live group for its state when another one joins (on its own thread),
         # and gives it to the joiner (in should_commit, or start_quorum without async quorum)
         manager.register_state_dict_fn(_STATE_KEY, self._receive, self._hand_over)
 
-    def attach(self, serve: Callable[[], dict[str, Any]]) -> None:
-        """What a joining group gets from this one: ``serve()``, called on torchft's thread
-        while this group's communication waits for the quorum (``state.handover_state``)."""
-        self._serve = serve
+    def attach(
+        self, serve: Callable[[], dict[str, Any]], hyperparameters: Callable[[], str],
+        lr_scheduler: Any,
+    ) -> None:  # fmt: skip
+        """The engine, once built: ``serve()`` is what a joining group gets from this one
+        (called on torchft's thread while this group's communication waits for the quorum:
+        ``state.handover_state``); ``hyperparameters()`` the shard optimizer's as the round
+        being summed will step with them (read in each sum); ``lr_scheduler`` the one it built
+        (its class and arguments are settings every group must share)."""
+        self._serve, self._hyperparameters = serve, hyperparameters
+        self._settings_mark = _mark(self._description + repr(_describe_scheduler(lr_scheduler)))
 
-    def join(self, skipped: list[Tensor]) -> tuple[dict[str, Any] | None, int | None]:
-        """This group's first torchft step, before its first round. Returns the state a live
+    def join(
+        self, skipped: list[Tensor], agree: Callable[[float], float]
+    ) -> tuple[dict[str, Any] | None, int | None]:  # fmt: skip
+        """This group's first torchft steps, before its first round. Returns the state a live
         group handed over (``None``: none, every group starts here) and the round the live
         groups are summing (``None``: none; this group then sits it out, and the next
         :meth:`sum` is that round's, already taken).
@@ -141,10 +228,13 @@ class ReplicaGroups:
         Args:
             skipped: zeros shaped as the tensors :meth:`sum` sums (this group's part of the
                 round it joins in: nothing).
+            agree: the sum of a number over this group's ranks (the first step's outcome: every
+                rank goes on, or every rank tries again).
         """
+        self._compare_with_the_job(skipped, agree)
         manager = self.manager
-        deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
-        attempt = 0
+        deadline = time.monotonic() + self.patience_s
+        received, attempt = None, 0
         while True:
             attempt += 1
             self._received = None
@@ -153,23 +243,64 @@ class ReplicaGroups:
             # torchft moved a joiner's step to the live groups': 0 only while every group in
             # the quorum is at its join step, a round's step otherwise
             round_index = manager.current_step() - 1
-            summed = None
-            if round_index >= 0:
-                summed = self._reduce([*skipped, torch.zeros(_SUMMED, dtype=torch.float64)])
-            if manager.should_commit():
+            seen, summed = self._compare(skipped)
+            committed = manager.should_commit()
+            if self._received is not None:  # healed in this attempt (its sum may still fail)
+                received = (self._received, round_index)
+            if committed:
                 break
             self._retry_or_give_up("joining the job", attempt, deadline)
-        received, self._received = self._received, None
-        if summed is None:
-            return received, None
-        if received is None:
+        self._received = None
+        if round_index < 0:  # the job's start: init_sync's state, if any
+            return (None if received is None else received[0]), None
+        if received is None or received[1] != round_index:
             raise RuntimeError(
                 f"acco_hooks: this replica group joined a job at round {round_index}, and torchft "
-                "committed the step without handing it a live group's state; restart this "
-                "group (its torchrun)"
+                "committed the step without handing it a live group's state of that round; "
+                "restart this group (its torchrun)"
             )
-        self._joined = (round_index, summed[:-1], summed[-1])
-        return received, round_index
+        self._joined = (round_index, summed, seen)
+        return received[0], round_index
+
+    def _compare_with_the_job(self, skipped: list[Tensor], agree: Callable[[float], float]) -> None:
+        """The first step: a quorum in which no group heals, so that every group starting with
+        the job sends its settings and number of ranks; compared before this group trains. Not
+        committed (torchft's step stays where it was). Tried again while some rank of this
+        group had no sum (every rank goes on together)."""
+        manager = self.manager
+        deadline = time.monotonic() + self.patience_s
+        attempt = 0
+        while True:
+            attempt += 1
+            manager.start_quorum(allow_heal=False)
+            manager.wait_quorum()
+            seen, _ = self._compare(skipped)
+            # a rank of a group of another size has no peer to sum with: the first rank of
+            # each group compares, and the others try again with it
+            if agree(float(manager.errored() is not None)) == 0:
+                break
+            self._retry_or_give_up("comparing settings with the other replica groups", attempt,
+                                   deadline, "a rank of this group had no sum")  # fmt: skip
+        # a joiner behind the live groups is not in their sum (torchft zeroes it)
+        self.groups = round(seen[_PRESENT].item()) + (0 if manager.is_participating() else 1)
+
+    def _compare(self, skipped: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """A step this group takes part in with nothing: its marks summed first and compared
+        (refused by name), and only then the zeros shaped as a round's tensors, which are
+        another size in a group of another number of ranks (gloo aborts the process on a sum
+        of two sizes). Returns the summed marks and tensors."""
+        seen = self._reduce([self._group_marks()])[0]
+        if self.manager.errored() is None:
+            _check_group_marks(seen, self._group_marks())
+        return seen, self._reduce(skipped)
+
+    def take_rejoin(self) -> tuple[dict[str, Any], int]:
+        """After :class:`GroupFellBehind`: the live group's state torchft handed over, and the
+        round whose sum this group took (the next :meth:`sum` is that round's)."""
+        rejoin, self._rejoin = self._rejoin, None
+        if rejoin is None:
+            raise RuntimeError("acco_hooks: no live group's state to take")
+        return rejoin
 
     def resume_at(self, round_index: int) -> None:
         """After a checkpoint load: torchft's step follows the engine's rounds again (round r
@@ -207,12 +338,15 @@ class ReplicaGroups:
             How many groups took part, and the deciding group's proposal (``None``: none was
             given, or the deciding group was one joining in this round, which proposes
             nothing): the same on every group.
+
+        Raises:
+            GroupFellBehind: this group's sum failed where the others committed it, and it
+                took a later round's sum with a live group's state (:meth:`take_rejoin`).
         """
         manager = self.manager
-        marks = torch.tensor(self._fingerprint(round_index, master), dtype=torch.float64)
-        # 1 for "this group's tensors are in the sum": torchft zeroes what a group that is not
-        # taking part (one it is healing) sends, and counts groups its own way
-        marks = torch.cat([marks.new_ones(1), marks, marks * marks, marks.new_zeros(2)])
+        marks = self._group_marks()
+        own = torch.tensor(self._round_marks(round_index, master), dtype=torch.float64)
+        marks[_TAKES_PART], marks[_ROUND], marks[_ROUND_SQUARES] = 1.0, own, own * own
         joined, self._joined = self._joined, None
         if joined is not None:  # this round was summed while this group joined
             if joined[0] != round_index:
@@ -220,29 +354,57 @@ class ReplicaGroups:
                                    f"{round_index}: the engine lost its place")  # fmt: skip
             summed, seen, attempt = joined[1], joined[2], 0
         else:
-            deadline = None if self.patience_s is None else time.monotonic() + self.patience_s
-            attempt = 0
+            deadline = time.monotonic() + self.patience_s
+            received, attempt, zeros = None, 0, None
             while True:
                 attempt += 1
+                self._received = None
                 manager.start_quorum()
+                manager.wait_quorum()
+                at = manager.current_step() - 1
+                # torchft moved this group's step to the others' (healing it): they committed
+                # this round already, and this group's payload is one they summed
+                behind = at != round_index
+                if behind and zeros is None:
+                    zeros = [torch.zeros_like(t) for t in tensors]
                 # the quorum's first group decides auto's schedule (set per quorum: it may be
                 # another group's turn after one was lost)
-                decides = proposal is not None and manager.participating_rank() == 0
-                marks[-2:] = torch.tensor([1.0, float(proposal)] if decides else [0.0, 0.0])
-                *summed, seen = self._reduce([*tensors, marks])
-                if manager.should_commit():
+                decides = (not behind and proposal is not None
+                           and manager.participating_rank() == 0)  # fmt: skip
+                marks[_DECIDES] = 1.0 if decides else 0.0
+                marks[_PROPOSAL] = float(proposal) if decides else 0.0
+                # the marks first: a group's first steps sum them alone and compare them before
+                # they send anything shaped by their size (``_compare``)
+                seen, *summed = self._reduce([self._group_marks(), *zeros] if behind
+                                             else [marks, *tensors])  # fmt: skip
+                if manager.errored() is None:
+                    _check_group_marks(seen, marks)
+                committed = manager.should_commit()
+                if self._received is not None:
+                    received = (self._received, at)
+                if committed:
                     break
                 self._retry_or_give_up(f"round {round_index}", attempt, deadline)
-        participants = round(seen[0].item())
-        fingerprints = slice(1, 1 + 2 * _MARKS)
-        _check_fingerprints(seen[fingerprints], marks[fingerprints], participants, round_index)
+            self._received = None
+            if behind:
+                if received is None or received[1] != at:
+                    raise RuntimeError(
+                        f"acco_hooks: round {round_index}: this replica group's sum failed where "
+                        f"the others committed it, and torchft committed round {at} without "
+                        "handing it a live group's state; restart this group (its torchrun)"
+                    )
+                self._joined, self._rejoin = (at, summed, seen), (received[0], at)
+                raise GroupFellBehind(round_index, at)
+        participants = round(seen[_TAKES_PART].item())
+        _check_round_marks(seen, marks, participants, round_index)
         torch._foreach_copy_(tensors, summed)
+        self.summed_groups = participants
         if attempt > 1:
             logger.warning(
                 "acco_hooks: round %d committed at attempt %d, over %d replica groups",
                 round_index, attempt, participants,
             )  # fmt: skip
-        deciders, decided = seen[-2].item(), seen[-1].item()
+        deciders, decided = seen[_DECIDES].item(), seen[_PROPOSAL].item()
         if deciders > 1:  # torchft numbers the participants: one is first
             raise RuntimeError(f"acco_hooks: round {round_index}: {deciders:g} replica groups "
                                "proposed auto's schedule, expected one")  # fmt: skip
@@ -257,50 +419,122 @@ class ReplicaGroups:
             work.wait()
         return sums
 
-    def _retry_or_give_up(self, what: str, attempt: int, deadline: float | None) -> None:
-        logger.warning(
-            "acco_hooks: %s: the sum over replica groups did not commit (%s); trying again in a "
-            "new quorum", what, self.manager.errored() or "no quorum",
-        )  # fmt: skip
-        if deadline is not None and time.monotonic() > deadline:
+    def _retry_or_give_up(
+        self, what: str, attempt: int, deadline: float,
+        no_error: str = "the manager's vote was no: fewer groups than its min_replica_size?",
+    ) -> None:  # fmt: skip
+        """After a failed attempt: give up past the patience, else wait (nothing before the
+        second attempt, which a lost group's quorum needs at once; then longer each time).
+        ``no_error``: why, when this rank's manager saw no error."""
+        error = self.manager.errored()
+        # torchft's error carries its traceback in its text: its first line is the reason
+        reason = no_error if error is None else (str(error).splitlines() or [""])[0]
+        now = time.monotonic()
+        if now > deadline:
             raise RuntimeError(
                 f"acco_hooks: {what}: no quorum of replica groups committed within "
-                f"{self.patience_s:.0f} s (twice timeout={self.timeout:g}; {attempt} attempts): "
-                "is the lighthouse up, and are at least min_replica_size groups alive?"
+                f"{self.patience_s:.0f} s ({attempt} attempts; twice "
+                + ("the manager's timeout" if self.timeout is None else f"timeout={self.timeout:g}")
+                + f"; the last: {reason}). Is the lighthouse up, and are at least the "
+                "manager's min_replica_size groups alive?"
             )
+        first, most = _BACKOFF_S
+        wait = 0.0 if attempt == 1 else min(most, first * 2 ** (attempt - 2), deadline - now)
+        logger.warning(
+            "acco_hooks: %s: the sum over replica groups did not commit (%s); attempt %d, "
+            "trying again in a new quorum in %.1f s", what, reason, attempt, wait,
+        )  # fmt: skip
+        time.sleep(wait)
 
-    def _fingerprint(self, round_index: int, master: list[Tensor]) -> list[float]:
-        """The settings, the round, and in the first round a checksum of this rank's master
-        shard (the initial parameters)."""
+    def _group_marks(self) -> Tensor:
+        """The marks every group sends in every sum: present, its settings, its size."""
+        marks = torch.zeros(_SUMMED, dtype=torch.float64)
+        own = torch.tensor([float(self._settings_mark), float(self._size)], dtype=torch.float64)
+        marks[_PRESENT], marks[_GROUP], marks[_GROUP_SQUARES] = 1.0, own, own * own
+        return marks
+
+    def _round_marks(self, round_index: int, master: list[Tensor]) -> list[float]:
+        """The round, in the first round a checksum of this rank's master shard (the initial
+        parameters), and the optimizer's hyperparameters as this round steps with them."""
         checksum = 0
         if round_index == 0:
             for shard in master:
                 checksum = zlib.crc32(shard.detach().cpu().contiguous().numpy().tobytes(), checksum)
         bits = 1 << _FINGERPRINT_BITS
-        return [float(self._settings_mark), float(round_index % bits), float(checksum % bits)]
+        return [float(round_index % bits), float(checksum % bits),
+                float(_mark(self._hyperparameters()))]  # fmt: skip
 
 
-def _check_fingerprints(seen: Tensor, own: Tensor, participants: int, round_index: int) -> None:
-    n = own.numel() // 2
-    agree = torch.equal(seen, own * participants)
-    if agree:
-        return
-    what = [
-        ("settings (mode, accumulation_steps, the optimizer and its arguments, the parameters' "
-         "names and shapes, the group's size)"),
-        "round index",
-        "initial parameters",
-    ]  # fmt: skip
-    differ = [what[i] for i in range(n)
-              if seen[i] != own[i] * participants or seen[n + i] != own[n + i] * participants]
+def _check_group_marks(seen: Tensor, own: Tensor) -> None:
+    """Refuse a sum in which the groups present differ in their settings or size."""
+    present = seen[_PRESENT].item()
+    if present == 0 or (torch.equal(seen[_GROUP], own[_GROUP] * present)
+                        and torch.equal(seen[_GROUP_SQUARES], own[_GROUP_SQUARES] * present)):
+        return  # fmt: skip
+    size, ranks = own[_GROUP][1].item(), seen[_GROUP][1].item()
+    if ranks != size * present or seen[_GROUP_SQUARES][1] != own[_GROUP_SQUARES][1] * present:
+        raise RuntimeError(
+            f"acco_hooks: the replica groups differ in their number of ranks: this group has "
+            f"{size:g}, the {present:g} groups in this sum have {ranks:g} in all. Every replica "
+            "group must run the same number of ranks (the same torchrun --nproc_per_node, and "
+            "the same layout inside): rank r of each group holds the same part of the model "
+            "and sums it with rank r of the others"
+        )
     raise RuntimeError(
-        f"acco_hooks: round {round_index}: the replica groups differ in their "
-        f"{' and '.join(differ) or 'fingerprints'}. Every group must build the same model and "
-        "optimizer with the same settings and start from the same parameters (seed them the "
-        "same, or load the same checkpoint on every group, or use torchft's init_sync); a group "
-        "that joins a running job takes the others' state, not their settings or model"
+        "acco_hooks: the replica groups differ in their settings (mode, accumulation_steps, "
+        "the optimizer and its arguments, the LR scheduler, the parameters' names and shapes, "
+        "the group's layout). Every group must build the same model and optimizer with the "
+        "same settings and lr_scheduler; a group that joins a running job takes the others' "
+        "state, not their settings"
     )
 
 
-def _small(digest: bytes) -> int:
+def _check_round_marks(seen: Tensor, own: Tensor, participants: int, round_index: int) -> None:
+    """Refuse a committed sum whose groups differ in their round, initial parameters or
+    hyperparameters."""
+    values, squares = seen[_ROUND], seen[_ROUND_SQUARES]
+    if torch.equal(values, own[_ROUND] * participants) and torch.equal(
+        squares, own[_ROUND_SQUARES] * participants
+    ):
+        return
+    what = [
+        ("round index", "load the same checkpoint on every group (or none)"),
+        ("initial parameters", ("seed them the same, or load the same checkpoint on every "
+                                "group, or use torchft's init_sync")),
+        ("optimizer hyperparameters (the learning rate, ...) for this round",
+         ("give every group the same lr_scheduler, and change a hyperparameter by hand (a "
+          "learning rate) at the same round in every group")),
+    ]  # fmt: skip
+    differ = [what[i] for i in range(len(what))
+              if values[i] != own[_ROUND][i] * participants
+              or squares[i] != own[_ROUND_SQUARES][i] * participants]  # fmt: skip
+    raise RuntimeError(
+        f"acco_hooks: round {round_index}: the replica groups differ in their "
+        + " and ".join(name for name, _ in differ) + ": "
+        + "; ".join(fix for _, fix in differ)
+    )  # fmt: skip
+
+
+def _describe_scheduler(scheduler: Any) -> Any:
+    """An LR scheduler as every group builds it: its class and its plain state (its arguments,
+    the base learning rates); values that are not plain data (functions) are left out, and the
+    learning rate each round steps with is compared in every sum."""
+    if scheduler is None:
+        return None
+    return (f"{type(scheduler).__module__}.{type(scheduler).__qualname__}",
+            sorted((k, v) for k, v in scheduler.state_dict().items() if _plain(v)))  # fmt: skip
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _mark(text: str) -> int:
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") % (1 << _FINGERPRINT_BITS)

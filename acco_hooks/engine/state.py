@@ -52,6 +52,8 @@ __all__ = [
     "load_state", "round_counters", "save_live_parameters", "save_state",
 ]  # fmt: skip
 
+# 6: ``replica_groups``: the torchft replica groups whose sums the counters and the carried ΣG̃
+# hold (5 recorded a group's own ranks alone, as if it were the whole job: 1 group).
 # 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
 # added a carried ΣG̃), ``carried_reweigh`` says in which units a carried ΣG̃ is, the parameter
 # names and shapes are keyed by model part (4: one list, the same key on every pipeline stage),
@@ -61,7 +63,7 @@ __all__ = [
 # 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
 # DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
 # 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
-STATE_VERSION = 5
+STATE_VERSION = 6
 
 
 # ---------------------------------------------------------------- saving
@@ -117,10 +119,13 @@ def save_state(engine: ACCOEngine) -> dict[str, Any]:
 
 def _header(engine: ACCOEngine) -> dict[str, Any]:
     """What a state must match to be loaded (``check_loadable``)."""
+    replicas = engine._groups.replicas
     return {
         "version": STATE_VERSION, "mode": engine.settings.mode.value,
         "optimizer_class": _class_name(engine.optimizer), "world_size": engine.world_size,
         "fsdp_world_size": engine.fsdp_world_size,
+        # torchft: the job's data-parallel ranks are world_size in each of these groups
+        "replica_groups": 1 if replicas is None else replicas.summed_groups,
         # by model part, as the shards: every pipeline stage's is saved
         "params": dict(zip(engine._placement.keys, engine._placement.param_names)),
         "param_shapes": dict(zip(engine._placement.keys, engine._placement.global_shapes)),
@@ -293,7 +298,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
     that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
     version = state.get("version")
-    if version not in (3, 4, STATE_VERSION) or (version == 3 and (
+    if version not in (3, 4, 5, STATE_VERSION) or (version == 3 and (
         (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
     )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
         raise ValueError(
@@ -301,7 +306,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             f"{version!r}"
             + (" saved inside acco's update round or with a narrow estimate pending"
                if version == 3 else "")
-            + f", this acco_hooks reads versions 4 and {STATE_VERSION}, and 3 saved at a step "
+            + f", this acco_hooks reads versions 4 to {STATE_VERSION}, and 3 saved at a step "
             "boundary (version 2 kept flat shards that only a run of the same shape could "
             "load). Resume it with the acco_hooks that wrote it"
         )
@@ -318,8 +323,8 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             f"this engine has mode={mode!r}; build the optimizer with "
             f"mode={state['mode']!r} to resume"
         )
-    same_ranks = (state["world_size"], state["fsdp_world_size"]) == (
-        engine.world_size, engine.fsdp_world_size
+    same_ranks = (_saved_ranks(state), state["fsdp_world_size"]) == (
+        _job_ranks(engine), engine.fsdp_world_size
     )  # fmt: skip
     if state["accumulation_steps"] != steps and same_ranks:
         raise ValueError(
@@ -439,9 +444,24 @@ def _warn_if_matched_by_position(names: list[list[str]], shapes: list[list[tuple
 
 
 def _resharded(state: dict[str, Any], engine: ACCOEngine) -> bool:
-    """Whether ``state`` was saved by a run of another shape (ranks, FSDP degree, round size)."""
-    saved = (state["world_size"], state["fsdp_world_size"], state["accumulation_steps"])
-    return saved != (engine.world_size, engine.fsdp_world_size, engine.settings.accumulation_steps)
+    """Whether ``state`` was saved by a run of another shape (the job's data-parallel ranks,
+    FSDP degree, round size). A live torchft group's handover is this job's own state."""
+    if state.get("handed_over"):
+        return False
+    saved = (_saved_ranks(state), state["fsdp_world_size"], state["accumulation_steps"])
+    return saved != (_job_ranks(engine), engine.fsdp_world_size,
+                     engine.settings.accumulation_steps)  # fmt: skip
+
+
+def _saved_ranks(state: dict[str, Any]) -> int:
+    """The saved job's data-parallel ranks: a torchft job's are its groups' (version 6)."""
+    return state["world_size"] * state.get("replica_groups", 1)
+
+
+def _job_ranks(engine: ACCOEngine) -> int:
+    """This job's data-parallel ranks; under torchft, over the groups that started with it."""
+    replicas = engine._groups.replicas
+    return engine.world_size * (1 if replicas is None else replicas.groups)
 
 
 def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
@@ -574,6 +594,8 @@ def handover_state(engine: ACCOEngine, counters: dict[str, Any]) -> dict[str, An
     chunks = engine._placement.chunks
     state = {
         **_header(engine), **counters, "round_microbatches": 0,
+        # the job's own state, in its own units, whatever this group's count of groups says
+        "handed_over": True,
         "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
         "pending_job": None, "pending_wire": None,
         "master": chunks([g.master for g in engine._buffers]), "pending_shard": None,

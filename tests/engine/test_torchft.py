@@ -8,12 +8,18 @@ a group is SIGKILLed, the survivors must agree with a reference run in which tha
 contribute nothing (``skip_microbatch``) from the round its contributions stopped in; a group
 that joins a running job (started late, or restarted after it was killed) takes a live group's
 state, sits out the round it joined in, and then holds parameters bit-identical to every other
-group's, equal to a reference whose ranks of that group skip the rounds it was away.
+group's, equal to a reference whose ranks of that group skip the rounds it was away (a group
+whose sum failed alone, where the others committed it, is one that was away for the round it
+then sat out). A checkpoint saved under torchft must resume, with or without torchft, on any
+number of groups and ranks, as the same checkpoint saved by the one-world job does; groups that
+differ (settings, LR scheduler, number of ranks) are refused by name, every one of them, before
+the first round.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,12 +142,14 @@ def test_auto_a_group_that_joins_reads_on_from_the_live_groups_data_position(
 ) -> None:  # fmt: skip
     """mode="auto" changes the size of its rounds: a joiner's data position is not a round
     count times a round size but ``engine.microbatches_scheduled``, handed over with the state.
-    Group 0 (deciding, slow) switches to an overlapped schedule and, at the first update's end
-    from round 14 on, holds until group 1 (started late) joins: in the next round's sum, an
-    estimate round, which the joiner sits out with the rest of the handed state (the carried
-    half-batch). From then on both run the same schedule, the joiner reads on from where group
-    0 stood after that round, and they end bit-identical."""
-    hold = ["--hold-round", "14", "--hold-for", "joining", "--mark-round", "14"]
+    Group 0 (deciding, slow) switches to an overlapped schedule and, at the first estimate
+    round's end from round 14 on, holds until group 1 (started late) has asked for a quorum:
+    the joiner's first step (comparing settings) meets it in the update round's sum, and its
+    join in the next one, an estimate round, which the joiner sits out. From then on both run
+    the same schedule, the joiner reads on from where group 0 stood after that round, and they
+    end bit-identical."""
+    hold = ["--hold-round", "14", "--hold-for", "joining", "--mark-round", "14",
+            "--hold-mid-update"]  # fmt: skip
     late = {1: ["--wait-for", "round_14", "--announce", "joining", "--microbatch-seconds", "0"],
             0: hold}  # fmt: skip
     status = run_groups(2, 1, AUTO_ARGS, tmp_path, replica_args=late, start_together=False)
@@ -267,7 +275,9 @@ def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
 
 @pytest.mark.parametrize(
     ("differs", "named"),
-    [(["--lr", "0.02"], "settings"), (["--seed", "1"], "initial parameters")],
+    [(["--lr", "0.02"], "settings"), (["--seed", "1"], "initial parameters"),
+     (["--lr-step-size", "2"], "settings")],  # an LR scheduler in one group alone
+    ids=["lr", "seed", "lr_scheduler"],
 )
 def test_groups_that_differ_are_refused_by_name(
     tmp_path: Path, differs: list[str], named: str
@@ -278,6 +288,118 @@ def test_groups_that_differ_are_refused_by_name(
     for g in (0, 1):
         log = (tmp_path / f"g{g}.log").read_text()
         assert f"the replica groups differ in their {named}" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (2, 1)], ids=["1-2", "2-1"])
+def test_groups_of_another_number_of_ranks_are_refused_by_name_before_the_first_round(
+    tmp_path: Path, sizes: tuple[int, int]
+) -> None:  # fmt: skip
+    """Rank r of one group has no rank r to sum with in the other: the groups' first ranks
+    compare their sizes in the step each group takes first, and every group stops there."""
+    status = run_groups(2, list(sizes), ["--rounds", "4", "--timeout", "10"], tmp_path)
+    assert status == [1, 1]
+    for g in (0, 1):
+        log = (tmp_path / f"g{g}.log").read_text()
+        refusal = (f"the replica groups differ in their number of ranks: this group has "
+                   f"{sizes[g]}, the 2 groups in this sum have 3 in all")  # fmt: skip
+        assert refusal in log, log[-3000:]
+        assert "committed at attempt" not in log
+    assert not list(tmp_path.glob("params_*")), "no group trained on"
+
+
+@pytest.mark.parametrize("mode", ["acco", "ddp"])  # ddp: the group waits for its own round
+def test_a_group_whose_sum_failed_alone_heals_and_trains_exactly(tmp_path: Path, mode: str) -> None:
+    """torchft's commit is each group's: group 1's vote on round 5 fails (an error on its own
+    link, after the sum went through), group 0 commits the round and goes on. Group 1's retry
+    meets group 0 a round later, behind by a committed round: it takes group 0's state, sits
+    that round out, and both end bit-identical, equal to a reference whose group 1 skipped that
+    one round."""
+    args = ["--mode", mode, "--rounds", "14", "--timeout", "10"]
+    flaky = {1: ["--flaky-group", "1", "--flaky-round", "5"]}
+    assert run_groups(2, 1, args, tmp_path, replica_args=flaky) == [0, 0]
+    assert _params(tmp_path, "g0_r0")["last_joined"] is None
+    sat_out = _params(tmp_path, "g1_r0")["last_joined"]
+    assert sat_out is not None and sat_out > 5
+    log = (tmp_path / "g1.log").read_text()
+    assert f"took a live group's state in round {sat_out}, sits that round out" in log, log[-3000:]
+    _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
+    away = ["--stop-group", "1", "--stop-round", str(sat_out), "--resume-round", str(sat_out + 1)]
+    assert run_reference(2, 1, [*args, *away], tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0, 1], 1)
+
+
+def test_a_group_joining_in_a_round_whose_sum_fails_takes_the_state_on_the_retry(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """3 groups of 1 rank; group 2 starts late, groups 0 and 1 hold after round 10 until its
+    quorum request is at the lighthouse. Group 2's first step meets them in round 10's sum
+    (comparing settings), its next in round 11's, where torchft heals it, and group 1 dies
+    inside that sum: the attempt fails, and the retry, without group 1, does not heal group 2
+    again. Group 2 keeps the state handed over, sits round 11 out and ends bit-identical to
+    group 0, equal to a reference whose group 1 stopped in round 11 and group 2 joined after
+    it."""
+    ra = {0: [*HOLD, "--mark-round", "10"],
+          1: [*HOLD, "--kill-group", "1", "--kill-at", "in_reduction", "--kill-round", "11"],
+          2: ["--wait-for", "round_10", "--announce", "joining"]}  # fmt: skip
+    status = run_groups(3, 1, HEAL_ARGS, tmp_path, replica_args=ra, start_together=[0, 1])
+    assert status[0] == 0 and status[2] == 0 and status[1] != 0, status
+    assert _params(tmp_path, "g2_r0")["first_round"] == 12
+    assert "joined the job at round 11" in (tmp_path / "g2.log").read_text()
+    assert "round 11 committed at attempt 2" in (tmp_path / "g0.log").read_text()
+    _assert_bit_identical(tmp_path, ["g0_r0", "g2_r0"])
+    away = ["--stop-group", "1", "--stop-round", "11", "--also-stop", "2", "0", "12"]
+    assert run_reference(3, 1, [*HEAL_ARGS, *away], tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0, 2], 1)
+
+
+def _resume(tmp_path: Path, name: str, checkpoint: Path, args: list[str], groups: int) -> dict:
+    """Train on from ``checkpoint``: on one world of ``-groups`` ranks without torchft
+    (``groups`` < 0), or as ``groups`` replica groups of 1 rank; rank 0's parameters."""
+    out = tmp_path / name
+    resume = [*args, "--resume", str(checkpoint)]
+    if groups > 0:
+        assert run_groups(groups, 1, resume, out) == [0] * groups
+        return _params(out, "g0_r0")
+    assert run_reference(-groups, 1, resume, out) == 0
+    return _params(out, "ref_r0")
+
+
+def test_a_checkpoint_saved_under_torchft_resumes_as_the_one_world_checkpoint_does(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """2 groups of 1 rank save in acco between round 4's estimate and its update (the carried
+    half-batch of 2 ranks, pending), as does the same job on one world of 2 ranks; each
+    checkpoint resumes on 1 rank without torchft, and the torchft one as 1 replica group: all
+    three equal the one-world checkpoint's resume on 1 rank (the carried half counts half of
+    the update, as its micro-batches do)."""
+    save = ["--rounds", "5", "--timeout", "10", "--save", "ck"]
+    assert run_groups(2, 1, save, tmp_path) == [0, 0]
+    assert run_reference(2, 1, save, tmp_path) == 0
+    args = ["--rounds", "10", "--timeout", "10"]
+    expected = _resume(tmp_path, "from_one_world", tmp_path / "ck_ref", args, groups=-1)
+    assert expected["first_round"] == 5 and expected["updates"] == 5
+    for name, groups in (("one_rank", -1), ("one_group", 1)):
+        run = _resume(tmp_path, name, tmp_path / "ck_g0", args, groups=groups)
+        assert run["first_round"] == 5 and run["updates"] == expected["updates"], name
+        for param, value in expected["params"].items():
+            torch.testing.assert_close(run["params"][param], value, rtol=0, atol=1e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+def test_a_quorum_that_cannot_commit_is_tried_less_often_and_given_up(tmp_path: Path) -> None:
+    """One group, a manager that commits over 2 only (min_replica_size=2), timeout=None: the
+    search for a quorum ends after twice the manager's timeout (2 s), and the attempts wait
+    longer each (at most 8 fit in 4 s however fast each one fails)."""
+    args = ["--rounds", "4", "--timeout", "2", "--min-replica-size", "2", "--engine-timeout",
+            "none"]  # fmt: skip
+    assert run_groups(1, 1, args, tmp_path) == [1]
+    log = (tmp_path / "g0.log").read_text()
+    found = re.search(r"joining the job: no quorum of replica groups committed within 4 s "
+                      r"\((\d+) attempts; twice the manager's timeout", log)  # fmt: skip
+    assert found, log[-3000:]
+    assert 2 <= int(found[1]) <= 8
+    assert "min_replica_size" in log[found.end():][:400]
+    assert log.count("did not commit") == int(found[1]) - 1
 
 
 def test_no_lighthouse_is_a_clear_error(tmp_path: Path) -> None:
@@ -292,32 +414,36 @@ def test_no_lighthouse_is_a_clear_error(tmp_path: Path) -> None:
     assert "failed to connect to http://localhost:1" in run.stdout + run.stderr
 
 
-def _engine_error(code: str) -> str:
-    """What building an engine with ``code``'s arguments raises, in a fresh process."""
-    script = (
-        "import torch\nfrom acco_hooks import ACCOOptimizer\n"
-        "model = torch.nn.Linear(4, 2)\n"
-        f"try:\n    {code}\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
-    )
+def _engine_errors(*codes: str, prelude: str = "") -> list[str]:
+    """What building an engine with each of ``codes``' arguments raises (one line each), in
+    one fresh process, after ``prelude``."""
+    script = prelude + "import torch\nfrom acco_hooks import ACCOOptimizer\n"
+    script += "model = torch.nn.Linear(4, 2)\n"
+    for code in codes:
+        script += (f"try:\n    {code}\nexcept Exception as e:\n"
+                   "    print(type(e).__name__, str(e).replace(chr(10), ' '))\n")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)  # fmt: skip
-    return run.stdout
+    return run.stdout.splitlines()
 
 
 def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -> None:
     build = "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, manager=object(), {})"
-    assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
-        build.format("mode='acco'")
-    )
-    assert "TypeError acco_hooks: manager must be a torchft.Manager" in _engine_error(
-        build.format("mode='auto', accumulation_steps=2")
-    )
-    assert "estimate_dtype narrower" in _engine_error(
-        build.format("mode='acco', estimate_dtype=torch.bfloat16")
-    )
+    wrong, auto, narrow, until_ready = _engine_errors(
+        build.format("mode='acco'"), build.format("mode='auto', accumulation_steps=2"),
+        build.format("mode='acco', estimate_dtype=torch.bfloat16"),
+        # a joiner reads on from the live groups' position: rounds of their own length lose it
+        build.format("mode='acco', accumulate_until_ready=True"),
+    )  # fmt: skip
+    assert "TypeError acco_hooks: manager must be a torchft.Manager" in wrong
+    assert "TypeError acco_hooks: manager must be a torchft.Manager" in auto
+    assert "estimate_dtype narrower" in narrow
+    assert ("ValueError acco_hooks: accumulate_until_ready=True is not supported with a torchft "
+            "manager") in until_ready  # fmt: skip
+    assert "Set accumulate_until_ready=False" in until_ready
 
 
 def test_without_torchft_the_error_names_the_extra() -> None:
-    hidden = "import sys; sys.modules['torchft'] = None\n    "
     build = "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, manager=object())"
-    assert "pip install 'acco_hooks[ft]'" in _engine_error(hidden + build)
+    (error,) = _engine_errors(build, prelude="import sys; sys.modules['torchft'] = None\n")
+    assert "pip install 'acco_hooks[ft]'" in error

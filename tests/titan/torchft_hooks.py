@@ -10,8 +10,8 @@ it does is set by environment variables, the same for every group of a job:
   never meets that round; nor is it killed again);
 - ``ACCO_TEST_FT_HOLD = "round"``: once a group was killed, the live groups wait at that
   round's start until the lighthouse has the restarted group's first quorum request
-  (``scaffolding.torchft_job.announce_first_quorum_request``), so that it joins by that
-  round's sum;
+  (``scaffolding.torchft_job.announce_first_quorum_request``), so that its first step (which
+  compares settings) meets that round's sum, and it joins by the next round's;
 - ``ACCO_TEST_FT_STOP = "group:ranks_per_group:stop[:resume]"`` (the reference, one job of
   every rank without torchft): the ranks of that group contribute nothing in rounds
   [stop, resume) (their micro-batches' labels are all ignored, so the engine skips them).
