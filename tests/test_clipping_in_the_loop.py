@@ -64,6 +64,20 @@ def _try_every_clip(params: list[torch.Tensor], backward) -> Iterator[list[str]]
         yield wrong
 
 
+def _train(params: list[torch.Tensor], backward, step, clipping: bool) -> list[str]:
+    """As many micro-batches as there are clips, each ``backward()`` then ``step()``; with
+    ``clipping``, each clip tried in between. What was not refused as it should."""
+    wrong: list[str] = []
+    if clipping:
+        for wrong in _try_every_clip(params, backward):
+            step()
+    else:
+        for _ in CLIPS:
+            backward()
+            step()
+    return wrong
+
+
 def test_every_clip_in_a_plain_loop_is_refused_and_the_run_goes_on_exactly() -> None:
     from acco_hooks import ACCOOptimizer
 
@@ -77,14 +91,7 @@ def test_every_clip_in_a_plain_loop_is_refused_and_the_run_goes_on_exactly() -> 
         def backward() -> None:
             model(_batch(next(step), 0)).square().mean().backward()
 
-        wrong = []
-        if clipping:
-            for wrong in _try_every_clip(params, backward):
-                opt.step()
-        else:
-            for _ in CLIPS:
-                backward()
-                opt.step()
+        wrong = _train(params, backward, opt.step, clipping)
         assert all(p.grad is None for p in params)  # as before the engine: empty after step()
         opt.close()
         return {n: p.detach().clone() for n, p in model.named_parameters()}, wrong
@@ -122,14 +129,7 @@ def ddp_worker(rank: int, world_size: int, clipping: bool, no_sync: bool, view: 
             ddp(_batch(next(step), rank)).square().mean().backward()
             state.step()
 
-    wrong = []
-    if clipping:
-        for wrong in _try_every_clip(params, backward):
-            finish_step()
-    else:
-        for _ in CLIPS:
-            backward()
-            finish_step()
+    wrong = _train(params, backward, finish_step, clipping)
     state.close()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "wrong": wrong}  # fmt: skip
@@ -162,14 +162,7 @@ def hsdp_worker(rank: int, world_size: int, clipping: bool) -> dict:
     def backward() -> None:
         microbatch_loss(model, rank, next(step), 0).backward()
 
-    wrong = []
-    if clipping:
-        for wrong in _try_every_clip(params, backward):
-            opt.step()
-    else:
-        for _ in CLIPS:
-            backward()
-            opt.step()
+    wrong = _train(params, backward, opt.step, clipping)
     opt.flush()
     result = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     opt.close()
