@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from acco_hooks._frontend import EngineFrontEnd
 from acco_hooks.engine import ACCOEngine
+from acco_hooks.engine.buffers import normalize_param_groups
 
 __all__ = ["ACCOState", "acco_hook"]
 
@@ -93,8 +94,12 @@ class ACCOState(EngineFrontEnd, Joinable):
         Joinable.__init__(self)
         self.ddp_model = ddp_model
         named = list(ddp_model.module.named_parameters())
-        param_groups = named if param_groups is None else list(param_groups)
-        given = {id(t) for t in _tensors_of(param_groups)}
+        # listed once: a group's params may be a generator, read here and by the engine
+        param_groups = named if param_groups is None else [
+            {**g, "params": [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])}
+            if isinstance(g, dict) else g for g in param_groups
+        ]  # fmt: skip
+        given = {id(p) for g in normalize_param_groups(param_groups)[0] for p in g["params"]}
         ignored_trained = [n for n, p in named if n in ddp_model.parameters_to_ignore
                            and p.requires_grad and id(p) in given]  # fmt: skip
         if ignored_trained:
@@ -201,15 +206,6 @@ class _ACCOJoinHook(JoinHook):
         state._accumulated.clear()
         as_a_rank = self.divide_by_initial_world_size and state._unit_weights
         state.engine.skip_microbatch(weight=1.0 if as_a_rank else 0.0)
-
-
-def _tensors_of(param_groups: Any) -> list[Tensor]:
-    """The tensors of ``param_groups`` (tensors, ``(name, tensor)`` pairs or group dicts)."""
-    items = list(param_groups)
-    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
-    members = [m for g in groups for m in ([g["params"]] if isinstance(g["params"], Tensor)
-                                          else g["params"])]  # fmt: skip
-    return [m[1] if isinstance(m, tuple) else m for m in members]
 
 
 def acco_hook(state: ACCOState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
