@@ -176,6 +176,12 @@ class ACCOEngine:
             settings, LR scheduler and number of ranks (refused by name before the first
             round). Inside a group: data parallelism, HSDP (``fsdp_process_group``), tensor
             and pipeline parallelism (``norm_process_group``).
+        replica_groups: with ``manager``: the number of replica groups the job is launched
+            with. At the job's start the first round then waits for that many to be up (for
+            at most the round's patience, twice ``timeout``), so that groups started at
+            slightly different moments train together from the first round; a group that
+            comes later joins the running job. ``None``: each group trains with the groups
+            up when its first quorum forms.
         **kwargs: the settings (unless ``settings`` is given), then the keyword arguments of
             ``optimizer_class`` (``lr``, ``betas``, ...).
     """
@@ -227,6 +233,7 @@ class ACCOEngine:
         weights_are_shares: bool = False,
         gradients_may_skip_ranks: bool = False,
         manager: Any = None,
+        replica_groups: int | None = None,
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
@@ -251,6 +258,10 @@ class ACCOEngine:
         )  # fmt: skip
 
         replicas = None
+        if replica_groups is not None and manager is None:
+            raise ValueError("acco_hooks: replica_groups is the number of torchft replica "
+                             "groups a job starts with: give the group's manager= too, or "
+                             "leave replica_groups unset")  # fmt: skip
         if manager is not None:  # refused here too, before any process group exists
             replicas = ReplicaGroups(
                 manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
@@ -259,6 +270,8 @@ class ACCOEngine:
                 group_size=dist.get_world_size() if dist.is_initialized() else 1,
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
                 until_ready=settings.accumulate_until_ready, timeout=settings.timeout,
+                start_groups=replica_groups,
+                logs=not dist.is_initialized() or dist.get_rank() == 0,
             )  # fmt: skip
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
@@ -407,11 +420,12 @@ class ACCOEngine:
         if joined_round is None:  # init_sync at the start: one group's state, the same in all
             return
         self.joined_round = joined_round
-        logger.warning(
-            "acco_hooks: this replica group joined the job at round %d with a live group's "
-            "state; it sits that round out and trains from round %d on", joined_round,
-            joined_round + 1,
-        )  # fmt: skip
+        if replicas.logs:
+            logger.warning(
+                "acco_hooks: this replica group joined the job at round %d with a live group's "
+                "state; it sits that round out and trains from round %d on", joined_round,
+                joined_round + 1,
+            )  # fmt: skip
         for _ in range(self.round_size):  # ends the round: its job takes the sum joined
             self.skip_microbatch()
 
@@ -431,11 +445,12 @@ class ACCOEngine:
         self._round_microbatches = counted
         for arrived in self._grad_arrived:
             arrived[:] = [True] * len(arrived)
-        logger.warning(
-            "acco_hooks: round %d: this replica group's sum failed where the other groups "
-            "committed it; it took a live group's state in round %d, sits that round out and "
-            "trains from round %d on", behind.round_index, joined_round, joined_round + 1,
-        )  # fmt: skip
+        if self._groups.replicas.logs:
+            logger.warning(
+                "acco_hooks: round %d: this replica group's sum failed where the other groups "
+                "committed it; it took a live group's state in round %d, sits that round out "
+                "and trains from round %d on", behind.round_index, joined_round, joined_round + 1,
+            )  # fmt: skip
 
     # ------------------------------------------------------------ gradients in (main thread)
 

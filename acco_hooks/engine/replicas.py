@@ -84,10 +84,15 @@ from ``microbatches_scheduled`` at its next round end).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib.metadata
 import logging
+import os
+import re
+import socket
 import time
+import urllib.parse
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -99,7 +104,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from acco_hooks._versions import check_supported_versions
 
-__all__ = ["GroupFellBehind", "ReplicaGroups"]
+__all__ = ["GroupFellBehind", "ReplicaGroups", "check_lighthouse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +123,10 @@ _SUMMED = 14
 _STATE_KEY = "acco_hooks"
 # The wait before each attempt after the second: doubling from the first, at most the last
 _BACKOFF_S = (0.1, 5.0)
+# The least a quorum is given (what is left of a round's patience may be less), and how often
+# a group at the job's start asks again while it waits for the others (``start_groups``)
+_LEAST_QUORUM_S = 1.0
+_START_POLL_S = 0.2
 
 
 class GroupFellBehind(Exception):
@@ -152,13 +161,14 @@ class ReplicaGroups:
             heartbeat timeout).
     """
 
-    __slots__ = ("_description", "_hyperparameters", "_joined", "_received", "_rejoin",
-                 "_serve", "_settings_mark", "_size", "groups", "manager", "patience_s",
-                 "summed_groups", "timeout")  # fmt: skip
+    __slots__ = ("_description", "_hyperparameters", "_joined", "_members", "_quorums", "_received",
+                 "_rejoin", "_serve", "_settings_mark", "_size", "groups", "logs", "manager",
+                 "patience_s", "start_groups", "summed_groups", "timeout")  # fmt: skip
 
     def __init__(
         self, manager: Any, description: str, *, group_size: int, narrow_estimate: bool,
-        until_ready: bool, timeout: float | None,
+        until_ready: bool, timeout: float | None, start_groups: int | None = None,
+        logs: bool = True,
     ) -> None:  # fmt: skip
         try:
             from torchft import Manager
@@ -185,7 +195,14 @@ class ReplicaGroups:
             raise TypeError(
                 f"acco_hooks: manager must be a torchft.Manager, got {type(manager).__name__}"
             )
-        self.manager, self.timeout = manager, timeout
+        if start_groups is not None and (not isinstance(start_groups, int) or start_groups < 1):
+            raise ValueError(f"acco_hooks: replica_groups must be a positive int (the replica "
+                             f"groups the job is launched with), got {start_groups!r}")  # fmt: skip
+        self.manager, self.timeout, self.start_groups = manager, timeout, start_groups
+        self._quorums = _QuorumRecorder.install(manager)
+        self.logs = logs  # whether this rank says what happens to the job (one rank a group)
+        # The groups (their names, as the lighthouse has them) of the last committed quorum
+        self._members: tuple[str, ...] | None = None
         # timeout=None: the manager's own, which bounds its collectives and votes (torchft 0.2
         # keeps it as _timeout)
         manager_timeout = getattr(manager, "_timeout", default_pg_timeout).total_seconds()
@@ -238,8 +255,7 @@ class ReplicaGroups:
         while True:
             attempt += 1
             self._received = None
-            manager.start_quorum()
-            manager.wait_quorum()
+            self._quorum("joining the job", deadline, attempt)
             # torchft moved a joiner's step to the live groups': 0 only while every group in
             # the quorum is at its join step, a round's step otherwise
             round_index = manager.current_step() - 1
@@ -251,6 +267,7 @@ class ReplicaGroups:
                 break
             self._retry_or_give_up("joining the job", attempt, deadline)
         self._received = None
+        self._members = self._quorums.replica_ids()  # the job as this group starts in it
         if round_index < 0:  # the job's start: init_sync's state, if any
             return (None if received is None else received[0]), None
         if received is None or received[1] != round_index:
@@ -266,23 +283,74 @@ class ReplicaGroups:
         """The first step: a quorum in which no group heals, so that every group starting with
         the job sends its settings and number of ranks; compared before this group trains. Not
         committed (torchft's step stays where it was). Tried again while some rank of this
-        group had no sum (every rank goes on together)."""
+        group had no sum (every rank goes on together), and, with :attr:`start_groups`, while
+        fewer groups are up at the job's start (for at most :attr:`patience_s`).
+
+        A group whose name (its Manager's ``replica_id``) a live group has is refused here, by
+        name, once it took part in the sum with nothing: an earlier start of it still running
+        would otherwise be summed twice, with the data read twice."""
         manager = self.manager
         deadline = time.monotonic() + self.patience_s
-        attempt = 0
+        attempt, waiting = 0, False
         while True:
             attempt += 1
-            manager.start_quorum(allow_heal=False)
-            manager.wait_quorum()
+            self._quorum("comparing settings with the other replica groups", deadline, attempt,
+                         allow_heal=False)  # fmt: skip
             seen, _ = self._compare(skipped)
             # a rank of a group of another size has no peer to sum with: the first rank of
             # each group compares, and the others try again with it
             if agree(float(manager.errored() is not None)) == 0:
-                break
+                self._refuse_a_second_start()
+                # every rank waits on, or none (each reads its own clock)
+                if agree(float(not self._waits_for_the_others(deadline, waiting))) > 0:
+                    break
+                waiting = True
+                time.sleep(_START_POLL_S)
+                continue
             self._retry_or_give_up("comparing settings with the other replica groups", attempt,
                                    deadline, "a rank of this group had no sum")  # fmt: skip
         # a joiner behind the live groups is not in their sum (torchft zeroes it)
         self.groups = round(seen[_PRESENT].item()) + (0 if manager.is_participating() else 1)
+
+    def _refuse_a_second_start(self) -> None:
+        """Refuse this group if another group in the quorum has its name: the lighthouse tells
+        starts of a group apart by the uuid each start of a Manager adds to the name."""
+        ids, own = self._quorums.replica_ids(), self._quorums.own_replica_id()
+        name = _group_name(own)
+        others = [i for i in ids if i != own and _group_name(i) == name]
+        if others:
+            raise RuntimeError(
+                f"acco_hooks: a replica group named {name!r} is in the job already ({others[0]}; "
+                f"this start is {own}): two groups of one name read the same data and are "
+                "summed twice. Is an earlier start of this group still running? A torchrun "
+                "killed with SIGKILL leaves its workers running (they are in sessions of their "
+                "own): stop them (pkill -f with the group's command line; pgrep -af shows what "
+                "is left), or give this group a replica_id of its own"
+            )
+
+    def _waits_for_the_others(self, deadline: float, waiting: bool) -> bool:
+        """With :attr:`start_groups`: whether the first step waits on for more groups (the
+        job's start, fewer groups up, within the patience), saying so once."""
+        if self.start_groups is None:
+            return False
+        ids, ahead = self._quorums.replica_ids(), self._quorums.max_step()
+        if len(ids) >= self.start_groups or ahead > self.manager.current_step():
+            return False  # every group is up, or the job runs already: this group joins it
+        if time.monotonic() > deadline:
+            if self.logs:
+                logger.warning(
+                    "acco_hooks: the job starts with %d of its %d replica groups "
+                    "(replica_groups): the others did not come up within %.0f s, and join the "
+                    "running job when they do", len(ids), self.start_groups, self.patience_s,
+                )  # fmt: skip
+            return False
+        if not waiting and self.logs:
+            logger.warning(
+                "acco_hooks: %d of the job's %d replica groups are up (%s): the first round "
+                "waits up to %.0f s for the others", len(ids), self.start_groups,
+                ", ".join(_display(ids)), self.patience_s,
+            )  # fmt: skip
+        return True
 
     def _compare(self, skipped: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """A step this group takes part in with nothing: its marks summed first and compared
@@ -354,13 +422,13 @@ class ReplicaGroups:
                                    f"{round_index}: the engine lost its place")  # fmt: skip
             summed, seen, attempt = joined[1], joined[2], 0
         else:
-            deadline = time.monotonic() + self.patience_s
+            started = time.monotonic()
+            deadline = started + self.patience_s
             received, attempt, zeros = None, 0, None
             while True:
                 attempt += 1
                 self._received = None
-                manager.start_quorum()
-                manager.wait_quorum()
+                self._quorum(f"round {round_index}", deadline, attempt)
                 at = manager.current_step() - 1
                 # torchft moved this group's step to the others' (healing it): they committed
                 # this round already, and this group's payload is one they summed
@@ -399,11 +467,8 @@ class ReplicaGroups:
         _check_round_marks(seen, marks, participants, round_index)
         torch._foreach_copy_(tensors, summed)
         self.summed_groups = participants
-        if attempt > 1:
-            logger.warning(
-                "acco_hooks: round %d committed at attempt %d, over %d replica groups",
-                round_index, attempt, participants,
-            )  # fmt: skip
+        if joined is None:
+            self._say_what_changed(round_index, attempt, time.monotonic() - started, participants)
         deciders, decided = seen[_DECIDES].item(), seen[_PROPOSAL].item()
         if deciders > 1:  # torchft numbers the participants: one is first
             raise RuntimeError(f"acco_hooks: round {round_index}: {deciders:g} replica groups "
@@ -425,26 +490,69 @@ class ReplicaGroups:
     ) -> None:  # fmt: skip
         """After a failed attempt: give up past the patience, else wait (nothing before the
         second attempt, which a lost group's quorum needs at once; then longer each time).
-        ``no_error``: why, when this rank's manager saw no error."""
+        ``no_error``: why, when this rank's manager saw no error. The first failure of a sum
+        is said once (this group's first rank), and the commit that follows (``sum``)."""
         error = self.manager.errored()
-        # torchft's error carries its traceback in its text: its first line is the reason
-        reason = no_error if error is None else (str(error).splitlines() or [""])[0]
+        reason = no_error if error is None else _reason(error)
         now = time.monotonic()
         if now > deadline:
             raise RuntimeError(
                 f"acco_hooks: {what}: no quorum of replica groups committed within "
-                f"{self.patience_s:.0f} s ({attempt} attempts; twice "
-                + ("the manager's timeout" if self.timeout is None else f"timeout={self.timeout:g}")
-                + f"; the last: {reason}). Is the lighthouse up, and are at least the "
-                "manager's min_replica_size groups alive?"
-            )
+                f"{self.patience_s:.0f} s ({attempt} attempts; {self._patience_setting()}; the "
+                f"last: {reason}). "
+                + (_lighthouse_down() or "Are at least the manager's min_replica_size groups "
+                   "alive?")
+            )  # fmt: skip
         first, most = _BACKOFF_S
         wait = 0.0 if attempt == 1 else min(most, first * 2 ** (attempt - 2), deadline - now)
-        logger.warning(
-            "acco_hooks: %s: the sum over replica groups did not commit (%s); attempt %d, "
-            "trying again in a new quorum in %.1f s", what, reason, attempt, wait,
+        logger.log(
+            logging.WARNING if attempt == 1 and self.logs else logging.INFO,
+            "acco_hooks: %s: the sum over the replica groups failed (%s); trying again in a new "
+            "quorum%s", what, reason, f" in {wait:.1f} s (attempt {attempt + 1})" if wait else "",
         )  # fmt: skip
         time.sleep(wait)
+
+    def _quorum(self, what: str, deadline: float, attempt: int, allow_heal: bool = True) -> None:
+        """Start a quorum and wait for it, for what is left of the patience. torchft keeps a
+        quorum that failed (its next ``start_quorum`` raises it again), so no attempt follows
+        one: the round fails, with the lighthouse's state named."""
+        left = max(deadline - time.monotonic(), _LEAST_QUORUM_S)
+        self.manager.start_quorum(allow_heal=allow_heal, timeout=datetime.timedelta(seconds=left))
+        try:
+            self.manager.wait_quorum()
+        except Exception as error:
+            raise RuntimeError(
+                f"acco_hooks: {what}: no quorum of replica groups formed within "
+                f"{self.patience_s:.0f} s (attempt {attempt}; {self._patience_setting()}): "
+                + (_lighthouse_down() or "the lighthouse answers, but formed no quorum in time: "
+                   "fewer live groups than its --min_replicas?")
+                + f" (torchft: {_reason(error)})"
+            ) from None  # fmt: skip
+
+    def _patience_setting(self) -> str:
+        return "twice " + ("the manager's timeout" if self.timeout is None
+                           else f"timeout={self.timeout:g}")  # fmt: skip
+
+    def _say_what_changed(
+        self, round_index: int, attempt: int, took_s: float, participants: int
+    ) -> None:  # fmt: skip
+        """One line (this group's first rank) where a round's sum took more than one attempt
+        or the quorum's groups changed: which group left or came, and when it committed."""
+        ids, members = self._quorums.replica_ids(), self._members
+        self._members = ids
+        left = [] if members is None else [i for i in members if i not in ids]
+        came = [] if members is None else [i for i in ids if i not in members]
+        if not self.logs or not (attempt > 1 or left or came):
+            return
+        changes = ([f"{', '.join(_display(left, members))} left the job"] if left else []) + (
+            [f"{', '.join(_display(came, ids))} joined the quorum"] if came else [])  # fmt: skip
+        again = (f" at attempt {attempt}, {took_s:.1f} s after the first" if attempt > 1
+                 else "")  # fmt: skip
+        logger.warning(
+            "acco_hooks: round %d committed%s, summed over %d replica group%s (the quorum: "
+            "%s)%s", round_index, again, participants, "" if participants == 1 else "s",
+            ", ".join(_display(ids)), "".join(f"; {change}" for change in changes),
+        )  # fmt: skip
 
     def _group_marks(self) -> Tensor:
         """The marks every group sends in every sum: present, its settings, its size."""
@@ -538,3 +646,113 @@ def _plain(value: Any) -> bool:
 def _mark(text: str) -> int:
     digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") % (1 << _FINGERPRINT_BITS)
+
+
+class _QuorumRecorder:
+    """This rank's torchft ``ManagerClient``, keeping the last quorum it returned.
+
+    torchft 0.2's ``Manager`` reads the quorum's replica ids (the names the groups gave their
+    Managers, each with the uuid a start of a Manager draws) and its highest step in
+    ``_async_quorum``, and keeps neither where a caller can read them. The engine needs them:
+    to refuse a second start of a live group, to say which group left or came, and to tell a
+    running job from one that starts. Written on torchft's quorum thread, read after
+    ``wait_quorum``."""
+
+    __slots__ = ("_client", "last")
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.last = client, None
+
+    @classmethod
+    def install(cls, manager: Any) -> _QuorumRecorder:
+        client = getattr(manager, "_client", None)
+        if isinstance(client, cls):
+            return client
+        if client is None or not hasattr(client, "_quorum"):
+            raise RuntimeError(
+                "acco_hooks: this torchft Manager has no ManagerClient to read its quorums from "
+                "(torchft 0.2's Manager._client): install the torchft release acco_hooks "
+                "supports, pip install 'acco_hooks[ft]'"
+            )
+        manager._client = recorder = cls(client)
+        return recorder
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def replica_ids(self) -> tuple[str, ...]:
+        return () if self.last is None else tuple(self.last.replica_ids)
+
+    def own_replica_id(self) -> str:
+        """This group's id in the last quorum (torchft numbers the quorum's ids in order)."""
+        ids = self.replica_ids()
+        return ids[self.last.replica_rank] if 0 <= self.last.replica_rank < len(ids) else ""
+
+    def max_step(self) -> int:
+        return 0 if self.last is None else self.last.max_step
+
+
+def _group_name(replica_id: str) -> str:
+    """A group's name without the uuid torchft adds to it at each start of its Manager."""
+    return replica_id.rsplit(":", 1)[0] if ":" in replica_id else replica_id
+
+
+def _display(ids: Any, among: Any = None) -> list[str]:
+    """Groups by name; with their uuid where two starts of one name are among ``among``."""
+    names = [_group_name(i) for i in (ids if among is None else among)]
+    return [i if names.count(_group_name(i)) > 1 else _group_name(i) for i in ids]
+
+
+def _reason(error: BaseException) -> str:
+    """The reason in a torchft or gloo error, without the traceback torchft's text carries or
+    gloo's source location and advice: its first line's first sentence."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    status = re.search(r'message: "([^"]*)"', text)  # a gRPC status from torchft's client
+    if status:
+        return status.group(1)
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|rs):\d+\]\s*", "", text)
+    return re.split(r"(?<=\.)\s", text, maxsplit=1)[0] or type(error).__name__
+
+
+def check_lighthouse_address(address: str | None = None) -> str:
+    """The torchft lighthouse's address a ``Manager`` is built with: ``address``, else
+    ``$TORCHFT_LIGHTHOUSE``. Refused by name when it is missing or names no host (an unset
+    shell variable: ``http://$HEAD:29510`` with ``HEAD`` unset is ``http://:29510``), which
+    torchft reports as a DNS error after its connect timeout."""
+    address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not address:
+        raise ValueError("acco_hooks: no torchft lighthouse: set TORCHFT_LIGHTHOUSE to its "
+                         "address, e.g. export TORCHFT_LIGHTHOUSE=http://localhost:29510")
+    url = urllib.parse.urlsplit(address)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if not url.hostname or port is None:
+        raise ValueError(
+            f"acco_hooks: the torchft lighthouse's address {address!r} "
+            f"(TORCHFT_LIGHTHOUSE) names no {'host' if not url.hostname else 'port'}: "
+            "give http://HOST:PORT, the host the lighthouse runs on as every node reaches it "
+            "(on one machine: http://localhost:29510)"
+        )
+    return address
+
+
+def _lighthouse_down() -> str | None:
+    """Why ``$TORCHFT_LIGHTHOUSE`` takes no connection, if it takes none: for an error that
+    must say why no quorum formed (the lighthouse lost, or too few live groups)."""
+    address = os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not address:
+        return None  # the Manager's lighthouse_addr, which torchft keeps to itself
+    url = urllib.parse.urlsplit(address)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 0), timeout=1.0):
+            pass
+    except (OSError, ValueError) as error:
+        why = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        return f"the lighthouse at {address} does not answer ({why}): is it up?"
+    return None

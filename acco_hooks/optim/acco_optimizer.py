@@ -59,7 +59,8 @@ class ACCOOptimizer(EngineFrontEnd):
             ``lr_scheduler``: ``callable(optimizer) -> LRScheduler``, see the warning above;
             ``manager``: a ``torchft.Manager``, for replica groups that outlive a lost group;
             a group that joins a running job takes a live group's state here and goes on
-            from ``engine.round_index``, ``examples/torchft_train.py``),
+            from ``engine.round_index``, ``examples/torchft_train.py``; ``replica_groups``:
+            the number of groups the job is launched with, which its first round waits for),
             then the keyword arguments of ``optimizer_class`` (``lr``, ``betas``, ...). See
             :class:`~acco_hooks.engine.ACCOEngine`.
 

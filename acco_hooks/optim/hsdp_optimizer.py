@@ -70,7 +70,7 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
             ``accumulation_steps``, ``reduce_dtype``, ``max_grad_norm``, ``lr``, ...), except
             the process groups, which come from the mesh. With ``manager`` (a torchft
             ``Manager``) the mesh is one replica group's, and each group holds HSDP of its own
-            (``acco_hooks/engine/replicas.py``).
+            (``acco_hooks/engine/replicas.py``; ``replica_groups`` as in ``ACCOOptimizer``).
 
     Example::
 

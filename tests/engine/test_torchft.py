@@ -18,10 +18,12 @@ the first round.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -399,7 +401,69 @@ def test_a_quorum_that_cannot_commit_is_tried_less_often_and_given_up(tmp_path: 
     assert found, log[-3000:]
     assert 2 <= int(found[1]) <= 8
     assert "min_replica_size" in log[found.end():][:400]
-    assert log.count("did not commit") == int(found[1]) - 1
+    # one line for the event (the sum failed), not one per attempt
+    assert log.count("the sum over the replica groups failed") == 1, log[-3000:]
+
+
+def test_a_second_start_of_a_live_group_is_refused_by_name_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """What a torchrun killed with SIGKILL leaves (its workers train on as group 1), then the
+    same group started again: the second start of ``acco_1`` is refused by name on the
+    newcomer, once it took part in a live round's sum with nothing, and the live groups go on
+    as the job they were, equal to one run of their ranks."""
+    ra = {0: [*HOLD, "--mark-round", "10"], 1: HOLD,
+          2: ["--replica-id", "1", "--wait-for", "round_10", "--announce", "joining"]}  # fmt: skip
+    status = run_groups(3, 1, HEAL_ARGS, tmp_path, replica_args=ra, start_together=[0, 1])
+    assert status[:2] == [0, 0] and status[2] != 0, status
+    newcomer = (tmp_path / "g2.log").read_text()
+    assert re.search(r"a replica group named 'acco_1' is in the job already \(acco_1:[0-9a-f-]+; "
+                     r"this start is acco_1:[0-9a-f-]+\)", newcomer), newcomer[-3000:]
+    assert "pgrep -af" in newcomer
+    survivor = (tmp_path / "g0.log").read_text()
+    assert "Traceback" not in survivor, survivor[-3000:]
+    _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
+    assert run_reference(2, 1, HEAL_ARGS, tmp_path) == 0
+    _assert_equal_to_reference(tmp_path, [0, 1], 1)
+
+
+def test_a_lost_lighthouse_is_named_within_twice_the_timeout(tmp_path: Path) -> None:
+    """The lighthouse SIGKILLed while 2 groups train (timeout=5): the next round's quorum is
+    given what is left of its patience (10 s), and every group fails with the lighthouse
+    named, instead of waiting for torchft's own quorum timeout (60 s) and a backstop that
+    blames a peer."""
+    args = ["--rounds", "2000", "--microbatch-seconds", "0.01", "--timeout", "5"]
+    job = concurrent.futures.ThreadPoolExecutor(1).submit(
+        run_groups, 2, 1, args, tmp_path, replica_args={0: ["--mark-round", "5"]})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "round_5").exists() and not job.done():
+        assert time.monotonic() < deadline, "the job did not reach round 5"
+        time.sleep(0.05)
+    lost = time.monotonic()
+    subprocess.run(["pkill", "-9", "-f", "torchft_lighthouse"], check=False)
+    assert job.result(timeout=120) == [1, 1]
+    took = time.monotonic() - lost
+    assert took < 2 * 5 + 15, f"{took:.0f} s from the lighthouse's loss to the groups' exit"
+    for g in (0, 1):
+        log = (tmp_path / f"g{g}.log").read_text()
+        assert re.search(r"round \d+: no quorum of replica groups formed within 10 s \(attempt "
+                         r"\d+; twice timeout=5\): the lighthouse at http://localhost:\d+ does "
+                         r"not answer", log), log[-3000:]
+        assert "a peer rank is probably dead" not in log, log[-3000:]
+
+
+def test_a_lighthouse_address_without_a_host_is_refused_by_name(monkeypatch) -> None:
+    from acco_hooks.engine.replicas import check_lighthouse_address
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://:29510")  # http://$HEAD:29510, HEAD unset
+    with pytest.raises(ValueError, match=r"'http://:29510' \(TORCHFT_LIGHTHOUSE\) names no host"):
+        check_lighthouse_address()
+    with pytest.raises(ValueError, match="names no port"):
+        check_lighthouse_address("http://node0")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="set TORCHFT_LIGHTHOUSE"):
+        check_lighthouse_address()
+    assert check_lighthouse_address("http://node0:29510") == "http://node0:29510"
 
 
 def test_no_lighthouse_is_a_clear_error(tmp_path: Path) -> None:
@@ -429,12 +493,15 @@ def _engine_errors(*codes: str, prelude: str = "") -> list[str]:
 
 def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -> None:
     build = "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, manager=object(), {})"
-    wrong, auto, narrow, until_ready = _engine_errors(
+    wrong, auto, narrow, until_ready, groups_alone = _engine_errors(
         build.format("mode='acco'"), build.format("mode='auto', accumulation_steps=2"),
         build.format("mode='acco', estimate_dtype=torch.bfloat16"),
         # a joiner reads on from the live groups' position: rounds of their own length lose it
         build.format("mode='acco', accumulate_until_ready=True"),
+        "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, replica_groups=2)",
     )  # fmt: skip
+    assert "ValueError acco_hooks: replica_groups is the number of torchft" in groups_alone
+    assert "give the group's manager= too" in groups_alone
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in wrong
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in auto
     assert "estimate_dtype narrower" in narrow
