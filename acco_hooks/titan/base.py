@@ -126,9 +126,13 @@ class EngineOptimizersContainer(OptimizersContainer):
         # What torchtitan's own containers do last: the torch.optim.Optimizer machinery (hooks)
         torch.optim.Optimizer.__init__(self, params, dict(optimizer_kwargs))
 
-    def bind(self, parallel_dims: Any, manager: Any = None, lr_scheduler: Any = None) -> None:
+    def bind(
+        self, parallel_dims: Any, manager: Any = None, lr_scheduler: Any = None,
+        replica_groups: int | None = None,
+    ) -> None:  # fmt: skip
         """Build the engine over every trainable parameter, across the ``dp_replicate`` mesh
-        (with ``manager``, a ``torchft.Manager``: across torchft replica groups too), with
+        (with ``manager``, a ``torchft.Manager``: across torchft replica groups too, the first
+        round waiting for the ``replica_groups`` the job is launched with), with
         the LR schedulers ``lr_scheduler(shard_optimizer)`` builds (or, later,
         :meth:`attach_lr_schedulers`)."""
         optimizer_class, optimizer_kwargs, settings = self._engine_plan
@@ -144,7 +148,8 @@ class EngineOptimizersContainer(OptimizersContainer):
                 _shard_group(parallel_dims) if parallel_dims.dp_shard_enabled else None
             ),
             norm_process_group=dist.group.WORLD if model_parallel else None,
-            manager=manager, lr_scheduler=lr_scheduler, **optimizer_kwargs,
+            manager=manager, replica_groups=replica_groups, lr_scheduler=lr_scheduler,
+            **optimizer_kwargs,
         )  # fmt: skip
         self.manager = manager
         self.optimizers = [self.engine.optimizer]
@@ -324,10 +329,11 @@ class ACCOTrainerBase(Trainer):
             if engine.joined_round is not None:
                 # A torchft replica group that joined a running job holds a live group's state:
                 # its own checkpoint, from before it was lost, would overwrite it
-                logger.warning(
-                    "ACCO: this replica group joined a running job at round %d with a live "
-                    "group's state; its own checkpoint is not loaded", engine.joined_round,
-                )  # fmt: skip
+                if self.checkpointer.enable:
+                    logger.warning(
+                        "ACCO: this replica group joined a running job at round %d with a live "
+                        "group's state; its own checkpoint is not loaded", engine.joined_round,
+                    )  # fmt: skip
                 return False
             # torchtitan's lr_scheduler entry is the engine's scheduler, whose state the
             # engine's own entry (under optimizer) carries too: a schedule torchtitan was told

@@ -29,11 +29,16 @@ def build_torchft_manager(fault_tolerance: Any, timeout: float | None) -> Any:
     As torchtitan's own ``FTManager`` builds it (the lighthouse from ``$TORCHFT_LIGHTHOUSE``,
     ``process_group_timeout_ms`` for the cross-group process group), with the engine's
     ``timeout`` for the quorum and no state dict functions: the engine registers its own, what
-    a joining group takes (``acco_hooks.engine.replicas``).
+    a joining group takes (``acco_hooks.engine.replicas``). The engine's first round waits
+    for the ``group_size`` groups (``replica_groups``): groups launched together train
+    together from the first round, however long each takes to build its model.
     """
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+    from acco_hooks.engine.replicas import check_lighthouse_address
+
+    check_lighthouse_address()  # before torchft's connect timeout hides an unset variable
     pg_timeout = datetime.timedelta(milliseconds=fault_tolerance.process_group_timeout_ms)
     pg = (ProcessGroupGloo if fault_tolerance.process_group == "gloo" else ProcessGroupNCCL)(
         timeout=pg_timeout

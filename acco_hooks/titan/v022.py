@@ -132,7 +132,7 @@ def build_acco_optimizers(
     updates = real_updates(optimizer_config.engine.mode, optimizer_config.training_steps)
     lr_config = optimizer_config.lr_scheduler
     optimizers.bind(
-        parallel_dims, manager=manager,
+        parallel_dims, manager=manager, replica_groups=None if ft is None else ft.group_size,
         lr_scheduler=lambda shard: build_lr_schedulers([shard], lr_config, updates),
     )  # fmt: skip
     return optimizers

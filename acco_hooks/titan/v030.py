@@ -153,7 +153,7 @@ def _bind_engine_after(
         optimizers.bind(parallel_dims, manager=manager, lr_scheduler=lambda shard: (
             LRSchedulersContainer.Config.build(lr_scheduler, optimizers=[shard],
                                                training_steps=updates)
-        ))  # fmt: skip
+        ), replica_groups=None if manager is None else fault_tolerance.group_size)  # fmt: skip
         if post_optimizer_build_fn is not None:
             post_optimizer_build_fn(optimizers, model_parts, parallel_dims)
 
