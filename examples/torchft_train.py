@@ -1,12 +1,19 @@
 """ACCO across torchft replica groups: a lost group drops out, the others keep stepping.
 
-One lighthouse for the job, then one ``torchrun`` per replica group (a node, typically)::
+One lighthouse for the job, then one ``torchrun`` per replica group (a node, typically); on
+one machine (docs/multinode.md, "Try it on one machine")::
 
+    export TORCHFT_LIGHTHOUSE=http://localhost:29510 RUST_LOG=warn
     torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 &
-    export TORCHFT_LIGHTHOUSE=http://$HEAD:29510
-    # on each node i (its own --master_port and TORCHFT_MANAGER_PORT when two share a host):
-    torchrun --nproc_per_node 2 --master_port 2950$i \\
-        -m examples.torchft_train --replica-id $i --groups 2 --out /tmp/ft
+    for i in 0 1; do  # each group its own torchrun, with a port of its own on one host
+        torchrun --nproc_per_node 2 --master_addr localhost --master_port $((29500 + i)) \\
+            -m examples.torchft_train --replica-id $i --groups 2 --start-together \\
+            --rounds 300 --microbatch-seconds 0.05 --out outputs/torchft &
+    done
+
+The first rank of each group prints a line every ``--log-every`` rounds (the round, its loss,
+the updates applied), and acco_hooks one line per event (a group that left or joined, a sum
+tried again, when it committed); torchft's own log is left out unless ``--torchft-logs``.
 
 Inside a group, the engine shards its optimizer over the group's ranks (ZeRO-1) as usual, or,
 with ``--fsdp S``, FSDP2 shards the model over S ranks and the engine runs over the group's
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import signal
 import time
@@ -56,6 +64,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from acco_hooks import ACCOHSDPOptimizer, ACCOOptimizer
+from acco_hooks.engine.replicas import check_lighthouse_address
 from scaffolding.process_exit import finish
 
 SAMPLES = 8  # per rank and micro-batch
@@ -99,7 +108,14 @@ def parse_args() -> argparse.Namespace:
                    help="load this distributed checkpoint (a folder; relative: in --out) before "
                    "training")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
-                   help="extra compute time per micro-batch, to stand for a real model")
+                   help="extra compute time per micro-batch, to stand for a real model (0.05 "
+                   "with --rounds 300: a run of about a minute, long enough to kill a group)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="the first rank of each group prints the round and its loss every this "
+                   "many rounds (0: never)")
+    p.add_argument("--torchft-logs", action="store_true",
+                   help="show torchft's own log too (its Python loggers, and RUST_LOG=info for "
+                   "the lighthouse client and manager server: several lines per round)")
     p.add_argument("--link-seconds", type=float, default=0.0,
                    help="extra time each round's sum over the groups takes, to stand for a slow "
                    "link between them (--mode auto then chooses an overlapped schedule)")
@@ -121,9 +137,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flaky-round", type=int, default=5)
     # A group that joins a running job: it waits for a file the running group writes at a round
     p.add_argument("--start-together", type=int, nargs="*", default=None, metavar="GROUP",
-                   help="wait until every group's Manager is up (files in --out; or these "
-                   "groups') before the first round, so that the first quorum holds every group; "
-                   "a group that comes later joins the running job (takes a live group's state)")
+                   help="the first round waits for every group (--groups; or as many as these "
+                   "groups are) to be up, for at most twice --timeout: the engine's "
+                   "replica_groups. A group that comes later joins the running job (takes a "
+                   "live group's state)")
     p.add_argument("--mark-round", type=int, default=None,
                    help="write --out/round_N once N rounds ended (local rank 0)")
     p.add_argument("--wait-for", default=None,
@@ -184,6 +201,12 @@ def build_model(seed: int, fsdp: int) -> torch.nn.Module:
 
 def main() -> None:
     args = parse_args()
+    if args.replica_id is not None and not args.torchft_logs:
+        # torchft logs each quorum and commit (its manager server, in Rust: RUST_LOG) and
+        # every error it hands the engine with a traceback (its Python loggers); the engine
+        # says what happened to the job in one line per event instead
+        os.environ.setdefault("RUST_LOG", "warn")
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", timeout=timeout)
@@ -199,6 +222,7 @@ def main() -> None:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        check_lighthouse_address()  # before torchft's connect timeout hides a typo
         dying = args.kill_group == args.replica_id and args.kill_at == "in_reduction"
         manager_class = _slow_link(Manager, args.link_seconds) if args.link_seconds else Manager
         if dying:
@@ -220,14 +244,6 @@ def main() -> None:
             announce_first_quorum_request(manager, name, out, out / f"{args.announce}_r{rank}",
                                           4 * args.timeout)
         dp_rank, tag = args.replica_id * group_size + rank, f"g{args.replica_id}_r{rank}"
-        if args.start_together is not None:  # these Managers heartbeat before any quorum
-            (out / f"manager_up_g{args.replica_id}_r{rank}").write_text("")
-            # every group's first rank (its Manager's server) and this group's ranks: groups
-            # of another size are the engine's to refuse, not a wait's
-            together = args.start_together or range(args.groups)
-            _wait_for(out, [f"manager_up_g{g}_r0" for g in together]
-                      + [f"manager_up_g{args.replica_id}_r{r}" for r in range(group_size)],
-                      4 * args.timeout)  # fmt: skip
     model = build_model(args.seed, args.fsdp)
     engine_timeout = args.timeout if args.engine_timeout is None else (
         None if args.engine_timeout == "none" else float(args.engine_timeout)
@@ -238,6 +254,8 @@ def main() -> None:
                     lr=args.lr,
                     lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size, 0.5))
                     if step_size else None)  # fmt: skip
+    if args.start_together is not None and manager is not None:
+        settings["replica_groups"] = len(args.start_together) or args.groups
     if args.fsdp:
         opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, **settings)
     else:
@@ -265,13 +283,16 @@ def main() -> None:
     # the round this group joined in was an estimate round: it trains from its update round on
     joined_mid_update = engine.joined_round is not None and not engine.step_boundary
     held = False
+    says = rank == 0 and args.log_every > 0
+    name, loss = ("ref" if manager is None else f"acco_{args.replica_id}"), None
     while engine.round_index < args.rounds:
         ran = engine.schedule
         if any(start <= engine.round_index < until for start, until in away):
             ended = engine.skip_microbatch()  # the reference: the lost group contributes nothing
         else:
             x, y = microbatch(index, dp_rank)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
             time.sleep(args.microbatch_seconds)
             ended = opt.step()
         index += 1
@@ -288,6 +309,10 @@ def main() -> None:
             # rank of the joiner asked), so this group's next quorum takes it in
             _wait_for(out, [f"{args.hold_for}_r0"], 6 * args.timeout)
             held = True
+        if ended and says and engine.round_index % args.log_every == 0:
+            said = "-" if loss is None else f"{loss.item():.4f}"
+            print(f"{name} round {engine.round_index}: loss {said} (this rank's last "
+                  f"micro-batch), {engine.num_updates} updates", flush=True)  # fmt: skip
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
                                engine.last_wait_s, tuple(ran), index))  # fmt: skip

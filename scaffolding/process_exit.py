@@ -104,9 +104,11 @@ def finish(exit_code: int = 0, *, finalize: bool = True) -> None:
     left = release_process_groups()
     if left == 0 and finalize:
         return
-    if left:
+    if left and finalize:
         # A group's worker threads outlive destroy_process_group(): something we do not own
-        # holds the group. Finalizing the interpreter under them is the abort above.
+        # holds the group. Finalizing the interpreter under them is the abort above. (A
+        # caller that leaves without finalization in any case knows: a torchft Manager's
+        # process group, say, which lives as long as the Manager.)
         logger.warning(
             "%d process-group worker threads are still running after destroy_process_group(): "
             "something still holds a process group; leaving without interpreter finalization",
