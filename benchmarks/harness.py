@@ -60,14 +60,12 @@ def result_file(name: str) -> pathlib.Path:
     return OUTPUTS / f"{name}.json"
 
 
-def add_out_option(parser: argparse.ArgumentParser, name: str | None, default: str = "") -> None:
-    """The ``--out PATH`` every benchmark takes: its result file, :func:`result_file` of ``name``
-    by default (``name`` None: the benchmark picks it, ``default`` says how)."""
+def add_out_option(parser: argparse.ArgumentParser, name: str, default: str = "") -> None:
+    """The ``--out PATH`` every benchmark takes: its result file, by default :func:`result_file`
+    of ``name``, or, where ``default`` says how the benchmark picks it, None unless given."""
     shown = default or f"outputs/results/{name}.json"
-    published = f"docs/results/{name or '<name>'}.json"
-    parser.add_argument("--out", type=pathlib.Path,
-                        default=None if name is None else result_file(name),
-                        help=f"the result file (default: {shown}; --out {published} "
+    parser.add_argument("--out", type=pathlib.Path, default=None if default else result_file(name),
+                        help=f"the result file (default: {shown}; --out docs/results/{name}.json "
                         "rewrites the published one)")  # fmt: skip
 
 
