@@ -3,11 +3,14 @@
     python -m benchmarks.auto_sweep                        # as root (the netbed), ~50 min
     python -m benchmarks.auto_sweep --plot-only            # redraw from the JSON
     python -m benchmarks.auto_sweep --paired 6 --updates 40   # no cap: ddp, auto, acco alternated
+    python -m benchmarks.auto_sweep --out docs/results/auto_sweep.json   # the published files
 
 2 ranks on the netbed, the MLP of ``benchmarks.round_overhead``, 20 micro-batches per update in
 every arm (:func:`arm_settings`), so the ratio of update times is the per-token speedup. What
 it shows: docs/when_acco_helps.md, "Measured: every schedule and auto on six links". Writes
-``docs/results/auto_sweep.json`` and ``docs/figures/auto_sweep.png``.
+``outputs/results/auto_sweep.json`` (``--paired``: ``auto_no_cap.json``) and ``auto_sweep.png``
+beside it (``--out``; the published files, ``docs/results/auto_sweep.json`` and
+``docs/figures/auto_sweep.png``: ``--out docs/results/auto_sweep.json``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from benchmarks import harness
 from benchmarks.harness import ROOT, emit, header, result_lines, run_on_link, write_result
 from benchmarks.round_overhead import BATCH, WIDTH, microbatch, mlp
 
-RESULT_FILE = harness.RESULTS / "auto_sweep.json"
-FIGURE = harness.FIGURES / "auto_sweep.png"
 # The issue's links, and 300mbit: C between one and two rounds' compute (K = 10 micro-batches)
 RATES = ("none", "1gbit", "300mbit", "200mbit", "100mbit", "50mbit")
 MICROBATCHES = 20  # per real update, every arm
@@ -240,7 +241,7 @@ def repeat(link, key: str, compute: str, microbatch_s: float, results: dict,
     return runs
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, figure: Path) -> None:
     plt = harness.pyplot()
     computes = [c for c in ("real", "sleep") if any(k.startswith(c + "/") for k in results["runs"])]
     fig, axes = plt.subplots(1, len(computes), figsize=(6.5 * len(computes), 4.8), squeeze=False)
@@ -271,7 +272,7 @@ def plot(results: dict) -> None:
         ax.set_ylabel("per-token speedup over synchronous ZeRO-1")
         ax.set_title(f"compute: {compute} (filled: measured, every repeat; hollow: the law)")
         ax.legend(fontsize=8, loc="upper right")
-    harness.save_figure(fig, FIGURE, dpi=120)
+    harness.save_figure(fig, figure, dpi=120)
 
 
 def main() -> None:
@@ -288,25 +289,26 @@ def main() -> None:
                         help="real updates of the auto arm (it decides within ~25)")  # fmt: skip
     parser.add_argument("--timed", type=int, default=8, help="last updates timed per arm")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every arm per link")
-    parser.add_argument("--out", type=Path, default=RESULT_FILE, help="results JSON")
     parser.add_argument("--resume", action="store_true", help="keep the links already measured")
     parser.add_argument("--paired", type=int, default=0,
                         help="alternate ddp, auto and acco this many times in one pair of "
-                        "processes, no cap (default --out: docs/results/auto_no_cap.json)")
-    parser.add_argument("--plot-only", action="store_true")
+                        "processes, no cap (default --out: outputs/results/auto_no_cap.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw from --out")
+    harness.add_out_option(parser, "auto_sweep", "outputs/results/auto_sweep.json, --paired: "
+                           "outputs/results/auto_no_cap.json")  # fmt: skip
     args = parser.parse_args()
+    if args.out is None:
+        args.out = harness.result_file("auto_no_cap" if args.paired else "auto_sweep")
     if args.worker:
         args.compute = args.compute[0]
         worker(args)
         return
     if args.paired:
-        if args.out == RESULT_FILE:
-            args.out = RESULT_FILE.with_name("auto_no_cap.json")
         paired(args)
+        print(f"wrote {args.out}")
         return
     results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
-    if args.out == RESULT_FILE:
-        plot(results)
+    plot(results, harness.figure_file(args.out, "auto_sweep"))
     print(f"wrote {args.out}")
 
 

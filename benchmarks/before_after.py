@@ -66,7 +66,9 @@ def main() -> None:
     parser.add_argument("--after", required=True, help="checkout of the code after the change")
     parser.add_argument("--what", default="", help="the change, in words (kept in the file)")
     parser.add_argument("--out", required=True, help="the result file (JSON)")
-    measure(parser.parse_args())
+    args = parser.parse_args()
+    measure(args)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ torchtitan's asynchronous DCP save (``[checkpoint] async_mode = "async"``).
 ``debug_cpu_acco.toml`` on 2 gloo ranks, 40 steps, without checkpoints and once per (K,
 async_mode), alternated ``--repeats`` times: seconds per step from step 6 on against the run
 without checkpoints, and torchtitan's own "Finished saving ... in X seconds" per save
-(docs/multinode.md, "How often to checkpoint"). Writes ``docs/results/checkpoint_cost.json``.
+(docs/multinode.md, "How often to checkpoint"). Writes ``outputs/results/checkpoint_cost.json``
+(``--out``; the published file: ``docs/results/checkpoint_cost.json``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, machine, run, step_lines, titan_args, torchrun, write_result
+from benchmarks.harness import (
+    add_out_option,
+    machine,
+    run,
+    step_lines,
+    titan_args,
+    torchrun,
+    write_result,
+)
 
-RESULT_FILE = RESULTS / "checkpoint_cost.json"
 STEPS, FIRST_TIMED = 40, 6
 SAVE = re.compile(r"Finished saving the checkpoint \(or staging if async is enabled\)\s*in "
                   r"([\d.]+) seconds")  # fmt: skip
@@ -45,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--intervals", default="1,5,20")
-    p.add_argument("--out", default=str(RESULT_FILE))
+    add_out_option(p, "checkpoint_cost")
     args = p.parse_args()
     configs = [(None, "disabled")] + [(int(k), mode) for k in args.intervals.split(",")
                                       for mode in ("disabled", "async")]  # fmt: skip
@@ -67,13 +75,14 @@ def main() -> None:
         for name, rs in runs.items()
     }  # fmt: skip
     print(json.dumps(summary, indent=1))
-    write_result(args.out, {
+    out = write_result(args.out, {
         "what": "train_titan.py, debug_cpu_acco.toml (Llama-3 debug model, acco) on 2 gloo "
                 f"ranks, {STEPS} steps; seconds per step from step {FIRST_TIMED} on, relative to "
                 "the run without checkpoints; blocked_s_per_save is torchtitan's own figure",
         "command": "python -m benchmarks.checkpoint_cost", "machine": machine(),
         "s_per_step_without_checkpoints": round(base, 4), "summary": summary, "runs": runs,
     })  # fmt: skip
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ two rounds of k micro-batches (``--microbatches``); the other arms make one upda
 Each arm runs ``--repeats`` times, interleaved, eager and (in the first ``--compiled-repeats``)
 compiled. Time per update: the median over steps >= 3 of torchtitan's step time (tokens / its
 ``tps``); peak memory: its ``memory:``; overhead = T(arm) / T(titan) - 1 (target: <= 3 % for
-acco). docs/cuda.md shows the results. Writes docs/results/cuda_overhead.json (``--smoke``:
-outputs/cuda_overhead_smoke.json) after every run, and each run's log to outputs/cuda_overhead/.
+acco). docs/cuda.md shows the results. Writes outputs/results/cuda_overhead.json (``--smoke``:
+outputs/cuda_overhead_smoke.json; ``--out``: elsewhere, the published file being
+docs/results/cuda_overhead.json) after every run, and each run's log to outputs/cuda_overhead/.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import time
 
 from benchmarks import harness
 
-RESULT_FILE = harness.RESULTS / "cuda_overhead.json"
 SMOKE_RESULTS = harness.ROOT / "outputs" / "cuda_overhead_smoke.json"
 LOGS = harness.ROOT / "outputs" / "cuda_overhead"  # {arm}_{repeat}.log; the arms' dump folders
 BENCH_FLAVORS = {"bench_88m": {"dim": 768, "n_layers": 12, "n_heads": 12, "vocab_size": 2048,
@@ -129,7 +129,7 @@ def measure(args: argparse.Namespace, out) -> dict:
     return results
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--flavor", default="bench_88m", help=f"llama3 flavor, or one of {sorted(BENCH_FLAVORS)}")
@@ -147,7 +147,11 @@ def parse_args() -> argparse.Namespace:
     add("--smoke", action="store_true",
         help="check the harness on any device: the debug model, 1 repeat, 4 updates, "
         "no compile")  # fmt: skip
-    args = parser.parse_args()
+    harness.add_out_option(parser, "cuda_overhead", "outputs/results/cuda_overhead.json, "
+                           "--smoke: outputs/cuda_overhead_smoke.json")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = SMOKE_RESULTS if args.smoke else harness.result_file("cuda_overhead")
     if args.smoke:
         args.repeats, args.updates, args.compile = 1, 4, False
         args.flavor = "debugmodel"
@@ -173,13 +177,12 @@ def main() -> None:
         run_rank(sys.argv[2:])
         return
     args = parse_args()
-    out = SMOKE_RESULTS if args.smoke else RESULT_FILE
-    results = measure(args, out)
+    results = measure(args, args.out)
     for key, row in results["summary"].items():
         print(f"{key:15s} {row['update_s_median'] * 1e3:8.2f} ms/update "
               f"[{row['update_s_min'] * 1e3:.2f}, {row['update_s_max'] * 1e3:.2f}]  "
               f"overhead {row['overhead_vs_titan']:+.1%}  peak {row['peak_memory_gib']:.2f} GiB")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

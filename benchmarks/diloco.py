@@ -34,8 +34,10 @@ DiLoCo's score is the synchronized model's: every held-out point is a multiple o
 a sync, when both replicas hold the same parameters, and each replica scores half of the held-out
 set, as each rank of the two-rank arms does (streaming DiLoCo has no such moment: one fragment is
 10 local steps past its sync; its score is the two replicas' mean). Results:
-``docs/results/diloco_vs_acco.json`` (rewritten after every run; a run already there is kept),
-figure ``docs/figures/diloco_vs_acco.png``, what they show: ``docs/when_acco_helps.md``.
+``outputs/results/diloco_vs_acco.json`` (``--out``; rewritten after every run; a run already
+there is kept), figure ``diloco_vs_acco.png`` beside it (``--figure``); the published ones,
+``docs/results/diloco_vs_acco.json`` and ``docs/figures/diloco_vs_acco.png``, come from ``--out
+docs/results/diloco_vs_acco.json``; what they show: ``docs/when_acco_helps.md``.
 Needs torchft, the ``diloco`` extra (``pip install -e '.[diloco]'``; ``scripts/setup.sh``
 installs it with the rest) and torchtitan 0.2.2 (0.3.0 moved the fault-tolerant trainer).
 """
@@ -64,8 +66,6 @@ from benchmarks.convergence.ft_train import HOSTNAME_ENV, OUTER_LR_ENV
 from benchmarks.convergence.run import HELDOUT_DATASET, parse_log
 from benchmarks.harness import ROOT, header, step_lines, write_result
 
-RESULT_FILE = harness.RESULTS / "diloco_vs_acco.json"
-FIGURE = harness.FIGURES / "diloco_vs_acco.png"
 WORKDIR = ROOT / "outputs" / "diloco"
 # no cap (the veth pair runs at ~9 Gbit/s here, CPU-bound: the 10 Gbit point), then the caps
 RATES = ("none", "1gbit", "200mbit", "100mbit", "50mbit")
@@ -642,9 +642,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--rates", nargs="+", default=list(RATES), help="links to time (tc rates, or none)")
     add("--check-arm", default="diloco_h20", choices=sorted(ARMS))
     add("--check-rate", default="200mbit")
-    add("--out", type=pathlib.Path, default=RESULT_FILE)
-    add("--figure", type=pathlib.Path, default=FIGURE)
+    harness.add_out_option(parser, "diloco_vs_acco")
+    add("--figure", type=pathlib.Path, default=None,
+        help="default: beside --out (docs/figures/ for the published result file)")  # fmt: skip
     args = parser.parse_args(argv)
+    args.figure = args.figure or harness.figure_file(args.out, "diloco_vs_acco")
     # Ctrl-C, and a kill, end the benchmark through its cleanup (every process it started),
     # also when it was started in the background, where a shell ignores SIGINT
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -672,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.phase in ("all", "check"):
         check(results, args)
     report(results, args)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -5,7 +5,8 @@ updates are trained twice.
 
 Two agents × 2 gloo ranks on loopback run ``examples/elastic_train.py``; at a random moment after
 the first checkpoint one agent and its workers are SIGKILLed, and the survivor resumes on 2 ranks
-(docs/multinode.md, "Measured recovery"). Writes ``docs/results/elastic_recovery.json``.
+(docs/multinode.md, "Measured recovery"). Writes ``outputs/results/elastic_recovery.json``
+(``--out``; the published file: ``docs/results/elastic_recovery.json``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, ROOT, free_port, machine, write_result
+from benchmarks.harness import ROOT, add_out_option, free_port, machine, write_result
 
-RESULT_FILE = RESULTS / "elastic_recovery.json"
 # torchrun shares its rendezvous TCPStore with the workers by default; a node that joins a later
 # rendezvous round then waits forever for bootstrap keys the store's owner wrote only in its
 # first round (torch's dynamic_rendezvous.next_rendezvous). Building them every round works.
@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--updates", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULT_FILE))
+    add_out_option(p, "elastic_recovery")
     args = p.parse_args()
     rng = random.Random(args.seed)
     runs = []
@@ -168,7 +168,7 @@ def main() -> None:
         "updates_redone": [r["updates_redone"] for r in runs],
     }  # fmt: skip
     print(json.dumps(summary))
-    write_result(args.out, {
+    out = write_result(args.out, {
         "what": "2 torchrun agents x 2 gloo ranks on loopback, c10d rendezvous "
                 "(last_call_timeout 10 s, monitor interval 0.5 s); one agent and its workers "
                 "SIGKILLed; the survivor resumes on 2 ranks from the newest checkpoint "
@@ -176,6 +176,7 @@ def main() -> None:
         "command": "python -m benchmarks.elastic_recovery", "machine": machine(),
         "summary": summary, "runs": runs,
     })  # fmt: skip
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ ranks, ``OMP_NUM_THREADS=1``), ``--parallel`` at once, while ``--load`` runs ove
 launch is ``ok``, ``abort`` (``terminate called`` or SIGABRT) or ``failed``. ``exit_race[plain]``
 and ``exit_race[finish]`` are the race alone (:func:`exit_race`). What the abort is and the
 results: docs/reliability.md, "Process teardown", and docs/results.md, section 9. Writes
-``docs/results/exit_stress_<release>_<label>.json`` (or ``--out``).
+``outputs/results/exit_stress_<release>_<label>.json`` (or ``--out``; the published files:
+``docs/results/exit_stress_*.json``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ import sys
 import tempfile
 import time
 
-from benchmarks.harness import RESULTS, ROOT, header, launch, torchrun, write_result
+from benchmarks.harness import (
+    ROOT,
+    add_out_option,
+    header,
+    launch,
+    result_file,
+    torchrun,
+    write_result,
+)
 
 FAST = ("--training.steps", "3", "--training.global_batch_size", "8", "--optimizer.lr", "3e-3",
         "--training.seq_len", "64", "--training.local_batch_size", "2")  # fmt: skip
@@ -140,9 +149,8 @@ def main() -> None:
     parser.add_argument("--core-files", action="store_true", help="let aborting ranks dump core")
     parser.add_argument("--load", help="a shell command run over and over meanwhile")
     parser.add_argument("--label", default="after", help="names the result file")
-    parser.add_argument(
-        "--out", type=pathlib.Path, help="default: docs/results/exit_stress_<release>_<label>.json"
-    )
+    add_out_option(parser, "exit_stress_<release>_<label>",
+                   "outputs/results/exit_stress_<release>_<label>.json")  # fmt: skip
     args = parser.parse_args()
     release = "titan030" if TITAN_030 else "titan022"
     every = jobs(TITAN_030, args.main_steps)
@@ -158,7 +166,7 @@ def main() -> None:
         "launches_per_job": args.launches, "parallel": args.parallel, "load": args.load,
         "command": " ".join(["python -m benchmarks.exit_stress", *sys.argv[1:]]), "jobs": {},
     }  # fmt: skip
-    out = args.out or RESULTS / f"exit_stress_{release}_{args.label}.json"
+    out = args.out or result_file(f"exit_stress_{release}_{args.label}")
     with tempfile.TemporaryDirectory() as tmp, background_load(args.load), \
             concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:  # fmt: skip
         for name in chosen:

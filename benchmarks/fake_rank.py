@@ -41,8 +41,9 @@ saved for backward (``expected all tensors_saved_with_vc_check to be Tensors``),
 with torchtitan's own trainer and real gloo ranks too; whether a GPU does the same is one of the
 things its run finds out.
 
-Writes docs/results/fake_rank_8b.json (``--smoke``: outputs/fake_rank_smoke.json; ``--out``)
-after every case, and each case's log to outputs/fake_rank/.
+Writes outputs/results/fake_rank_8b.json (``--smoke``: outputs/fake_rank_smoke.json; ``--out``:
+elsewhere, e.g. the published docs/results/fake_rank_8b_cpu.json) after every case, and each
+case's log to outputs/fake_rank/.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ import tomllib
 
 from benchmarks import harness, memory_8b
 
-RESULT_FILE = harness.RESULTS / "fake_rank_8b.json"
 SMOKE_RESULTS = harness.ROOT / "outputs" / "fake_rank_smoke.json"
 LOGS = harness.ROOT / "outputs" / "fake_rank"  # {case}.log, and each case's dump folder
 CONFIGS = harness.ROOT / "torchtitan_configs"
@@ -199,7 +199,8 @@ def main() -> None:
                         "shapes; the activations are then not the config's)")
     parser.add_argument("--local-batch", type=int, default=None,
                         help="sequences per micro-batch instead of the config's")
-    parser.add_argument("--out", default=None, help="the result file (default: see above)")
+    harness.add_out_option(parser, "fake_rank_8b", "outputs/results/fake_rank_8b.json, "
+                           "--smoke: outputs/fake_rank_smoke.json")  # fmt: skip
     args = parser.parse_args()
     cases = SMOKE_CASES if args.smoke else CASES_8B
     if args.cases is not None:
@@ -218,7 +219,7 @@ def main() -> None:
     if TITAN_030:
         parser.error("--comm.mode fake_backend is torchtitan 0.2.2's: run with the default "
                      "stack (bash scripts/setup.sh)")  # fmt: skip
-    out = args.out or (SMOKE_RESULTS if args.smoke else RESULT_FILE)
+    out = args.out or (SMOKE_RESULTS if args.smoke else harness.result_file("fake_rank_8b"))
     measure(cases, args.steps, out)
     print(f"wrote {out}")
 

@@ -6,11 +6,14 @@ Launching: :func:`run_ranks` (gloo processes on loopback, each calling a functio
 ``RESULT <json>`` (:func:`emit`, read back by :func:`result_lines`); torchtitan's ``step:`` lines
 are read by :func:`step_lines` and :func:`parse_steps`. Result files: :func:`header` (date and
 machine), :func:`write_result` (atomic: a kill while writing leaves the previous file),
-:func:`save_figure`.
+:func:`save_figure`; where they go: :func:`add_out_option` (``--out``, by default
+:func:`result_file`, under ``outputs/results/``: a run leaves the published files in
+``docs/results/`` alone unless ``--out`` names one) and :func:`figure_file`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -28,8 +31,9 @@ import time
 from collections.abc import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results"
-FIGURES = ROOT / "docs" / "figures"
+RESULTS = ROOT / "docs" / "results"  # the published result files: written only through --out
+FIGURES = ROOT / "docs" / "figures"  # the published figures, drawn from those files
+OUTPUTS = ROOT / "outputs" / "results"  # where a run writes (README, "Generated files")
 LOCAL_BATCH, SEQ_LEN = 4, 128  # the timing runs' micro-batch: 4 sequences of 128 tokens
 
 
@@ -47,6 +51,32 @@ def machine() -> str:
 def header() -> dict[str, str]:
     """The first keys of a result file: when and where it was measured."""
     return {"date": datetime.date.today().isoformat(), "machine": machine()}
+
+
+def result_file(name: str) -> pathlib.Path:
+    """Where a benchmark writes its result file ``<name>.json`` unless ``--out`` names another:
+    under ``outputs/results/``, never over the published one in ``docs/results/`` (publishing
+    it is ``--out docs/results/<name>.json``)."""
+    return OUTPUTS / f"{name}.json"
+
+
+def add_out_option(parser: argparse.ArgumentParser, name: str, default: str = "") -> None:
+    """The ``--out PATH`` every benchmark takes: its result file, by default :func:`result_file`
+    of ``name``, or, where ``default`` says how the benchmark picks it, None unless given."""
+    shown = default or f"outputs/results/{name}.json"
+    parser.add_argument("--out", type=pathlib.Path, default=None if default else result_file(name),
+                        help=f"the result file (default: {shown}; --out docs/results/{name}.json "
+                        "rewrites the published one)")  # fmt: skip
+
+
+def figure_file(out: str | os.PathLike, name: str) -> pathlib.Path:
+    """Where the figure drawn from the result file ``out`` goes: the published
+    ``docs/figures/<name>.png`` when ``out`` is the published ``docs/results/<name>.json``,
+    otherwise beside ``out``, as ``.png``."""
+    out = pathlib.Path(out)
+    if out.resolve() == (RESULTS / f"{name}.json").resolve():
+        return FIGURES / f"{name}.png"
+    return out.with_suffix(".png")
 
 
 def write_result(path: str | os.PathLike, results: dict) -> pathlib.Path:

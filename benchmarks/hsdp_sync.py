@@ -5,7 +5,8 @@
 Both settings on torchtitan's llama3 debug model, 4 micro-batches per round, alternating (twice
 each): FSDP reduce-scatter calls per round, seconds per round and the growth of the peak RSS
 (the largest of the 4 ranks, median of the 2 runs). docs/hsdp.md ("One reduce-scatter per
-round") reads them. Writes docs/results/hsdp_sync.json.
+round") reads them. Writes outputs/results/hsdp_sync.json (``--out``; the published file:
+docs/results/hsdp_sync.json).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import RESULTS, run_ranks, write_result
+from benchmarks.harness import add_out_option, run_ranks, write_result
 from benchmarks.memory import MIB, debug_model, microbatch, rss_peak_bytes
 
-OUT = RESULTS / "hsdp_sync.json"
 MICROBATCHES, ROUNDS, WARMUP = 4, 8, 2
 SETTINGS = {"once_per_round": False, "every_microbatch": True}  # name -> sync_every_microbatch
 
@@ -60,7 +60,14 @@ def run(rank: int, world_size: int, sync_every: bool) -> dict:
             "rss_growth_bytes": rss_peak_bytes() - baseline}  # fmt: skip
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_option(parser, "hsdp_sync")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     samples: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for _ in range(2):
         for name, sync_every in SETTINGS.items():
@@ -74,7 +81,7 @@ def main() -> None:
                         "fsdp_shards": 2, "microbatches_per_round": MICROBATCHES,
                         "microbatch": "2 x 128 tokens",
                         "backend": "gloo, loopback, 2 CPU cores"}  # fmt: skip
-    write_result(OUT, results)
+    out = write_result(args.out, results)
     print(f"{'FSDP reduce-scatter':<22}{'calls/round':>12}{'s/round':>10}{'peak RSS growth':>18}")
     for name in SETTINGS:
         r = results[name]
@@ -83,10 +90,8 @@ def main() -> None:
     ratios = results["ratios_every_over_once"]
     print(f"every / once: time x{ratios['seconds_per_round']:.2f}, "
           f"peak RSS growth x{ratios.get('rss_growth_bytes', float('nan')):.2f}")
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    # --help prints what it measures instead of running it over a published result
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

@@ -2,11 +2,14 @@
 
     sudo python -m benchmarks.law_sweep                   # ~20 min on 2 cores
     python -m benchmarks.law_sweep --plot-only            # redraw from the JSON
+    python -m benchmarks.law_sweep --plot-only --out docs/results/law_sweep.json  # the published
 
 acco with k micro-batches per round against the engine's ``ddp`` with 2k per update, torchtitan
 runs on the netbed as in ``benchmarks.throughput``, each cap ``--repeats`` times, next to the
 law and the engine's own ``acco advisor:`` prediction (docs/results.md, section 0). Writes
-``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``.
+``outputs/results/law_sweep.json`` and ``law_sweep.png`` beside it (``--out``; the published
+files, ``docs/results/law_sweep.json`` and ``docs/figures/law_sweep.png``: ``--out
+docs/results/law_sweep.json``).
 """
 
 from __future__ import annotations
@@ -17,11 +20,17 @@ import re
 import statistics
 
 from benchmarks import throughput
-from benchmarks.harness import FIGURES, LOCAL_BATCH, RESULTS, SEQ_LEN, header, pyplot, save_figure
+from benchmarks.harness import (
+    LOCAL_BATCH,
+    SEQ_LEN,
+    add_out_option,
+    figure_file,
+    header,
+    pyplot,
+    save_figure,
+)
 from benchmarks.throughput import MODEL, comm_only_s, compute_only_round_s, titan_on_link
 
-RESULT_FILE = RESULTS / "law_sweep.json"
-FIGURE = FIGURES / "law_sweep.png"
 ADVISOR = re.compile(r"acco advisor: compute_per_round=([\d.]+)s comm_per_round=([\d.]+)s "
                      r"predicted_speedup=([\d.]+) round=([\d.]+)s "
                      r"ideal_speedup=([\d.]+)")  # fmt: skip
@@ -68,10 +77,10 @@ def measure(args: argparse.Namespace) -> dict:
         row["advisor_error"] = [a["predicted_speedup"] / measured - 1 for a, measured in pairs]
         return row
 
-    return throughput.over_caps(args.rates, results, RESULT_FILE, row_at)
+    return throughput.over_caps(args.rates, results, args.out, row_at)
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, figure) -> None:
     plt = pyplot()
     rows = sorted(results["rates"].items(), key=lambda item: item[1]["C_over_K"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -92,15 +101,16 @@ def plot(results: dict) -> None:
     ax.set_ylabel("per-token speedup S of acco(k) over ddp(2k)")
     ax.set_title(f"{results['model']}, 2 ranks, k = {results['k']}, netbed caps", fontsize=9)
     ax.legend(fontsize=8)
-    save_figure(fig, FIGURE)
+    save_figure(fig, figure)
 
 
 def main() -> None:
     parser = throughput.netbed_parser(__doc__, "1400mbit,670mbit,340mbit,170mbit,85mbit",
                            "tbf caps, chosen for C/K about 0.25, 0.5, 1, 2, 4 at k = 4", repeats=3)
-    parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--plot-only", action="store_true", help="redraw from --out")
+    add_out_option(parser, "law_sweep")
     args = parser.parse_args()
-    results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
+    results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
     for rate, row in results["rates"].items():
         advised = [a["predicted_speedup"] for a in row["advisor"]]
         worst = max((abs(e) for e in row.get("advisor_error", [])), default=float("nan"))
@@ -109,7 +119,9 @@ def main() -> None:
               f"{row['measured_S_mean']:.3f} ± {row['measured_S_std']:.3f} "
               f"({row['of_law']:.0%} of the law); advisor {advisor:.3f} "
               f"(worst run {worst:.1%} off; target within 10 %)")  # fmt: skip
-    plot(results)
+    plot(results, figure_file(args.out, "law_sweep"))
+    if not args.plot_only:
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 acco, dpu, ddp, a plain unsharded AdamW and ``acco_hsdp`` (2 replicas of 2 FSDP2 shards): the
 bytes by category (``ACCOEngine.memory_bytes()``), the peak RSS growth over 6 rounds and the
 checkpoint's size. docs/results.md (section 2) and docs/hsdp.md explain them. Writes
-docs/results/memory.json.
+outputs/results/memory.json (``--out``; the published file: docs/results/memory.json).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import resource
 
 import torch
 
-from benchmarks.harness import RESULTS, run_ranks, write_result
+from benchmarks.harness import add_out_option, run_ranks, write_result
 
-OUT = RESULTS / "memory.json"
 MODES = {"adamw_unsharded": 1, "ddp": 2, "dpu": 2, "acco": 2, "acco_hsdp": 4}  # mode -> ranks
 MIB = 1 << 20
 
@@ -122,7 +121,14 @@ def report(results: dict) -> None:
     print(f"estimate step (peak RSS growth of acco - dpu): {rss_cost:+.1f} MiB")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_option(parser, "memory")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     results = {mode: run_ranks("benchmarks.memory:run", world, mode)[0]
                for mode, world in MODES.items()}  # fmt: skip
     acco, hsdp = results["acco"], results["acco_hsdp"]
@@ -139,12 +145,10 @@ def main() -> None:
         cat: size / hsdp["tracked_bytes"][cat]
         for cat, size in acco["tracked_bytes"].items() if hsdp["tracked_bytes"][cat]
     }  # fmt: skip
-    write_result(OUT, results)
+    out = write_result(args.out, results)
     report(results)
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    # --help prints what it measures instead of running it over a published result
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

@@ -1,6 +1,7 @@
 """Per-GPU memory of each shipped 8B config, by node count: a calculator, before you launch.
 
-    python -m benchmarks.memory_8b          # seconds; writes docs/results/memory_8b.json
+    python -m benchmarks.memory_8b          # seconds; writes outputs/results/memory_8b.json
+    python -m benchmarks.memory_8b --out docs/results/memory_8b.json    # the published file
 
 For every ``torchtitan_configs/llama3_8b_*.toml`` on 2, 4, 8 and 16 nodes of 8 GPUs, the GiB
 one GPU holds, by the categories docs/torchtitan.md lists ("Memory per GPU before you launch"),
@@ -20,9 +21,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from benchmarks.harness import RESULTS, ROOT, write_result
+from benchmarks.harness import ROOT, add_out_option, write_result
 
-OUT = RESULTS / "memory_8b.json"
 GPUS_PER_NODE = 8
 NODES = (2, 4, 8, 16)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -101,7 +101,14 @@ def _note(row: dict) -> str:
     return "" if row["fits_h100_80gb"] else f"over {H100_BUDGET_GIB} GiB: smaller local_batch_size"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_option(parser, "memory_8b")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     facts = model_facts()
     results = {"params": facts["params"], "gpus_per_node": GPUS_PER_NODE, "configs": {}}
     print(f"Llama-3 8B: {facts['params']:,} parameters; GiB per GPU ({GPUS_PER_NODE} GPUs/node)")
@@ -119,11 +126,9 @@ def main() -> None:
     print("act*: an estimate (selective activation checkpointing), see the module docstring")
     print("ft:*: under torchft, a replica group per node (per model replica in 3-D): the "
           "optimizer state is sharded over the group's data-parallel ranks only")
-    write_result(OUT, results)
-    print(f"wrote {OUT}")
+    out = write_result(args.out, results)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    # --help prints what it measures instead of running it over a published result
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

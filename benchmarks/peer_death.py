@@ -5,7 +5,8 @@
 The scenario of ``tests/engine/test_faults.py::test_killed_rank_makes_the_survivor_fail_clearly``
 (:func:`killed_peer_run`); the detection time runs from the SIGKILL to ``ACCOCommunicationError``
 in the survivor's loop, on the same clock, so it includes at most one micro-batch of compute
-(docs/reliability.md). Writes ``docs/results/peer_death.json`` (or ``--out``).
+(docs/reliability.md). Writes ``outputs/results/peer_death.json`` (or ``--out``; the published
+file: ``docs/results/peer_death.json``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.harness import RESULTS, header, run_ranks, write_result
+from benchmarks.harness import add_out_option, header, run_ranks, write_result
 
 KILL_BEFORE_ROUND = 5
 
@@ -52,7 +53,7 @@ def killed_peer_run(rank: int, world_size: int, stamp_dir: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=str(RESULTS / "peer_death.json"))
+    add_out_option(p, "peer_death")
     args = p.parse_args()
     runs = []
     for _ in range(args.repeats):

@@ -6,7 +6,8 @@
 2 ranks on the uncapped netbed, the MLP below, each arm importing its checkout's acco_hooks
 through ``PYTHONPATH``; per round, its time, the compute in it and their difference (the fixed
 cost), the arms interleaved ``--repeats`` times. What it shows: docs/results.md, section 8.
-Writes ``docs/results/round_overhead.json``.
+Writes ``outputs/results/round_overhead.json`` (``--out``; the published file:
+``docs/results/round_overhead.json``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_FILE = ROOT / "docs" / "results" / "round_overhead.json"
 WIDTH, BATCH, UPDATE = 724, 256, 20  # two 724x724 layers: 1.05M parameters
 HALF = UPDATE // 2
 ARMS = {  # name: (checkout, settings); before: foreach AdamW (what the issue measured)
@@ -136,11 +136,11 @@ def measure(args: argparse.Namespace) -> dict:
                 ddp = summary["ddp_before" if name.endswith("_before") else "ddp"]
                 figures["speedup_vs_ddp"] = ddp["update_s"] / figures["update_s"]
             results["runs"][compute] = {"runs": runs, "summary": summary}
-            write_result(RESULT_FILE, results)
+            write_result(args.out, results)
     return results
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
@@ -151,7 +151,20 @@ def main() -> None:
                         help="--compute sleep: seconds per micro-batch")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=24, help="rounds per run (2 untimed)")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the result file (default: outputs/results/round_overhead.json; --out "
+                        "docs/results/round_overhead.json rewrites the published one)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.out is None and not args.worker:
+        # not at import: a worker runs with another checkout's benchmarks on its path
+        from benchmarks.harness import result_file
+
+        args.out = result_file("round_overhead")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         args.compute = args.compute[0]
         worker(args)
@@ -164,7 +177,7 @@ def main() -> None:
                   f"{figures['compute_s'] * 1e3:6.1f} ms, fixed cost "
                   f"{figures['overhead_s'] * 1e3:5.1f} ms per round; per token "
                   f"{figures['speedup_vs_ddp']:.3f}x its ddp")  # fmt: skip
-    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

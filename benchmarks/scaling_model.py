@@ -18,7 +18,9 @@ of a round end.
 
 Fit, on docs/results/law_sweep.json: eta and alpha from the comm-only C per cap, delta from
 every ACCO run; applied to Llama-3 8B on H100 nodes at the config's k and at the best k k*
-(docs/results.md, section 3). Writes docs/results/scaling.json and docs/figures/scaling.png.
+(docs/results.md, section 3). Writes outputs/results/scaling.json and scaling.png beside it
+(``--out``; the published files, docs/results/scaling.json and docs/figures/scaling.png:
+``--out docs/results/scaling.json``).
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ import math
 import pathlib
 import tomllib
 
-from benchmarks.harness import FIGURES, RESULTS, ROOT, pyplot, save_figure, write_result
+from benchmarks.harness import (
+    RESULTS,
+    ROOT,
+    add_out_option,
+    figure_file,
+    pyplot,
+    save_figure,
+    write_result,
+)
 
 LAW_SWEEP = RESULTS / "law_sweep.json"
 CONFIG = ROOT / "torchtitan_configs" / "llama3_8b_acco.toml"
-OUT = RESULTS / "scaling.json"
-FIGURE = FIGURES / "scaling.png"
 
 # The testbed (benchmarks.comm_only, gloo ring of acco_hooks.engine.collectives): 2 ranks, the debug
 # model's 6,163,712 fp32 parameters, fp32 reduce-scatter then fp32 all-gather, each moving
@@ -175,7 +183,7 @@ def predict(fitted: dict, run: dict, nodes: int, gbit_per_node: float, name: str
     }  # fmt: skip
 
 
-def plot(fitted: dict, run: dict) -> None:
+def plot(fitted: dict, run: dict, figure: pathlib.Path) -> None:
     plt = pyplot()
     grid = [10 * (3200 / 10) ** (i / 200) for i in range(201)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
@@ -205,11 +213,17 @@ def plot(fitted: dict, run: dict) -> None:
     fig.suptitle("Llama-3 8B, TP 8 in a node, ACCO across nodes, H100 at 40 % MFU — MODEL, not a "
                  "measurement; fitted on a 2-core CPU testbed (docs/results/scaling.json)",
                  fontsize=9)  # fmt: skip
-    save_figure(fig, FIGURE)
+    save_figure(fig, figure)
 
 
-def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_option(parser, "scaling")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     fitted = fit(json.loads(LAW_SWEEP.read_text()))
     run = setup()
     cf, df = fitted["comm_fit"], fitted["delta_fit"]
@@ -253,10 +267,11 @@ def main() -> None:
         ("raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
          "update); whether the larger batch converges as well is not modelled."),
     ]
-    write_result(OUT, {"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted, "setup": run,
-                       "assumptions": assumptions, "rows": rows})  # fmt: skip
-    plot(fitted, run)
-    print(f"wrote {OUT.relative_to(ROOT)}")
+    out = write_result(args.out, {"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted,
+                                  "setup": run, "assumptions": assumptions,
+                                  "rows": rows})  # fmt: skip
+    plot(fitted, run, figure_file(out, "scaling"))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

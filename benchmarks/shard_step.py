@@ -5,7 +5,8 @@
 ``AdamW.step()`` on one rank's flat fp32 master shard of the llama3 debug model over 2 ranks,
 with debug_cpu_acco.toml's hyperparameters; the implementations take turns step by step, so
 that the machine's load falls on all alike. docs/results.md reads the medians. Writes
-``docs/results/shard_step.json``.
+``outputs/results/shard_step.json`` (``--out``; the published file:
+``docs/results/shard_step.json``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import time
 
 import torch
 
-from benchmarks.harness import RESULTS, ROOT, header, write_result
+from benchmarks.harness import add_out_option, header, write_result
 
-RESULT_FILE = RESULTS / "shard_step.json"
 PARAMS, WORLD_SIZE = 6_163_712, 2  # torchtitan llama3 debugmodel; ranks on the testbed
 WARMUP, STEPS = 3, 20
 HYPER = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -29,7 +29,14 @@ IMPLEMENTATIONS = {  # torchtitan's [optimizer] implementation -> AdamW keywords
 }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_option(parser, "shard_step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     numel = -(-PARAMS // WORLD_SIZE)  # the engine's shard_numel: ceil(Φ / N)
     generator = torch.Generator().manual_seed(0)
@@ -57,7 +64,7 @@ def main() -> None:
         "relative_to_for_loop": {name: m / medians["for-loop"] for name, m in medians.items()},
         "step_s_all": samples,
     }  # fmt: skip
-    write_result(RESULT_FILE, results)
+    out = write_result(args.out, results)
     print(f"AdamW.step() on a flat fp32 shard of {numel:,} elements, 1 thread, "
           f"median of {STEPS} steps ({torch.__version__})")  # fmt: skip
     print(f"{'implementation':<16}{'median':>12}{'min':>12}{'max':>12}{'vs for-loop':>14}")
@@ -65,10 +72,8 @@ def main() -> None:
         relative = results["relative_to_for_loop"][name]
         print(f"{name:<16}{medians[name] * 1e3:>9.1f} ms{min(times) * 1e3:>9.1f} ms"
               f"{max(times) * 1e3:>9.1f} ms{relative:>13.2f}x")  # fmt: skip
-    print(f"wrote {RESULT_FILE.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    # --help prints what it measures instead of running it over a published result
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

@@ -2,11 +2,13 @@
 
     sudo python -m benchmarks.throughput                  # ~20 min on 2 cores
     python -m benchmarks.throughput --plot-only           # redraw from the JSON
+    python -m benchmarks.throughput --plot-only --out docs/results/throughput.json  # the published
 
 torchtitan's llama3 debug model on the netbed, every arm at equal tokens per update (the arms,
 S and E: docs/results.md, section 1); also the plumbing that ``benchmarks.law_sweep`` and
-``benchmarks.before_after`` share. Writes ``docs/results/throughput.json`` and
-``docs/figures/throughput.png``.
+``benchmarks.before_after`` share. Writes ``outputs/results/throughput.json`` and
+``throughput.png`` beside it (``--out``; the published files, ``docs/results/throughput.json``
+and ``docs/figures/throughput.png``: ``--out docs/results/throughput.json``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import sys
 from benchmarks import harness
 from benchmarks.harness import LOCAL_BATCH, SEQ_LEN, parse_steps, run_on_link, titan_args
 
-RESULT_FILE = harness.RESULTS / "throughput.json"
-FIGURE = harness.FIGURES / "throughput.png"
 # An ACCO update spans two rounds of k micro-batches; every other arm makes it in one step of 2k.
 MODES = {  # name -> (config, extra overrides, micro-batches per step in units of k)
     "acco": ("debug_cpu_acco.toml", ("--acco.mode", "acco"), 1),
@@ -130,10 +130,10 @@ def measure(args: argparse.Namespace) -> dict:
               flush=True)  # fmt: skip
         return row
 
-    return over_caps(args.rates, results, RESULT_FILE, row_at)
+    return over_caps(args.rates, results, args.out, row_at)
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, figure) -> None:
     plt = harness.pyplot()
     rates = list(results["rates"])
     modes = [m for m in MODES if any(m in results["rates"][r] for r in rates)]
@@ -166,7 +166,7 @@ def plot(results: dict) -> None:
     ax2.set_title("S = T_update(baseline) / T_update(acco)\n(> 1: acco is faster per token)",
                   fontsize=9)  # fmt: skip
     ax2.legend(fontsize=7)
-    harness.save_figure(fig, FIGURE)
+    harness.save_figure(fig, figure)
 
 
 def main() -> None:
@@ -175,10 +175,13 @@ def main() -> None:
                            repeats=0)  # fmt: skip
     parser.add_argument("--per-microbatch-rates", type=comma_list, default="none,1gbit,200mbit",
                         help="caps at which titan_ddp and titan_fsdp also run")
-    parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--plot-only", action="store_true", help="redraw from --out")
+    harness.add_out_option(parser, "throughput")
     args = parser.parse_args()
-    results = json.loads(RESULT_FILE.read_text()) if args.plot_only else measure(args)
-    plot(results)
+    results = json.loads(args.out.read_text()) if args.plot_only else measure(args)
+    plot(results, harness.figure_file(args.out, "throughput"))
+    if not args.plot_only:
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

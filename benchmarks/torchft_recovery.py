@@ -2,6 +2,7 @@
 restart, and what torchft costs per round while every group is alive.
 
     python -m benchmarks.torchft_recovery           # ~3 min on 2 cores: 6 runs
+    python -m benchmarks.torchft_recovery --out docs/results/torchft_recovery.json  # publish
 
 The shape of ``benchmarks/elastic_recovery.py``: 2 replica groups × 2 gloo ranks on loopback
 (``scaffolding/torchft_job.py``, the lighthouse at torchft's default 5 s heartbeat timeout),
@@ -16,7 +17,8 @@ middle of a round; after an estimate round's sum, before its update; inside a ro
 * **per round while all are alive**: the survivors' median time between round ends before the
   kill, against the same job as one group of 4 ranks without torchft, run right after it.
 
-Writes ``docs/results/torchft_recovery.json``.
+Writes ``outputs/results/torchft_recovery.json`` (``--out``: elsewhere; the published file is
+``docs/results/torchft_recovery.json``). Reads ``docs/results/elastic_recovery.json``.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, machine, write_result
+from benchmarks.harness import RESULTS, add_out_option, machine, write_result
 from scaffolding.torchft_job import run_groups, run_reference
 
-RESULT_FILE = RESULTS / "torchft_recovery.json"
 ELASTIC_FILE = RESULTS / "elastic_recovery.json"
 KILL_POINTS = ("mid_round", "after_estimate", "in_reduction")
 ROUNDS = 60
@@ -74,11 +75,16 @@ def _median_round_s(round_ends: list[tuple]) -> float:
     return statistics.median(b - a for a, b in itertools.pairwise(times))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=6, help="runs, the kill points in turn")
     p.add_argument("--seed", type=int, default=0, help="of the kill rounds")
-    args = p.parse_args()
+    add_out_option(p, "torchft_recovery")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     rng = random.Random(args.seed)
     runs = []
     with tempfile.TemporaryDirectory(prefix="torchft_recovery_") as workdir:
@@ -112,9 +118,9 @@ def main() -> None:
         },
         "runs": runs,
     }  # fmt: skip
-    write_result(RESULT_FILE, result)
+    out = write_result(args.out, result)
     print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {RESULT_FILE}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

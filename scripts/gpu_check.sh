@@ -80,13 +80,13 @@ fi
 if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_S:-260}" "$PYTHON" -m benchmarks.cuda_overhead "$@" >"$out/bench.log" 2>&1
     echo "benchmark: rc $?"; tail -n 20 "$out/bench.log"
-    cp docs/results/cuda_overhead.json "$out/" 2>/dev/null || true
+    cp outputs/results/cuda_overhead.json "$out/" 2>/dev/null || true
     tar czf "$out/bench_runs.tgz" outputs/cuda_overhead/*.log 2>/dev/null || true
 fi
 
 if [ "${FAKE_RANK:-0}" = 1 ]; then
     timeout "${FAKE_S:-420}" "$PYTHON" -m benchmarks.fake_rank >"$out/fake_rank.log" 2>&1
     echo "fake rank: rc $?"; tail -n 12 "$out/fake_rank.log"
-    cp docs/results/fake_rank_8b.json "$out/" 2>/dev/null || true
+    cp outputs/results/fake_rank_8b.json "$out/" 2>/dev/null || true
     tar czf "$out/fake_rank_runs.tgz" outputs/fake_rank/*.log 2>/dev/null || true
 fi

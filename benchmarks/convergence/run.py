@@ -10,15 +10,18 @@ experiment runs, why, and what it found: ``docs/results.md`` sections 4 and 5.
 Reproduce (from the repository root, nothing else running: wall times count)::
 
     python -m benchmarks.convergence.run --updates 200 --seeds 0 1 2 --corpus stdlib torch \
-        -- --training.seq_len 64
+        --out docs/results/convergence_heldout.json -- --training.seq_len 64
     python -m benchmarks.convergence.run --heterogeneous --updates 150 --seeds 0 1 2 \
-        --arms acco_until_ready ddp ddp_matched acco_capped -- --training.seq_len 64
+        --arms acco_until_ready ddp ddp_matched acco_capped \
+        --out docs/results/heterogeneous.json -- --training.seq_len 64
     python -m benchmarks.convergence.plot
 
 torchtitan overrides after ``--`` go to every run. Results go to
-``docs/results/convergence_heldout.json`` (``--heterogeneous``:
-``docs/results/heterogeneous.json``; ``--out``), rewritten after every run; a complete run
-already there with the same settings is skipped unless ``--force``. Raw logs:
+``outputs/results/convergence_heldout.json`` (``--heterogeneous``:
+``outputs/results/heterogeneous.json``; ``--out``: elsewhere, the published files being
+``docs/results/convergence_heldout.json`` and ``docs/results/heterogeneous.json``, which
+``plot.py`` reads), rewritten after every run; a complete run already there with the same
+settings is skipped unless ``--force``. Raw logs:
 ``outputs/convergence/<experiment>/<data>/<arm>/seed<N>/console.log``.
 """
 
@@ -49,8 +52,9 @@ from benchmarks.harness import PREFIX, STEP, step_line, timestamp, torchrun, wri
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("ddp", "acco", "dpu")
 CONFIG_TEMPLATE = "torchtitan_configs/debug_cpu_{mode}.toml"
-DEFAULT_OUT = {"convergence": "docs/results/convergence_heldout.json",
-               "heterogeneous": "docs/results/heterogeneous.json"}  # fmt: skip
+# under outputs/ (a run leaves the published files in docs/results/ alone unless --out names one)
+DEFAULT_OUT = {"convergence": "outputs/results/convergence_heldout.json",
+               "heterogeneous": "outputs/results/heterogeneous.json"}  # fmt: skip
 DEFAULT_WORKDIR = "outputs/convergence"
 HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # slow rank, micro-batch logs, fixed held-out
 SLOW_FACTOR_ENV, STATS_DIR_ENV = "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_STATS_DIR"
