@@ -37,13 +37,16 @@ def doc_block(heading: str, after: str | None = None) -> str:
 
 
 def run_block(block: str, workdir: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run ``block`` with bash in ``workdir``, with this Python's scripts first on the PATH
+    """Run ``block`` with bash in ``workdir`` (as a script a user saved it to), with this
+    Python's scripts first on the PATH
     (torchrun, torchft_lighthouse); whatever it started is killed at the end."""
     for name in ("examples", "scaffolding", "torchtitan_configs", "train_titan.py"):
         (workdir / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)  # the block runs what a user's shell runs: the installed project
-    proc = subprocess.Popen(["bash", "-c", block], cwd=workdir, env=env, text=True,
+    # from a file: a pattern the block kills by (pkill -f) must not match the shell running it
+    (workdir / "block.sh").write_text(block)
+    proc = subprocess.Popen(["bash", "block.sh"], cwd=workdir, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:

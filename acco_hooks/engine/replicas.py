@@ -546,12 +546,12 @@ class ReplicaGroups:
             return
         changes = ([f"{', '.join(_display(left, members))} left the job"] if left else []) + (
             [f"{', '.join(_display(came, ids))} joined the quorum"] if came else [])  # fmt: skip
-        again = (f" at attempt {attempt}, {took_s:.1f} s after the first" if attempt > 1
-                 else "")  # fmt: skip
         logger.warning(
-            "acco_hooks: round %d committed%s, summed over %d replica group%s (the quorum: "
-            "%s)%s", round_index, again, participants, "" if participants == 1 else "s",
-            ", ".join(_display(ids)), "".join(f"; {change}" for change in changes),
+            "acco_hooks: round %d committed%s %.1f s after its sum began, summed over %d replica "
+            "group%s (the quorum: %s)%s", round_index,
+            f" at attempt {attempt}," if attempt > 1 else "", took_s, participants,
+            "" if participants == 1 else "s", ", ".join(_display(ids)),
+            "".join(f"; {change}" for change in changes),
         )  # fmt: skip
 
     def _group_marks(self) -> Tensor:
