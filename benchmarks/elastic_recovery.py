@@ -34,10 +34,11 @@ from benchmarks.harness import ROOT, add_out_option, free_port, machine, write_r
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def training_command(checkpoint_dir: Path, updates: int, microbatch_seconds: float) -> list[str]:
+def training_command(checkpoint_dir: Path, updates: int, microbatch_seconds: float,
+                     *extra: str) -> list[str]:  # fmt: skip
     return ["-m", "examples.elastic_train", "--checkpoint-dir", str(checkpoint_dir),
             "--updates", str(updates), "--checkpoint-every", "4", "--timeout", "20",
-            "--microbatch-seconds", str(microbatch_seconds)]  # fmt: skip
+            "--microbatch-seconds", str(microbatch_seconds), *extra]  # fmt: skip
 
 
 def agent_command(port: int, training: list[str]) -> list[str]:

@@ -60,6 +60,10 @@ def parse_args() -> argparse.Namespace:
                    help="extra compute time per micro-batch, to stand for a real model")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="seconds after which a collective with a silent peer fails")
+    p.add_argument("--hold-for-ranks", type=int, default=None, metavar="N",
+                   help="after the first checkpoint, wait while the world is smaller than N "
+                        "ranks (the agent restarts the workers when a node joins; a demo of a "
+                        "join that does not race the end of the run)")
     return p.parse_args()
 
 
@@ -75,6 +79,16 @@ def newest_checkpoint(root: Path) -> Path | None:
     """The newest checkpoint DCP finished writing (its ``.metadata`` is written last)."""
     done = [d for d in root.glob("update_*") if (d / ".metadata").exists()]
     return max(done, key=lambda d: int(d.name.split("_")[1]), default=None)
+
+
+def _hold_until_restarted(ranks: int, timeout_s: float) -> None:
+    """Wait for the agent to restart this worker on a world of ``ranks`` (a node joining makes
+    it stop the workers and start them on the larger world); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    raise SystemExit(f"elastic_train: --hold-for-ranks {ranks}: no node joined within "
+                     f"{timeout_s:.0f} s")
 
 
 def main() -> None:
@@ -129,6 +143,8 @@ def main() -> None:
                 progress["next_microbatch"] = index + 1
                 dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "loop": progress},
                          checkpoint_id=root / f"update_{(index + 1) // per_update}")
+                if args.hold_for_ranks is not None and world_size < args.hold_for_ranks:
+                    _hold_until_restarted(args.hold_for_ranks, timeout_s=300.0)
         opt.flush()
     except Exception as error:  # a lost peer under the elastic agent: one line, then restart
         exit_for_restart(error, resume_from=newest_checkpoint(root))
