@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -60,13 +61,15 @@ def run_groups(
     lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
     if lighthouse is None:
         raise RuntimeError("torchft_lighthouse not found: pip install 'acco_hooks[ft]'")
-    port = free_port()
     with _sessions() as started:
+        # the lighthouse binds a port of its own (0) and says which: a port picked here and
+        # released may be taken (another test's connection) before the lighthouse binds it
         started.append(_start(
             [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100",
              "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-             "--bind", f"[::]:{port}"], {}, out / LIGHTHOUSE_LOG,
+             "--bind", "[::]:0"], {"RUST_LOG": "info"}, out / LIGHTHOUSE_LOG,
         ))  # fmt: skip
+        port = _listening_port(started[-1], out / LIGHTHOUSE_LOG)
 
         def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
             # the manager's server binds a port of its own (0) and publishes it in the group's
@@ -158,9 +161,23 @@ def announce_first_quorum_request(
     manager.start_quorum = start_quorum_then_announce
 
 
+def _listening_port(lighthouse: subprocess.Popen, log: Path, timeout_s: float = 60.0) -> int:
+    """The port the lighthouse says it listens on (its first log line)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        said = re.search(r"Lighthouse listening on: \S+:(\d+)", log.read_text(errors="replace"))
+        if said:
+            return int(said.group(1))
+        if lighthouse.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the lighthouse did not start:\n{log.read_text()[-2000:]}")
+        time.sleep(0.05)
+
+
 def _torchrun(processes: int, program: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", str(free_port()), *program]  # fmt: skip
+    # --standalone: the agent's rendezvous store binds a free port itself (no port picked here
+    # and released first, which another process may take before the store binds it)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(processes), *program]  # fmt: skip
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
