@@ -46,7 +46,8 @@ ARGS = ["--mode", "acco", "--rounds", str(ROUNDS), "--accumulation-steps", "2",
 def one_run(kill_at: str, kill_round: int, workdir: Path) -> dict:
     out = workdir / f"{kill_at}_{kill_round}"
     kill = ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", str(kill_round)]
-    status = run_groups(2, 2, ARGS, out, heartbeat_timeout_ms=5000, replica_args={1: kill})
+    status = run_groups(2, 2, ARGS, out, heartbeat_timeout_ms=5000, replica_args={1: kill},
+                        launcher="torchrun")  # as measured: a node runs torchrun
     reference_status = run_reference(2, 2, ARGS, out)
     killed_at = float((out / "killed_at").read_text())
     survivor = torch.load(out / "params_g0_r0.pt")["round_ends"]

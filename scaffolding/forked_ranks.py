@@ -25,6 +25,7 @@ server refuses to start where a GPU is visible; GPU jobs launch with torchrun.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -38,7 +39,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["run", "train_titan_preload"]
+__all__ = ["launch_command", "run", "train_titan_preload"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +80,21 @@ def run(
     if result["timed_out"]:
         raise TimeoutError(f"{' '.join(argv)} on {nproc} ranks ran past {timeout_s:.0f} s")
     return result["status"]
+
+
+def launch_command(nproc: int, argv: Sequence[str], *, preload: Sequence[str]) -> list[str]:
+    """A command line that runs ``python *argv`` as ``nproc`` ranks of one job, like
+    ``torchrun --standalone --nproc_per_node nproc``, in a process of its own that imports
+    ``preload`` once and forks the ranks: what a test that starts, kills and restarts whole
+    jobs (``scaffolding.torchft_job``'s replica groups) runs instead of torchrun's agent.
+
+    The ranks write to the launcher's stdout and stderr and stay in its process group, so
+    that a kill of that group (a rank's own ``os.killpg(os.getpgid(0), ...)``, or the
+    caller's) takes the whole job, as losing its node would. The launcher exits 0 when every
+    rank did, else 1 (torchrun's statuses), having ended the other ranks once one failed.
+    """
+    return [sys.executable, "-m", "scaffolding.forked_ranks", "--launch", str(nproc),
+            ",".join(preload), *argv]  # fmt: skip
 
 
 def train_titan_preload() -> tuple[str, ...]:
@@ -136,6 +152,19 @@ def _serve(preload: Sequence[str]) -> None:
         replies.flush()
 
 
+def _launch(nproc: int, preload: Sequence[str], argv: Sequence[str]) -> None:
+    """``launch_command``'s process: one job, then exit with its status. Exits."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's, read when torch is imported
+    for name in preload:
+        importlib.import_module(name)
+    job = {"nproc": nproc, "argv": list(argv), "log": None, "cwd": os.getcwd(),
+           "env": dict(os.environ), "timeout_s": float("inf"), "own_group": False}  # fmt: skip
+    status, _ = _run_job(job)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if status == 0 else 1)
+
+
 def _run_job(job: dict) -> tuple[int, bool]:
     nproc = job["nproc"]
     with socket.socket() as s:  # rank 0's store
@@ -155,7 +184,7 @@ def _run_job(job: dict) -> tuple[int, bool]:
         pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                _kill(running)
+                _kill(running, job.get("own_group", True))
                 for pid in running:
                     os.waitpid(pid, 0)
                 return -signal.SIGKILL, True
@@ -165,28 +194,31 @@ def _run_job(job: dict) -> tuple[int, bool]:
         code = os.waitstatus_to_exitcode(wait_status)
         if code != 0 and status == 0:
             status = code
-            _kill(running)  # as torchrun's agent: one failed rank ends the job
+            _kill(running, job.get("own_group", True))  # as torchrun's agent: one failed rank ends the job
     return status, False
 
 
-def _kill(pids: set[int]) -> None:
+def _kill(pids: set[int], own_groups: bool) -> None:
     for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)  # the rank and what it started
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            if own_groups:
+                os.killpg(pid, signal.SIGKILL)  # the rank and what it started
+            else:  # a launched job's rank, in the launcher's group
+                os.kill(pid, signal.SIGKILL)
 
 
 def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
     """One rank: what ``python *argv`` does in a process torchrun started. Exits."""
     code = 1
     try:
-        os.setpgid(0, 0)  # its own group: a kill takes what it started too
+        if job.get("own_group", True):
+            os.setpgid(0, 0)  # its own group: a kill takes what it started too
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
-        out = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
+        if job["log"] is not None:  # else the launcher's streams
+            out = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
         os.chdir(job["cwd"])
         os.environ.clear()
         os.environ.update(job["env"])
@@ -205,6 +237,9 @@ def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = job["cwd"]
+            # preloaded: its imports stay cached, and runpy runs it afresh as __main__ (left in
+            # sys.modules, runpy warns that it may run twice)
+            sys.modules.pop(argv[1], None)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
@@ -229,4 +264,6 @@ def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--launch"]:
+        _launch(int(sys.argv[2]), [m for m in sys.argv[3].split(",") if m], sys.argv[4:])
     _serve(sys.argv[1:])

@@ -1,8 +1,9 @@
-"""A torchft job on one machine: a lighthouse and one ``torchrun`` per replica group.
+"""A torchft job on one machine: a lighthouse and one launcher per replica group.
 
 What a cluster does with one node per group (``examples/torchft_train.py`` shows the commands),
-here on loopback for the tests and ``benchmarks/torchft_recovery.py``: each group's ``torchrun``
-runs in a session of its own, so that losing a "node" (a group SIGKILLing its session) takes
+here on loopback for the tests and ``benchmarks/torchft_recovery.py``: each group's launcher
+(its ranks forked from one process that imported the program once, or ``torchrun``) runs in a
+session of its own, so that losing a "node" (a group SIGKILLing its process group) takes
 exactly that group, and everything this module started is killed when it returns, also on an
 error or a timeout.
 """
@@ -42,7 +43,7 @@ def run_groups(
     timeout_s: float = 240.0,
     heartbeat_timeout_ms: int = 2000, replica_args: dict[int, Sequence[str]] | None = None,
     start_together: bool | Sequence[int] = True, restart: dict[int, Sequence[str]] | None = None,
-    program: Sequence[str] = ("-m", EXAMPLE),
+    program: Sequence[str] = ("-m", EXAMPLE), launcher: str = "forked",
 ) -> list[int]:  # fmt: skip
     """Run ``examples.torchft_train`` as ``groups`` replica groups of ``group_size`` processes
     (or ``group_size[i]`` in group ``i``: groups that differ, which the engine refuses) under
@@ -54,8 +55,10 @@ def run_groups(
     would join the running job. ``restart``: a group that exits is started again, once, with
     these arguments instead of its ``replica_args`` (what a node's restart does; its output
     goes to ``out/g{i}_restart.log`` and its exit status is returned). ``program``: what
-    each ``torchrun`` runs, the example by default; another program (``train_titan.py``) gets
-    ``args`` and the group's ``replica_args`` alone (its replica id among them)."""
+    each group runs, the example by default; another program (``train_titan.py``) gets
+    ``args`` and the group's ``replica_args`` alone (its replica id among them).
+    ``launcher``: how a group starts its ranks (``_launcher``): forked by default, torchrun's
+    agent for a measurement of what a node's restart costs."""
     out.mkdir(parents=True, exist_ok=True)
     sizes = [group_size] * groups if isinstance(group_size, int) else list(group_size)
     lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
@@ -82,7 +85,7 @@ def run_groups(
                     own.append("--start-together")
                 elif start_together and i in start_together:
                     own += ["--start-together", *map(str, start_together)]
-            argv = [*_torchrun(sizes[i], program), *own, *args, *extra]
+            argv = [*_launcher(sizes[i], program, launcher), *own, *args, *extra]
             job = _start(argv, env, out / log)
             started.append(job)
             return job
@@ -173,7 +176,17 @@ def _listening_port(lighthouse: subprocess.Popen, log: Path, timeout_s: float = 
         time.sleep(0.05)
 
 
-def _torchrun(processes: int, program: Sequence[str]) -> list[str]:
+def _launcher(processes: int, program: Sequence[str], launcher: str) -> list[str]:
+    """A group's command line. ``"forked"``: its ranks forked from one process that imported
+    the program's modules once (``scaffolding.forked_ranks.launch_command``; a group's start
+    here is mostly imports, which 2 cores pay for every rank and agent of every group);
+    ``"torchrun"``: the agent a node runs."""
+    if launcher == "forked":
+        preload = ((EXAMPLE,) if tuple(program) == ("-m", EXAMPLE)
+                   else forked_ranks.train_titan_preload())  # fmt: skip
+        return forked_ranks.launch_command(processes, program, preload=preload)
+    if launcher != "torchrun":
+        raise ValueError(f"launcher={launcher!r}: 'forked' or 'torchrun'")
     # --standalone: the agent's rendezvous store binds a free port itself (no port picked here
     # and released first, which another process may take before the store binds it)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
