@@ -136,13 +136,18 @@ def _stop_servers() -> None:
 # ------------------------------------------------------------------------------- the server
 
 
-def _serve(preload: Sequence[str]) -> None:
+def _preload(preload: Sequence[str]) -> None:
+    """Import what the ranks will fork with; refuse where a GPU is visible."""
     for name in preload:
         importlib.import_module(name)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         raise SystemExit("scaffolding.forked_ranks: a forked rank cannot use CUDA once its "
                          "parent initialized it; launch GPU jobs with torchrun")  # fmt: skip
+
+
+def _serve(preload: Sequence[str]) -> None:
+    _preload(preload)
     replies = os.fdopen(os.dup(1), "w")  # fd 1 becomes /dev/null: nothing else writes here
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -155,8 +160,7 @@ def _serve(preload: Sequence[str]) -> None:
 def _launch(nproc: int, preload: Sequence[str], argv: Sequence[str]) -> None:
     """``launch_command``'s process: one job, then exit with its status. Exits."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's, read when torch is imported
-    for name in preload:
-        importlib.import_module(name)
+    _preload(preload)
     job = {"nproc": nproc, "argv": list(argv), "log": None, "cwd": os.getcwd(),
            "env": dict(os.environ), "timeout_s": float("inf"), "own_group": False}  # fmt: skip
     status, _ = _run_job(job)
@@ -166,7 +170,7 @@ def _launch(nproc: int, preload: Sequence[str], argv: Sequence[str]) -> None:
 
 
 def _run_job(job: dict) -> tuple[int, bool]:
-    nproc = job["nproc"]
+    nproc, own_groups = job["nproc"], job.get("own_group", True)
     with socket.socket() as s:  # rank 0's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -184,7 +188,7 @@ def _run_job(job: dict) -> tuple[int, bool]:
         pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                _kill(running, job.get("own_group", True))
+                _kill(running, own_groups)
                 for pid in running:
                     os.waitpid(pid, 0)
                 return -signal.SIGKILL, True
@@ -194,7 +198,7 @@ def _run_job(job: dict) -> tuple[int, bool]:
         code = os.waitstatus_to_exitcode(wait_status)
         if code != 0 and status == 0:
             status = code
-            _kill(running, job.get("own_group", True))  # as torchrun's agent: one failed rank ends the job
+            _kill(running, own_groups)  # as torchrun's agent: one failed rank ends the job
     return status, False
 
 
