@@ -13,14 +13,17 @@ that, and refuses a torch without them.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from acco_hooks.engine import ACCOEngine
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["fsdp_modules", "set_gradient_sync_for_next_microbatch", "turn_off_replica_all_reduce"]
 
@@ -47,8 +50,15 @@ def set_gradient_sync_for_next_microbatch(
 
 
 def fsdp_modules(modules: Iterable[nn.Module]) -> list[FSDPModule]:
-    """Every ``FSDPModule`` in ``modules`` and their submodules."""
-    return [m for root in modules for m in root.modules() if isinstance(m, FSDPModule)]
+    """Every ``FSDPModule`` in ``modules`` and their submodules.
+
+    ``torch.distributed.fsdp`` is not imported for this (1 s of CPU, most of ``import
+    acco_hooks``): a process that never imported it has no ``fully_shard`` module.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    return [m for root in modules for m in root.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
 def turn_off_replica_all_reduce(modules: list[FSDPModule]) -> tuple[Any, Any]:

@@ -45,15 +45,16 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["GroupBuffers", "build_shard", "local_tensor", "memory_bytes", "normalize_param_groups"]
+__all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
+           "normalize_param_groups"]  # fmt: skip
 
 
 def normalize_param_groups(
@@ -309,9 +310,20 @@ def memory_bytes(
     }
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor``, without importing ``torch.distributed.tensor``.
+
+    Its import costs 1.2 s of CPU, most of ``import acco_hooks``, in every process of a job
+    (each rank, each launch of a test's or a benchmark's ranks); a process that never imported
+    it holds no DTensor, and one that holds any (FSDP, tensor parallelism) imported it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def local_tensor(param: Tensor) -> Tensor:
     """The plain tensor that holds this rank's values of ``param`` (shares its storage)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = param.to_local() if is_dtensor(param) else param
     return local.detach()
 
 
@@ -330,8 +342,10 @@ def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
     replicate dimension of an HSDP mesh is the engine's own data-parallel group, whose ranks
     hold the same values by construction: it does not count.
     """
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return 1
+    from torch.distributed.tensor import Replicate
+
     mesh = param.device_mesh
     return math.prod(
         mesh.size(dim) for dim, placement in enumerate(param.placements)

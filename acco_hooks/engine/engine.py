@@ -65,13 +65,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
 
 from acco_hooks.engine import ownership
 from acco_hooks.engine.advisor import Advisor
 from acco_hooks.engine.buffers import (
     GroupBuffers,
     build_shard,
+    is_dtensor,
     local_tensor,
     memory_bytes,
     normalize_param_groups,
@@ -533,7 +533,7 @@ class ACCOEngine:
                 "torch's optimizers take on a sparse gradient. Use nn.Embedding(..., "
                 "sparse=False) (the default)"
             )
-        if isinstance(grad, DTensor):
+        if is_dtensor(grad):
             if grad.placements != param.placements:  # e.g. Partial sums over tensor-parallel ranks
                 grad = grad.redistribute(grad.device_mesh, param.placements)
             grad = grad.to_local()

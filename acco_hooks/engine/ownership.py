@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+from acco_hooks.engine.buffers import is_dtensor
 
 __all__ = ["GradientInEngine", "claim", "clear_placeholders", "leave_placeholder", "owner_of",
            "release"]  # fmt: skip
@@ -119,9 +120,9 @@ def _same_shape_alias(func: Any, args: tuple) -> bool:
 
 def leave_placeholder(param: Tensor, name: str) -> None:
     """Put a :class:`GradientInEngine` in ``param.grad`` (its gradient went to the engine)."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         local = param.to_local()
-        param.grad = DTensor.from_local(
+        param.grad = type(param).from_local(
             GradientInEngine(local, name), param.device_mesh, param.placements,
             run_check=False, shape=param.shape, stride=param.stride(),
         )  # fmt: skip
@@ -131,7 +132,7 @@ def leave_placeholder(param: Tensor, name: str) -> None:
 
 def holds_placeholder(param: Tensor) -> bool:
     grad = param.grad
-    if isinstance(grad, DTensor):
+    if is_dtensor(grad):
         grad = grad._local_tensor  # the public to_local() is an operation on it
     return isinstance(grad, GradientInEngine)
 

@@ -47,10 +47,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from acco_hooks.engine.buffers import GroupBuffers
+from acco_hooks.engine.buffers import GroupBuffers, is_dtensor
 
 __all__ = ["LocalChunk", "ShardPlacement", "to_local_chunks"]
 
@@ -70,7 +68,7 @@ class LocalChunk(NamedTuple):
 def to_local_chunks(state: Any) -> Any:
     """``state`` with every ``DTensor`` and ``ShardedTensor`` replaced by this rank's
     :class:`LocalChunk`."""
-    if isinstance(state, DTensor):
+    if is_dtensor(state):
         (chunk,) = state.__create_chunk_list__()  # DCP's own view of the local range
         offset = chunk.offsets[0] if len(chunk.offsets) else 0
         return LocalChunk(state.shape[0], offset, state.to_local())
@@ -155,6 +153,7 @@ class ShardPlacement:
         mesh = None
         if self.mesh_ranks is not None:
             from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Shard
 
             device = next(flat.device for flat in flats if flat is not None)
             mesh = DeviceMesh(device.type, torch.tensor(self.mesh_ranks),
@@ -222,8 +221,11 @@ def _fsdp_split(g: GroupBuffers, fsdp_ranks: tuple[int, ...]) -> list[tuple[int,
     them); ``None`` if FSDP did not split some parameter's dim 0 as ``torch.chunk`` does."""
     out = []
     for param, local in zip(g.params, g.locals):
-        if not isinstance(param, DTensor) or param.dim() == 0:
+        if not is_dtensor(param) or param.dim() == 0:
             return None
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         mesh = param.device_mesh
         dims = [d for d in range(mesh.ndim) if _ranks(mesh, d) == fsdp_ranks]
         if len(dims) != 1 or not param.placements[dims[0]].is_shard(0):
@@ -287,7 +289,7 @@ def _part(
     data-parallel one (and FSDP's, when the vectors are the part vectors); empty for a plain
     tensor. A dimension of size 1 splits nothing: a layout with it and one without it (FSDP
     degree 1, or none) hold the same parts."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return ""
     mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate() or ()
     names = mesh.mesh_dim_names or tuple(str(dim) for dim in range(mesh.ndim))
@@ -298,7 +300,7 @@ def _part(
 
 
 def _local(chunk: Any) -> Tensor:
-    if isinstance(chunk, DTensor):
+    if is_dtensor(chunk):
         return chunk.to_local()
     return chunk.data if isinstance(chunk, LocalChunk) else chunk
 
@@ -307,7 +309,7 @@ def _signature(chunk: Any) -> tuple | None:
     """What identifies the ranges a chunk holds on this rank."""
     if isinstance(chunk, ShardedTensor):
         return ("pieces", chunk.size(0), _pieces_of(chunk))
-    if isinstance(chunk, DTensor):
+    if is_dtensor(chunk):
         chunk = to_local_chunks(chunk)
     if isinstance(chunk, LocalChunk):
         if chunk.pieces:
