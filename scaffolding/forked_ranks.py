@@ -10,8 +10,10 @@ agent (2.5 s per job), whose restarts and rendezvous those jobs do not use.
 :func:`run` starts a job's ranks the way torchrun's workers start, minus the imports: a server
 process imports ``preload`` once, then forks one process per rank for each job it is given.
 Each rank gets the environment the caller had, with the variables torchrun sets for its
-workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...; rank 0
-hosts the store, as without an agent), and runs the program as ``__main__``, as
+workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), and
+the job's store is the forking process's, as torchrun's is its agent's
+(``TORCHELASTIC_USE_AGENT_STORE``): it binds port 0 itself, so no port is picked and released
+for another process to take first. The program runs as ``__main__``, as
 ``python -m M`` or ``python script.py`` would. As torchrun's agent does, the server ends every
 rank of a job once one of them fails. A job that needs the agent itself (an elastic restart,
 torchrun's own output) or whose subject is a new process's start launches with torchrun.
@@ -31,7 +33,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -171,17 +172,35 @@ def _launch(nproc: int, preload: Sequence[str], argv: Sequence[str]) -> None:
 
 def _run_job(job: dict) -> tuple[int, bool]:
     nproc, own_groups = job["nproc"], job.get("own_group", True)
-    with socket.socket() as s:  # rank 0's store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     sys.stdout.flush()
     sys.stderr.flush()
-    ranks = {}
+    ranks, port_pipes = {}, []
     for rank in range(nproc):
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _rank(rank, nproc, port, job)  # never returns
+            os.close(write_end)
+            for _, earlier in port_pipes:
+                os.close(earlier)
+            _rank(rank, nproc, read_end, job)  # never returns
+        os.close(read_end)
+        port_pipes.append((pid, write_end))
         ranks[pid] = rank
+    # The store starts once every rank is forked: a fork copies no thread, so a rank forked
+    # beside a running store server would hold a copy of its state without the thread.
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    for _, write_end in port_pipes:
+        os.write(write_end, f"{store.port}\n".encode())
+        os.close(write_end)
+    try:
+        return _wait_for_ranks(ranks, job, own_groups)
+    finally:
+        del store
+
+
+def _wait_for_ranks(ranks: dict[int, int], job: dict, own_groups: bool) -> tuple[int, bool]:
     deadline = time.monotonic() + job["timeout_s"]
     status, running = 0, set(ranks)
     while running:
@@ -211,10 +230,12 @@ def _kill(pids: set[int], own_groups: bool) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
+def _rank(rank: int, nproc: int, port_pipe: int, job: dict) -> None:
     """One rank: what ``python *argv`` does in a process torchrun started. Exits."""
     code = 1
     try:
+        with os.fdopen(port_pipe) as pipe:  # the job's store, once the launcher started it
+            port = int(pipe.readline())
         if job.get("own_group", True):
             os.setpgid(0, 0)  # its own group: a kill takes what it started too
         stdin = os.open(os.devnull, os.O_RDONLY)
@@ -231,6 +252,7 @@ def _rank(rank: int, nproc: int, port: int, job: dict) -> None:
             "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
             "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "ROLE_NAME": "default",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "none",
         })  # fmt: skip

@@ -7,6 +7,11 @@ work). :func:`run_distributed` runs on the session's pool (:func:`shared_pool`) 
 call needs processes of its own: ``fresh_processes=True`` (a resume whose subject is a new
 process, a rank that sets process-wide state), ranks that may die, NCCL, or more ranks than the
 pool holds.
+
+Every call's ranks meet on a store this (the test's) process hosts: :func:`call_store` binds
+port 0 once and hands each call a fresh key prefix. No port is picked, released and bound
+again by someone else (another test's job could take a port between the pick and the bind),
+and a rank that kills itself takes no store down with it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import datetime
 import faulthandler
 import importlib
 import io
+import itertools
 import os
 import queue
-import socket
 import tempfile
 import time
 import traceback
@@ -36,14 +41,32 @@ DEFAULT_DEADLINE_S = 180.0
 SHARED_POOL_RANKS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_store: dist.TCPStore | None = None
+_calls = itertools.count()
+
+
+def call_store() -> tuple[int, str]:
+    """The port of the store this process hosts for its calls' ranks, and a prefix of keys no
+    earlier call used."""
+    global _store
+    if _store is None:
+        _store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    return _store.port, f"call{next(_calls)}/"
+
+
+def _init_group(backend: str, rank: int, world_size: int, where: tuple[int, str],
+                device_id=None) -> None:  # fmt: skip
+    port, prefix = where
+    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, client), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60),
+                            device_id=device_id)  # fmt: skip
 
 
 def _entry(
-    rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
+    rank: int, world_size: int, where: tuple[int, str], fn_path: str, args: tuple, outdir: str,
     orderly_teardown: bool = True, backend: str = "gloo",
 ) -> None:  # fmt: skip
     # A rank that aborts (SIGABRT from C++) shows every thread's Python stack in the test log.
@@ -53,14 +76,7 @@ def _entry(
     if backend == "nccl":  # one GPU per rank, bound before the first collective
         device_id = torch.device("cuda", rank)
         torch.cuda.set_device(device_id)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-        device_id=device_id,
-    )
+    _init_group(backend, rank, world_size, where, device_id)
     try:
         module, name = fn_path.rsplit(":", 1)
         result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
@@ -104,7 +120,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, _free_port(), fn_path, args, outdir, True, backend),
+            args=(world_size, call_store(), fn_path, args, outdir, True, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -125,8 +141,8 @@ def run_distributed(
 def _run_with_dying_ranks(fn_path, world_size, args, deadline_s, may_die):
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn_path, args, outdir, False))
+        where = call_store()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, where, fn_path, args, outdir, False))
                  for r in range(world_size)]  # fmt: skip
         for p in procs:
             p.start()
@@ -157,11 +173,9 @@ def _pool_worker(rank: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     while (task := inbox.get()) is not None:
-        port, world_size, fn_path, args = task
+        where, world_size, fn_path, args = task
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=60))  # fmt: skip
+            _init_group("gloo", rank, world_size, where)
             module, name = fn_path.rsplit(":", 1)
             result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
             dist.barrier()  # no rank tears the group down under a peer's last collective
@@ -205,9 +219,9 @@ class RankPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
-        port = _free_port()
+        where = call_store()
         for r in range(world_size):
-            self._inboxes[r].put((port, world_size, fn_path, args))
+            self._inboxes[r].put((where, world_size, fn_path, args))
         results, failures = {}, []
         deadline = time.monotonic() + deadline_s
         while len(results) + len(failures) < world_size:

@@ -16,6 +16,11 @@ import helper_on_pythonpath
 rank = int(os.environ["RANK"])
 if sys.argv[1] == "report":
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "FROM_CALLER")
+    # the job's store listens at MASTER_PORT before any rank runs (the launcher hosts it)
+    import datetime, torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=30))
+    store.add("ranks_reached", 1)
     print("REPORT", json.dumps({"argv": sys.argv[1:], "main": __name__, "cwd": os.getcwd(),
                                 "env": {n: os.environ.get(n) for n in names}}), flush=True)
 elif rank == 1:
@@ -36,8 +41,8 @@ def _program(tmp_path: Path) -> Path:
 def test_each_rank_runs_the_program_as_torchruns_workers_do(tmp_path: Path) -> None:
     script, log = _program(tmp_path), tmp_path / "job.log"
     env = {"FROM_CALLER": "yes", "PYTHONPATH": str(tmp_path / "lib")}
-    status = forked_ranks.run(3, [str(script), "report", "x"], log, preload=("json",), env=env,
-                              cwd=tmp_path)  # fmt: skip
+    status = forked_ranks.run(3, [str(script), "report", "x"], log,
+                              preload=("json", "torch.distributed"), env=env, cwd=tmp_path)  # fmt: skip
     assert status == 0, log.read_text()
     reports = [json.loads(line.split(" ", 1)[1]) for line in log.read_text().splitlines()
                if line.startswith("REPORT ")]  # fmt: skip
