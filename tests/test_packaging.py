@@ -188,6 +188,28 @@ def test_import_acco_hooks_imports_no_trainer_framework() -> None:
     assert out.strip() == "[]"
 
 
+def test_import_acco_hooks_leaves_dtensor_and_fsdp_unimported_until_the_user_does() -> None:
+    """2.2 s of CPU per process otherwise (every rank of every job). A DTensor parameter and
+    a fully_shard model still take the DTensor and FSDP paths once their modules are in."""
+    out = _python("""
+        import sys, acco_hooks, acco_hooks.engine, acco_hooks.checkpoint, acco_hooks.fsdp
+        from acco_hooks.engine.buffers import is_dtensor
+        heavy = ("torch.distributed.tensor", "torch.distributed.fsdp")
+        print([m for m in heavy if m in sys.modules])
+        import torch
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        model = fully_shard(torch.nn.Linear(2, 2), mesh=mesh)
+        print(len(acco_hooks.fsdp.fsdp_modules([model])), is_dtensor(model.weight),
+              is_dtensor(torch.zeros(1)))
+        dist.destroy_process_group()
+    """)
+    assert out.split("\n")[:2] == ["[]", "1 True False"], out
+
+
 def _library_modules() -> list[str]:
     return sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
