@@ -106,7 +106,8 @@ def kill_loop_rank(rank: int, world_size: int, ports: multiprocessing.SimpleQueu
             opt.step()
     except Exception as exc:  # noqa: BLE001 - what reached the loop, whatever it is
         outcome.update(error_at=time.time(), round=r, error=type(exc).__name__,
-                       message=str(exc).splitlines()[0][:300])  # fmt: skip
+                       message=str(exc).splitlines()[0][:300],
+                       groups_left=len(opt.engine.process_groups))  # fmt: skip
     pathlib.Path(stamp_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     deadline = time.monotonic() + hold_s
     while (time.monotonic() < deadline

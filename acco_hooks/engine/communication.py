@@ -56,6 +56,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -105,22 +106,35 @@ class CommWorker:
     delivered through the ``Future`` returned by :meth:`submit`, so a failure on the
     communication side always reaches the training loop instead of killing the thread silently.
 
+    A failed job's exception is handed to ``on_failure`` first. When it says the failure is
+    fatal, the groups it used are gone (see :meth:`EngineGroups.release`) and every later job
+    fails at once with the first failure named. The locals of the failed job's frames are
+    dropped too (the traceback keeps its lines): they hold the groups and a ring step's pending
+    receive, and a gloo group closes its sockets only when nothing holds it any more.
+
     Args:
         device: the device the jobs compute on. For CUDA the jobs run on a dedicated stream,
             and the thread makes ``device`` its current device (the CUDA current device is
             per thread: a new thread would otherwise allocate on device 0).
         name: the thread's name (shows up in ``py-spy`` dumps and tracebacks).
+        on_failure: called on the thread with a failed job's exception; returns whether the
+            failure is fatal (``None``: every failure is, and nothing is released).
     """
 
-    __slots__ = ("_jobs", "_thread", "_stream", "_closed")
+    __slots__ = ("_jobs", "_thread", "_stream", "_closed", "_on_failure", "_fatal")
 
-    def __init__(self, device: torch.device, name: str = "acco-comm") -> None:
+    def __init__(
+        self, device: torch.device, name: str = "acco-comm",
+        on_failure: Callable[[BaseException], bool] | None = None,
+    ) -> None:  # fmt: skip
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = None
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._stream = torch.cuda.Stream(torch.device("cuda", index))
         self._closed = False
+        self._on_failure = on_failure
+        self._fatal: str | None = None  # the first fatal failure, as the later jobs' error names it
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -192,6 +206,12 @@ class CommWorker:
             future, fn, args, ready = item
             if not future.set_running_or_notify_cancel():
                 continue
+            if self._fatal is not None:
+                future.set_exception(ACCOCommunicationError(
+                    f"acco_hooks: an earlier communication job failed ({self._fatal}); the "
+                    "engine's process groups are destroyed and it runs nothing more"
+                ))  # fmt: skip
+                continue
             try:
                 if self._stream is not None:
                     result = self._run_on_stream(fn, args, ready)
@@ -199,9 +219,15 @@ class CommWorker:
                     result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the loop
                 logger.debug("acco_hooks: communication job failed", exc_info=True)
-                future.set_exception(exc)
+                self._fail(future, exc)
             else:
                 future.set_result(result)
+
+    def _fail(self, future: Future, exc: BaseException) -> None:
+        if self._on_failure is None or self._on_failure(exc):
+            self._fatal = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            _drop_frame_locals(exc)
+        future.set_exception(exc)
 
     def _run_on_stream(self, fn: Callable[..., Any], args: tuple, ready: Any) -> Any:
         """Run ``fn(*args)`` on the stream after ``ready``; return when its device work is done."""
@@ -216,11 +242,25 @@ class CommWorker:
         return result
 
 
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in ``exc``'s traceback and its causes' (what a
+    traceback prints stays: files, lines, the message)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 # ------------------------------------------------------------------------- its process groups
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class EngineGroups:
-    """The engine's groups (``None``: a single local worker) and its place in them."""
+    """The engine's groups (``None``: a single local worker) and its place in them.
+
+    The one holder of the engine's process groups (nothing else keeps them), so that
+    :meth:`release` can let them go while the engine object lives on.
+    """
 
     data: dist.ProcessGroup | None
     count: dist.ProcessGroup | None
@@ -232,11 +272,30 @@ class EngineGroups:
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
     # torchft: this group is one replica group of several, summed over through their manager
     replicas: ReplicaGroups | None = None
+    released: bool = False
 
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
-        """Each group once, in creation order: what close() destroys."""
+        """Each group once, in creation order: what :meth:`release` destroys."""
         return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm) if g is not None))
+
+    def release(self) -> None:
+        """Destroy the groups and drop them. Idempotent.
+
+        Destroying alone leaves a gloo group's sockets open while anything holds it: a peer
+        blocked in a ring receive from this rank would then wait out its timeout after this
+        rank's round failed. Once the last reference goes, the peer's receive fails at once
+        ("Connection closed by peer"), and the failure travels round the ring in milliseconds.
+        """
+        owned, self.released = self.owned, True
+        self.data = self.count = self.norm = None
+        if not dist.is_available() or not dist.is_initialized():
+            return  # the user already destroyed every group, ours included
+        for group in owned:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:
+                pass  # destroyed already
 
 
 def build_engine_groups(
@@ -336,16 +395,10 @@ def barrier_each(groups: tuple[dist.ProcessGroup, ...]) -> None:
         dist.barrier(group=group)
 
 
-def release_communication(worker: CommWorker, groups: tuple[dist.ProcessGroup, ...]) -> None:
+def release_communication(worker: CommWorker, groups: EngineGroups) -> None:
     """Join the worker thread, then destroy the groups it was the only user of."""
     worker.close()
-    if not dist.is_available() or not dist.is_initialized():
-        return  # the user already destroyed every group, ours included
-    for group in groups:
-        try:
-            dist.destroy_process_group(group)
-        except ValueError:
-            pass  # destroyed already
+    groups.release()
 
 
 @torch.no_grad()

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
 import time
@@ -79,6 +80,7 @@ from acco_hooks.engine.buffers import (
 from acco_hooks.engine.communication import (
     ACCOCommunicationError,
     CommWorker,
+    EngineGroups,
     Job,
     RoundPlan,
     RoundResult,
@@ -279,13 +281,16 @@ class ACCOEngine:
         )
         self.world_size, self.rank = self._groups.world_size, self._groups.rank
         self.fsdp_world_size = self._groups.fsdp_world_size
-        self._worker = CommWorker(self.device)
+        # a failed job releases the groups at once, on the thread (the peers then fail too)
+        self._worker = CommWorker(
+            self.device, on_failure=functools.partial(_release_if_fatal, self._groups)
+        )
         self._hook_handles: list[Any] = []
         self._placeholders = False  # .grad holds a GradientInEngine meanwhile (hook_param_grads)
         # Every group built above is this engine's alone; close() destroys them. An engine its
         # owner never closes is released when it is garbage-collected or at interpreter exit:
         # a gloo group destructed during interpreter finalization can abort the process.
-        self._release = weakref.finalize(self, _release, self._worker, self._groups.owned)
+        self._release = weakref.finalize(self, _release, self._worker, self._groups)
         try:
             if self._groups.data is not None:  # every replica starts from the first rank's
                 broadcast_from_first_rank(
@@ -1218,10 +1223,21 @@ def _first_schedule(
 # ---------------------------------------------------------------- what the engine refuses
 
 
-def _release(worker: CommWorker, groups: tuple[Any, ...]) -> None:
+def _release(worker: CommWorker, groups: EngineGroups) -> None:
     """What an engine holds outside itself: the thread, its groups, its parameters' claim."""
     release_communication(worker, groups)
     ownership.release(None)  # the claims of engines that are gone
+
+
+def _release_if_fatal(groups: EngineGroups, exc: BaseException) -> bool:
+    """The worker thread's ``on_failure``: a failed job ends the engine (the training loop
+    raises ``ACCOCommunicationError``), and its groups go at once, on the thread, so that the
+    peers blocked on this rank fail now rather than when this process exits. Not torchft's
+    :class:`GroupFellBehind`: that group takes a live group's state and trains on."""
+    if isinstance(exc, GroupFellBehind):
+        return False
+    groups.release()
+    return True
 
 
 def _check_round_inputs(

@@ -95,6 +95,22 @@ def test_killed_rank_makes_the_survivor_fail_clearly(tmp_path) -> None:
     assert "restart from the last complete checkpoint" in survivor["message"]
 
 
+def test_survivors_kept_alive_after_their_error_all_fail_within_seconds_of_a_kill() -> None:
+    """4 gloo ranks, one SIGKILLed at a random moment, the survivors alive and their engines not
+    closed after their error (benchmarks/peer_death.py's kill loop). A survivor whose ring
+    receive waits on a live neighbour that has itself failed is freed only by that neighbour's
+    engine letting its groups go at once: before it did, one survivor of every kill waited for a
+    fellow survivor's exit (the hold, 20 s here) or the groups' timeout (60 s)."""
+    from benchmarks.peer_death import kill_loop
+
+    for run in kill_loop(kills=2, hold_s=20.0, seed=3):
+        assert len(run["survivors"]) == 3
+        for survivor in run["survivors"]:
+            assert survivor.get("error") == "ACCOCommunicationError", survivor
+            assert survivor["detection_s"] < 10.0, run
+            assert survivor["groups_left"] == 0, survivor  # released with the failure
+
+
 @pytest.mark.parametrize("mode, nan_round, skipped", [("ddp", 4, 1), ("acco", 6, 2), ("acco", 7, 1)])
 def test_nonfinite_round_is_skipped_on_every_rank(mode: str, nan_round: int, skipped: int) -> None:
     """A NaN on one rank: every rank skips; in acco an estimate's NaN also spoils its update."""
