@@ -35,16 +35,16 @@ from typing import NoReturn
 import torch
 
 # First: a Python, torch or torchtitan outside the tested versions fails here, with the fix.
-from acco_hooks.titan import TITAN_030  # noqa: I001
+from acco_hooks.titan import TITAN_030
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         import scaffolding.cpu_shim  # noqa: F401  (installs it, before torchtitan reads its device)
+    from torchtitan.tools.logging import init_logger, logger
+
     from acco_hooks.elastic import exit_for_restart
     from scaffolding.process_exit import finish
-
-    from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     rank = int(os.environ.get("RANK", "0"))

@@ -16,13 +16,13 @@ from acco_hooks._versions import (
 
 check_python_and_torch()  # before anything could form a process group
 
+from acco_hooks._frontend import label_tokens  # noqa: E402
 from acco_hooks.ddp_comm_hooks import (  # noqa: E402
     ACCOState,
     DelayedAllReduceState,
     acco_hook,
     delayed_allreduce_hook,
 )
-from acco_hooks._frontend import label_tokens  # noqa: E402
 from acco_hooks.engine import (  # noqa: E402
     MODES,
     ACCOCommunicationError,

@@ -31,7 +31,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from transformers import (
@@ -51,23 +50,23 @@ logger = logging.getLogger("hf_finetune")
 
 @dataclass
 class ScriptArguments:
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": (
+    model_name_or_path: str | None = field(default=None, metadata={"help": (
         "A model id or folder for AutoModelForCausalLM.from_pretrained. Default: a tiny Llama "
         "(2 layers, hidden 64) built from a config and trained from scratch.")})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": (
+    tokenizer_name: str | None = field(default=None, metadata={"help": (
         "Tokenizer id or folder. Default: the model's; for the tiny Llama the stdlib BPE "
         "tokenizer (outputs/stdlib/tokenizer, built on first use).")})
-    train_file: Optional[str] = field(default=None, metadata={"help": (
+    train_file: str | None = field(default=None, metadata={"help": (
         "A .jsonl/.json/.csv/.txt file with a text column. Default: the Python standard "
         "library's source files (outputs/stdlib/dataset/train.jsonl, built on first use).")})
-    validation_file: Optional[str] = field(default=None, metadata={"help": (
+    validation_file: str | None = field(default=None, metadata={"help": (
         "Like train_file, for evaluation. Default: the stdlib validation split.")})
     text_column_name: str = field(default="text", metadata={"help": "The raw text column."})
     block_size: int = field(default=128, metadata={"help": (
         "Tokens per training sequence (texts are concatenated and cut into blocks).")})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": (
+    max_train_samples: int | None = field(default=None, metadata={"help": (
         "Keep only the first N training texts (quick runs).")})
-    max_eval_samples: Optional[int] = field(default=100, metadata={"help": (
+    max_eval_samples: int | None = field(default=100, metadata={"help": (
         "Keep only the first N evaluation texts.")})
 
 

@@ -49,7 +49,8 @@ import sys
 import time
 import types
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -222,10 +223,9 @@ def dense_mask_attention(q, k, v, *, score_mod, block_mask, scale, enable_gqa, r
 
 
 def _install_cpu_attention() -> None:
-    from torch.nn.attention.flex_attention import create_block_mask
-
     import torchtitan.models.common.attention as tt_attention
     import torchtitan.models.common.decoder as tt_decoder
+    from torch.nn.attention.flex_attention import create_block_mask
 
     tt_attention.FlexAttention.compiled_flex_attn = staticmethod(dense_mask_attention)
     # eager: the compiled builder would run inductor once per process for nothing on CPU
@@ -262,9 +262,8 @@ def is_installed() -> bool:
 def install() -> None:
     """Patch torchtitan for CPU + gloo if no accelerator is available (idempotent)."""
     global _installed
-    from torch._utils import _get_available_device_type
-
     import torchtitan.tools.utils as tt_utils
+    from torch._utils import _get_available_device_type
 
     available = _get_available_device_type()
     if available is not None:
@@ -289,14 +288,14 @@ def install() -> None:
 
     # import the known copiers now so they are patched even if nothing imported them yet
     if TITAN_030:
-        import torchtitan.distributed.parallel_dims  # noqa: F401
-        import torchtitan.distributed.utils  # noqa: F401
-        import torchtitan.tools.profiler  # noqa: F401
-        import torchtitan.trainer  # noqa: F401  (imports the rest of the training stack)
+        import torchtitan.distributed.parallel_dims
+        import torchtitan.distributed.utils
+        import torchtitan.tools.profiler
+        import torchtitan.trainer  # (imports the rest of the training stack)
     else:
-        import torchtitan.distributed.parallel_dims  # noqa: F401
-        import torchtitan.distributed.utils  # noqa: F401
-        import torchtitan.tools.profiling  # noqa: F401
+        import torchtitan.distributed.parallel_dims
+        import torchtitan.distributed.utils
+        import torchtitan.tools.profiling
         import torchtitan.train  # noqa: F401  (the trainer's module: 5. below)
 
     import torchtitan.components.metrics as tt_metrics

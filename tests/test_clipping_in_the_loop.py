@@ -69,7 +69,7 @@ def _train(params: list[torch.Tensor], backward, step, clipping: bool) -> list[s
     ``clipping``, each clip tried in between. What was not refused as it should."""
     wrong: list[str] = []
     if clipping:
-        for wrong in _try_every_clip(params, backward):
+        for wrong in _try_every_clip(params, backward):  # noqa: B007 - the list it fills
             step()
     else:
         for _ in CLIPS:

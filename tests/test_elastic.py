@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from acco_hooks import ACCOCommunicationError
+from acco_hooks.elastic import exit_for_restart, lost_peer
 from benchmarks.elastic_recovery import (
     ELASTIC_ENV,
     ROOT,
@@ -30,8 +32,6 @@ from benchmarks.elastic_recovery import (
     training_command,
     wait_for_checkpoint,
 )  # fmt: skip
-from acco_hooks import ACCOCommunicationError
-from acco_hooks.elastic import exit_for_restart, lost_peer
 from tests.scenario import relative_error
 
 UPDATES = 24

@@ -332,3 +332,11 @@ def test_the_shipped_configs_load_from_an_installed_wheel(tmp_path: pathlib.Path
         print("configs:", len(names))
     """, cwd=tmp_path, PYTHONPATH=str(site))
     assert f"configs: {len(list((ROOT / 'acco_hooks/titan/configs').glob('*.toml')))}" in out
+
+
+def test_the_tree_passes_the_projects_lint_config() -> None:
+    """ruff, at the version the test extra pins, with pyproject.toml's ``[tool.ruff.lint]``."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache",
+                           "--output-format", "concise", str(ROOT)],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

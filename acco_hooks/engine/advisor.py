@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -102,8 +101,8 @@ class Advisor:
 
     def __init__(
         self, accumulation_steps: int, overlapping: bool = True,
-        microbatches_per_update: Optional[int] = None,
-        estimate_fractions: Optional[dict[str, float]] = None,
+        microbatches_per_update: int | None = None,
+        estimate_fractions: dict[str, float] | None = None,
     ) -> None:  # fmt: skip
         self.accumulation_steps = accumulation_steps
         self.overlapping = overlapping
@@ -173,7 +172,7 @@ class Advisor:
                 f"predicted_speedup={figures['predicted_speedup']:.2f} "
                 f"round={figures['round_s']:.4f}s ideal_speedup={figures['ideal_speedup']:.2f}")
 
-    def finding(self) -> Optional[str]:
+    def finding(self) -> str | None:
         """One line when ACCO is slower than synchronous ZeRO-1 here, with the fix; else None."""
         figures = self.figures
         compute, comm = figures["compute_per_round_s"], figures["comm_per_round_s"]
@@ -192,7 +191,7 @@ class Advisor:
                     "cores, or use mode='ddp'")  # fmt: skip
         return None
 
-    def suggestion(self) -> Optional[str]:
+    def suggestion(self) -> str | None:
         """Where ACCO pays little or ``mode='auto'`` would pick another schedule: one line of
         what to try, for a reader who asks (``logger.debug``); else None."""
         figures = self.figures

@@ -217,7 +217,7 @@ class CommWorker:
                     result = self._run_on_stream(fn, args, ready)
                 else:
                     result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - every failure must reach the loop
+            except BaseException as exc:  # every failure must reach the loop
                 logger.debug("acco_hooks: communication job failed", exc_info=True)
                 self._fail(future, exc)
             else:

@@ -1132,7 +1132,7 @@ class ACCOEngine:
     def _meet_peers(self) -> None:
         try:
             self._run_on_thread(barrier_each, self.process_groups)
-        except Exception:  # noqa: BLE001 - a peer died meanwhile: tear down anyway
+        except Exception:  # a peer died meanwhile: tear down anyway
             logger.warning("acco_hooks: close(): a peer never reached the barrier", exc_info=True)
 
     def __enter__(self) -> ACCOEngine:

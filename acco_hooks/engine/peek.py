@@ -73,7 +73,7 @@ def peek(
                 chunk = functools.partial(_adam_chunk, group, state, step, decoupled)
             for start in range(0, p.numel(), chunk_numel):
                 end = min(start + chunk_numel, p.numel())
-                view = lambda t: t.view(-1)[start:end]  # noqa: E731
+                view = lambda t: t.view(-1)[start:end]  # noqa: E731, B023 - used in this iteration only
                 view(out).copy_(chunk(view, view(p), view(p.grad)))
 
 

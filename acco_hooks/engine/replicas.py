@@ -520,7 +520,7 @@ class ReplicaGroups:
         self.manager.start_quorum(allow_heal=allow_heal, timeout=datetime.timedelta(seconds=left))
         try:
             self.manager.wait_quorum()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - torchft's reason, in the error raised
             raise RuntimeError(
                 f"acco_hooks: {what}: no quorum of replica groups formed within "
                 f"{self.patience_s:.0f} s (attempt {attempt}; {self._patience_setting()}): "

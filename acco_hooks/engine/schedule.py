@@ -28,7 +28,7 @@ import logging
 import math
 import statistics
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 __all__ = ["AUTO_ESTIMATE_DTYPES", "AutoSchedule", "Schedule", "best_schedule",
            "candidate_schedules", "schedule_seconds"]  # fmt: skip
@@ -75,7 +75,7 @@ def schedule_seconds(
 
 
 def candidate_schedules(
-    microbatches: int, estimate_dtypes: Sequence[str], estimate_microbatches: Optional[int] = None
+    microbatches: int, estimate_dtypes: Sequence[str], estimate_microbatches: int | None = None
 ) -> list[Schedule]:
     """Every schedule of ``microbatches`` per update: synchronous first, then each split with
     each of ``estimate_dtypes``: ``estimate_microbatches`` when given, else each split whose
@@ -164,13 +164,13 @@ class AutoSchedule:
         self.estimate_fractions = estimate_fractions
         self.report = report
         self.target = candidates[0]  # what it wants run now
-        self.chosen: Optional[Schedule] = None  # its last decision
+        self.chosen: Schedule | None = None  # its last decision
         self.figures: dict[str, float] = {}  # what that decision was based on
         self._restart()
-        self._last_run: Optional[Schedule] = None
+        self._last_run: Schedule | None = None
         self._run_length = 0
-        self._held: Optional[int] = None  # updates since the decision; None while deciding
-        self._confirming: Optional[list[float]] = None  # the chosen overlapped one, timed again
+        self._held: int | None = None  # updates since the decision; None while deciding
+        self._confirming: list[float] | None = None  # the chosen overlapped one, timed again
 
     def _restart(self) -> None:
         self._timed: dict[Schedule, list[float]] = {}

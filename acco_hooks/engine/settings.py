@@ -37,7 +37,7 @@ import textwrap
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -73,7 +73,7 @@ ESTIMATE_DTYPES: dict[str, torch.dtype] = {**REDUCE_DTYPES, "float8_e4m3fn": tor
 # ``datetime.timedelta`` of more than 999,999,999 days overflows.
 TIMEOUT_RANGE_S = (1e-3, 1e12)
 
-Check = Callable[[Any], Optional[str]]
+Check = Callable[[Any], str | None]
 Spelling = Callable[[str, Any], str]
 
 
@@ -103,7 +103,7 @@ def real_updates(mode: str, steps: int) -> int:
 def one_of(choices: tuple[str, ...]) -> Check:
     """Allows exactly the strings ``choices``."""
 
-    def check(value: Any) -> Optional[str]:
+    def check(value: Any) -> str | None:
         if isinstance(value, str) and value in choices:
             return None
         return f"is not one of {', '.join(map(repr, choices))}"
@@ -111,7 +111,7 @@ def one_of(choices: tuple[str, ...]) -> Check:
     return check
 
 
-def boolean(value: Any) -> Optional[str]:
+def boolean(value: Any) -> str | None:
     return None if isinstance(value, bool) else "must be True or False"
 
 
@@ -126,13 +126,13 @@ def _number_within(value: Any, low: float, high: float = math.inf) -> bool:
     return math.isfinite(as_float) and as_float > 0 and low <= as_float <= high
 
 
-def check_accumulation_steps(value: Any) -> Optional[str]:
+def check_accumulation_steps(value: Any) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return None
     return "must be an integer >= 1 (the number of micro-batches per round)"
 
 
-def _check_reduce_dtype(value: Any) -> Optional[str]:
+def _check_reduce_dtype(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value in REDUCE_DTYPES):
         return None
     if isinstance(value, torch.dtype) and value in REDUCE_DTYPES.values():
@@ -141,19 +141,19 @@ def _check_reduce_dtype(value: Any) -> Optional[str]:
             "sum), as a name or a torch.dtype, or None for float32")  # fmt: skip
 
 
-def _check_max_grad_norm(value: Any) -> Optional[str]:
+def _check_max_grad_norm(value: Any) -> str | None:
     if value is None or _number_within(value, 0.0):
         return None
     return "must be a finite number > 0, or None for no clipping"
 
 
-def _check_max_microbatches(value: Any) -> Optional[str]:
+def _check_max_microbatches(value: Any) -> str | None:
     if value is None or check_accumulation_steps(value) is None:
         return None
     return "must be an integer >= 1 (micro-batches per round), or None for no cap"
 
 
-def _check_estimate_dtype(value: Any) -> Optional[str]:
+def _check_estimate_dtype(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value in ESTIMATE_DTYPES):
         return None
     if isinstance(value, torch.dtype) and value in ESTIMATE_DTYPES.values():
@@ -163,27 +163,27 @@ def _check_estimate_dtype(value: Any) -> Optional[str]:
             "round's")  # fmt: skip
 
 
-def _check_estimate_microbatches(value: Any) -> Optional[str]:
+def _check_estimate_microbatches(value: Any) -> str | None:
     if value is None or check_accumulation_steps(value) is None:
         return None
     return "must be an integer >= 1 (micro-batches of the estimate round), or None"
 
 
-def _check_timeout(value: Any) -> Optional[str]:
+def _check_timeout(value: Any) -> str | None:
     if value is None or _number_within(value, *TIMEOUT_RANGE_S):
         return None
     low, high = TIMEOUT_RANGE_S
     return f"must be a number of seconds between {low:g} and {high:g}, or None for the default"
 
 
-def dtype_name(value: Any) -> Optional[str]:
+def dtype_name(value: Any) -> str | None:
     """A dtype setting (a name, a ``torch.dtype`` or None) by its name, or None."""
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     return value
 
 
-def _as_dtype(value: Any) -> Optional[torch.dtype]:
+def _as_dtype(value: Any) -> torch.dtype | None:
     """A dtype setting (a name, a ``torch.dtype`` or None) as a ``torch.dtype`` or None."""
     if value is None or isinstance(value, torch.dtype):
         return value
@@ -232,26 +232,26 @@ class ACCOSettings:
     """What a round whose averaged gradient has NaN/Inf does: 'skip' (every rank skips that
     update and warns) or 'raise' (FloatingPointError)."""
 
-    timeout: Optional[float] = None
+    timeout: float | None = None
     """Seconds after which a collective of the engine fails when a peer hangs (a dead peer fails
     it at once, mostly: docs/reliability.md). None: the default of the process group (the
     Hugging Face Trainer passes its ddp_timeout, the torchtitan trainer its [comm]
     train_timeout_seconds)."""
 
-    max_microbatches_per_round: Optional[int] = None
+    max_microbatches_per_round: int | None = None
     """With accumulate_until_ready: the most micro-batches one rank runs in a round (at least
     the round's size); a rank that reaches it waits for the communication. It bounds the share
     of every update that the fastest rank's samples make (one rank N times faster than another
     otherwise runs about N micro-batches per round to the slow rank's one). None: no cap."""
 
-    estimate_dtype: Optional[str] = None
+    estimate_dtype: str | None = None
     """'acco' and 'auto': the estimate round's format on the wire, both ways (its gradients,
     and θ̃ − θ), no wider than reduce_dtype: 'bfloat16' halves its bytes, 'float8_e4m3fn' (a
     float32 scale per 128 values, gloo and NCCL) quarters them. The real update still averages
     every micro-batch's gradient in reduce_dtype (its round then sends both rounds' sum).
     None: reduce_dtype ('auto' then tries the narrower formats itself)."""
 
-    estimate_microbatches: Optional[int] = None
+    estimate_microbatches: int | None = None
     """'acco' and 'auto': micro-batches of the estimate round. In 'acco' the update round runs
     accumulation_steps (None: as many, an even split); in 'auto' the two rounds share the
     accumulation_steps of an update, so 1 to accumulation_steps - 1 (None: 'auto' picks)."""
@@ -269,7 +269,7 @@ class ACCOSettings:
     """What each field allows (a subclass extends it with its own fields)."""
 
     def check(
-        self, spell: Spelling = python_spelling, names: Optional[tuple[str, ...]] = None
+        self, spell: Spelling = python_spelling, names: tuple[str, ...] | None = None
     ) -> None:
         """Raise :class:`SettingError` for the first field outside its allowed values.
 
@@ -325,7 +325,7 @@ class ACCOSettings:
 
     def check_round_size(
         self, accumulation_steps: int, spell: Spelling = python_spelling,
-        set_steps: Optional[Callable[[int], str]] = None,
+        set_steps: Callable[[int], str] | None = None,
     ) -> None:  # fmt: skip
         """Refuse what does not fit the round's size (``accumulation_steps``, micro-batches
         per round; per update in ``auto``): what a front-end that resolves the size checks.
@@ -358,7 +358,7 @@ class ACCOSettings:
             )
 
     def check_until_ready(
-        self, replica_split_by: Optional[str], spell: Spelling = python_spelling
+        self, replica_split_by: str | None, spell: Spelling = python_spelling
     ) -> None:
         """Refuse ``accumulate_until_ready`` where the ranks of one model replica compute together.
 
@@ -417,14 +417,14 @@ class EngineSettings(ACCOSettings):
     """Micro-batches per round (the minimum with accumulate_until_ready); per update in
     'auto'."""
 
-    max_grad_norm: Optional[float] = None
+    max_grad_norm: float | None = None
     """Clip the averaged gradient to this global L2 norm before each step or estimate; None:
     no clipping."""
 
-    spell: dataclasses.InitVar[Optional[Spelling]] = None
+    spell: dataclasses.InitVar[Spelling | None] = None
     """How refusals name a setting: the front-end's spelling (default: as a keyword argument)."""
 
-    set_steps: dataclasses.InitVar[Optional[Callable[[int], str]]] = None
+    set_steps: dataclasses.InitVar[Callable[[int], str] | None] = None
     """How a user of the front-end sets accumulation_steps to n, for the round-size refusals
     (:meth:`ACCOSettings.check_round_size`)."""
 
@@ -435,7 +435,7 @@ class EngineSettings(ACCOSettings):
     }
 
     def __post_init__(
-        self, spell: Optional[Spelling], set_steps: Optional[Callable[[int], str]]
+        self, spell: Spelling | None, set_steps: Callable[[int], str] | None
     ) -> None:
         # Every setting is checked here, once, whichever front-end built them.
         self.check(spell or python_spelling)

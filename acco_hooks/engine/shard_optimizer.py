@@ -251,7 +251,7 @@ def _probe(
             whole_opt.step()
             for opt in piece_opts:
                 opt.step()
-    except Exception as error:  # noqa: BLE001 - reported as the reason it is refused
+    except Exception as error:  # reported as the reason it is refused
         raise TypeError(
             f"acco_hooks: {name} failed to step a flat 1-D piece of a parameter group "
             f"({type(error).__name__}: {error}). The engine steps each parameter group as one "

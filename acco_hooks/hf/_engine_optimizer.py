@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from transformers.optimization import get_scheduler
 
 from acco_hooks._frontend import EngineFrontEnd

@@ -46,7 +46,8 @@ from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.dataloader import ReshardableLoaderState
 from acco_hooks.titan.titan_checkpoint import states_to_load
 
-from torchtitan.components.loss import IGNORE_INDEX  # noqa: I001
+# isort: split
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 

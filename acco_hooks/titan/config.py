@@ -13,7 +13,7 @@ types (``dataclasses.fields(...).type``) to build nested sections from TOML.
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from acco_hooks._frontend import launcher_world_size
 from acco_hooks.engine import ACCOSettings, EngineSettings
@@ -27,7 +27,7 @@ def spelling(name: str, value: Any) -> str:
     return f"[acco] {name} = {value!r}"
 
 
-def _zero_or_micro_batches(value: Any) -> Optional[str]:
+def _zero_or_micro_batches(value: Any) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return None
     if check_accumulation_steps(value) is None:

@@ -24,7 +24,6 @@ import pickle
 from typing import Any
 
 import torch.distributed as dist
-
 from torchtitan.tools.logging import logger
 
 __all__ = ["ReshardableLoaderState"]

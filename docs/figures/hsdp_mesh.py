@@ -10,8 +10,8 @@ import pathlib
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyBboxPatch
 
 NODES, GPUS = 3, 4  # replicas (dp_replicate) x FSDP shards per replica (dp_shard)
 SHARD_COLORS = ["#264653", "#2a9d8f", "#e9c46a", "#f4a261"]

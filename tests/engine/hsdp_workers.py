@@ -8,7 +8,14 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tests.scenario import OPTIMIZERS, Config, make_model, make_scheduler, microbatch_loss, param_groups
+from tests.scenario import (
+    OPTIMIZERS,
+    Config,
+    make_model,
+    make_scheduler,
+    microbatch_loss,
+    param_groups,
+)
 
 
 def sharded_tiny_net(replicas: int, shards: int, device: str = "cpu"):

@@ -20,6 +20,7 @@ from torch import nn
 
 from acco_hooks import declare_per_element_optimizer
 
+
 @declare_per_element_optimizer
 class RequiredArgsSGD(torch.optim.SGD):
     """A user's SGD whose constructor requires its arguments (declared per element): a copy of

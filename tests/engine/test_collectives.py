@@ -38,7 +38,7 @@ def test_ring_reduce_scatter_and_all_gather_equal_native(world_size: int) -> Non
     # fresh processes: each rank sets ACCO_HOOKS_GLOO_RING for itself
     outs = run_distributed("tests.engine.test_collectives:ring_vs_native", world_size,
                            torch.float32, fresh_processes=True)  # fmt: skip
-    for rank, out in enumerate(outs):
+    for out in outs:
         (ring_rs, ring_ag), (native_rs, native_ag) = out["1"], out["0"]
         torch.testing.assert_close(ring_rs.double(), out["expected_rs"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ring_rs, native_rs, rtol=1e-6, atol=1e-6)

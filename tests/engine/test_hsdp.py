@@ -45,7 +45,7 @@ def test_hsdp_equals_the_reference(hsdp_results, index: int) -> None:
         out = results[index]
         for name, expected in ref["params"].items():
             torch.testing.assert_close(out["params"][name], expected, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")  # fmt: skip
+                                       msg=lambda m: f"rank {rank} {name}: {m}")  # noqa: B023  # fmt: skip
         assert out["lr"] == pytest.approx(ref["lr"])
         assert out["num_updates"] == (cfg.rounds // 2 if cfg.mode == "acco" else cfg.rounds)
 

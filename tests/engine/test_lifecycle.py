@@ -187,7 +187,7 @@ class _SlowAdamW(torch.optim.AdamW):
 
     delay_s = 0.0
 
-    def step(self, closure=None):  # noqa: ANN001, ANN201
+    def step(self, closure=None):
         time.sleep(self.delay_s)
         return super().step(closure)
 
@@ -246,7 +246,7 @@ def test_real_weights_shows_theta_without_changing_the_trajectory(mode: str) -> 
     looked, plain = _model(), _model()
     looked_opt, plain_opt = _opt(looked, mode), _opt(plain, mode)
     seen = []
-    for i, x in enumerate(batches):
+    for x in batches:
         _run(looked_opt, looked, [x])
         before = _params(looked)
         with looked_opt.real_weights():

@@ -38,7 +38,7 @@ from acco_hooks.engine.schedule import (
     schedule_seconds,
 )
 from tests.dist_utils import run_distributed
-from tests.scenario import OPTIMIZERS, Config, make_model, microbatch_loss, param_groups
+from tests.scenario import OPTIMIZERS, make_model, microbatch_loss, param_groups
 
 # The last commit before the schedules existed: its engine is today's ``acco`` as it was.
 BEFORE_SCHEDULES = "567055e"

@@ -64,7 +64,7 @@ def test_acco_arguments_are_command_line_flags_with_help() -> None:
 
 class MatrixDecayAdamW(torch.optim.AdamW):
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim >= 2:

@@ -23,7 +23,7 @@ from tests.titan.conftest import backend_overrides
 if not TITAN_030:
     pytest.skip("torchtitan 0.3.0 only (CI runs it in its 0.3.0 venv)", allow_module_level=True)
 
-from acco_hooks.titan.toml_compat import TomlConfigError, load_toml_config  # noqa: E402
+from acco_hooks.titan.toml_compat import TomlConfigError, load_toml_config
 
 pytestmark = pytest.mark.titan
 ROOT = pathlib.Path(__file__).parents[2]

@@ -28,8 +28,8 @@ import pytest
 
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 
-from scaffolding.torchft_job import ROOT, run_groups, run_reference  # noqa: E402
-from tests.titan.conftest import backend_overrides  # noqa: E402
+from scaffolding.torchft_job import ROOT, run_groups, run_reference
+from tests.titan.conftest import backend_overrides
 
 # torchtitan 0.2.2 unless a test says otherwise (a torchtitan launch costs CI tens of seconds)
 pytestmark = [pytest.mark.titan, pytest.mark.spmd_backends()]

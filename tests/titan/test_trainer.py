@@ -240,7 +240,12 @@ def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_pa
     one SIGKILLed after the checkpoint of step 4: the survivor's agent restarts its workers on 2
     replicas, they resume from the newest checkpoint and train to the last step (rc 0)."""
     from benchmarks.elastic_recovery import (
-        agent_command, free_port, kill_node, start_agent, wait_for_checkpoint, wait_for_port,
+        agent_command,
+        free_port,
+        kill_node,
+        start_agent,
+        wait_for_checkpoint,
+        wait_for_port,
     )  # fmt: skip
 
     dump, port = tmp_path / "dump", free_port()
