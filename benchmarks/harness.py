@@ -22,13 +22,14 @@ import pathlib
 import pickle
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+
+from scaffolding.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"  # the published result files: written only through --out
@@ -227,12 +228,6 @@ def run_on_link(link, argv: Sequence[str], env: dict | None = None, timeout_s: f
         raise RuntimeError(f"{' '.join(argv)[:300]} at {link.rate} failed ({status}):\n"
                            f"{out0[-3000:]}\n{out1[-2000:]}")  # fmt: skip
     return out0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,

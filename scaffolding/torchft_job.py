@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from scaffolding import forked_ranks
+from scaffolding.ports import free_port
 
 __all__ = ["announce_first_quorum_request", "free_port", "run_groups", "run_reference"]
 
 EXAMPLE = "examples.torchft_train"
 ROOT = Path(__file__).resolve().parent.parent
 LIGHTHOUSE_LOG = "lighthouse.log"  # in run_groups' ``out``
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_groups(
