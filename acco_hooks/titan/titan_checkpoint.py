@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -127,6 +128,23 @@ class TitanLoaderState:
                                      "states": pickle.dumps(by_rank)})  # fmt: skip
 
 
+def _earlier_steps(checkpoint_id: str) -> list[int]:
+    """The steps before ``checkpoint_id``'s (``…/step-N``) that torchtitan saved completely
+    (``.metadata`` written) in the same folder, in order."""
+    folder, name = os.path.split(os.path.normpath(checkpoint_id))
+    match = re.fullmatch(r"step-(\d+)", name)
+    if match is None:
+        return []
+    steps = []
+    for entry in os.listdir(folder):
+        other = re.fullmatch(r"step-(\d+)", entry)
+        if other and int(other.group(1)) < int(match.group(1)) and os.path.isfile(
+            os.path.join(folder, entry, ".metadata")
+        ):
+            steps.append(int(other.group(1)))
+    return sorted(steps)
+
+
 def states_to_load(
     states: dict[str, Any], checkpoint_id: Any, engine: ACCOEngine,
     named: list[tuple[str, nn.Parameter]], mode: str,
@@ -157,9 +175,16 @@ def states_to_load(
     if not any(key.startswith("train_state.") for key in saved):
         if optimizer is None:
             return states
+        earlier = _earlier_steps(str(checkpoint_id))
+        finished = (
+            f"the last step of a finished run, saved model only (checkpoint.last_save_model_only)"
+            f": train again in a new --job.dump_folder, resume from its last full checkpoint "
+            f"with --checkpoint.load_step {earlier[-1]}, or "
+            if earlier else ""
+        )
         raise ValueError(
-            f"ACCO: {checkpoint_id} holds a model only (no optimizer, data position or step): "
-            f"start from it with --checkpoint.initial_load_path {checkpoint_id} and "
+            f"ACCO: {checkpoint_id} holds a model only (no optimizer, data position or step), "
+            f"{finished}start from it with --checkpoint.initial_load_path {checkpoint_id} and "
             "--checkpoint.initial_load_model_only, from an empty checkpoint.folder"
         )
     if mode == "acco":

@@ -278,15 +278,28 @@ def test_ddp_mode_equals_torchtitan(
 
 @pytest.mark.spmd_backends("spmd_types")  # no launch: the checkpoint's metadata alone
 def test_a_model_only_checkpoint_where_a_full_one_loads_says_which_setting_loads_it(
-    seed_checkpoint,
-) -> None:
+    seed_checkpoint, tmp_path,
+) -> None:  # fmt: skip
     """A model-only checkpoint (the seed, or a last step's export) in the folder of a run given
-    more steps: torchtitan loads it whole, and without this it read as another layout's."""
+    more steps: torchtitan loads it whole, and without this it read as another layout's. The
+    last step of a finished run (the same command run again in its dump folder) names the
+    full checkpoint before it, to resume from."""
     from acco_hooks.titan.titan_checkpoint import states_to_load
 
     with pytest.raises(ValueError, match=r"holds a model only \(no optimizer, data position or "
-                                         r"step\): start from it with --checkpoint.initial_load_"
+                                         r"step\), start from it with --checkpoint.initial_load_"
                                          r"path .* and --checkpoint.initial_load_model_only"):
         states_to_load({"optimizer": object()}, seed_checkpoint, None, [], "ddp")
     model_only = {"tok_embeddings.weight": object()}  # what torchtitan loads of a seed
     assert states_to_load(model_only, seed_checkpoint, None, [], "ddp") is model_only
+
+    folder = tmp_path / "checkpoint"  # a finished run: steps 4 and 8 complete, 8 model only
+    shutil.copytree(seed_checkpoint, folder / "step-8")
+    for step, complete in ((4, True), (6, False)):  # step 6: a save cut short (no .metadata)
+        (folder / f"step-{step}").mkdir()
+        if complete:
+            (folder / f"step-{step}" / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"the last step of a finished run, saved model only "
+                                         r".*a new --job.dump_folder, resume from its last full "
+                                         r"checkpoint with --checkpoint.load_step 4, or start"):
+        states_to_load({"optimizer": object()}, folder / "step-8", None, [], "ddp")
