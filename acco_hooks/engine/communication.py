@@ -224,7 +224,12 @@ class CommWorker:
                 future.set_result(result)
 
     def _fail(self, future: Future, exc: BaseException) -> None:
-        if self._on_failure is None or self._on_failure(exc):
+        try:
+            fatal = self._on_failure is None or self._on_failure(exc)
+        except BaseException:  # the job's own error must still reach the loop
+            logger.warning("acco_hooks: releasing after a failed job failed too", exc_info=True)
+            fatal = True
+        if fatal:
             self._fatal = f"{type(exc).__name__}: {exc}".splitlines()[0]
             _drop_frame_locals(exc)
         future.set_exception(exc)
