@@ -29,8 +29,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from scaffolding.ports import free_port
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"  # the published result files: written only through --out
 FIGURES = ROOT / "docs" / "figures"  # the published figures, drawn from those files
@@ -228,6 +226,14 @@ def run_on_link(link, argv: Sequence[str], env: dict | None = None, timeout_s: f
         raise RuntimeError(f"{' '.join(argv)[:300]} at {link.rate} failed ({status}):\n"
                            f"{out0[-3000:]}\n{out1[-2000:]}")  # fmt: skip
     return out0
+
+
+def free_port() -> int:
+    """:func:`scaffolding.ports.free_port`, imported when called: a worker script loads this
+    file by its path (``round_overhead.this_checkout``), without the checkout on ``sys.path``."""
+    from scaffolding.ports import free_port as pick
+
+    return pick()
 
 
 def _rank(rank: int, world_size: int, port: int, fn_path: str, args: tuple, outdir: str,
