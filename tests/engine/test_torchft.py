@@ -261,9 +261,13 @@ def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
     tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int, extra: list[str]
 ) -> None:  # fmt: skip
     args = [*HEAL_ARGS, "--mode", mode, *extra]
-    kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"], 0: HOLD}
+    # the restart waits for the survivor's round 10: a forked group is back within the
+    # survivor's retry of the failed sum (2-3 s), where it would join that retry's quorum
+    # (test_a_group_joining_in_a_round_whose_sum_fails_...), not a running job
+    kill = {1: ["--kill-group", "1", "--kill-at", kill_at, "--kill-round", "4"],
+            0: ["--mark-round", "10", *HOLD]}  # fmt: skip
     status = run_groups(2, group_size, args, tmp_path, replica_args=kill,
-                        restart={1: ["--announce", "joining"]})  # fmt: skip
+                        restart={1: ["--wait-for", "round_10", "--announce", "joining"]})  # fmt: skip
     assert status == [0, 0], "the survivor never restarted; the restarted group finished"
     assert (tmp_path / "killed_at").exists()
     joined = _params(tmp_path, "g1_r0")["first_round"] - 1
