@@ -590,6 +590,22 @@ class ACCOEngine:
         """
         return self._in_flight is not None and not self._in_flight.future.done()
 
+    def start_microbatch(self) -> None:
+        """Mark where this rank's next micro-batch's compute starts: just before its forward.
+
+        The advisor's compute per round K (and ``auto``'s) is compute only: each micro-batch is
+        timed from this mark to :meth:`microbatch_done`. Unmarked, a micro-batch is timed from
+        the previous one's end, so it also holds what the loop does between them; at a step's
+        end that can be a wait for the network (a metrics all-reduce queued behind the round's
+        traffic on a slow link), and with one micro-batch per round every interval holds one.
+        The torchtitan and Hugging Face trainers mark each forward; a plain loop that does more
+        than forward and backward between micro-batches should too.
+        """
+        if self._microbatch_started is None:  # the process's first micro-batch warms up: untimed
+            return
+        self._microbatch_started = time.perf_counter()
+        self._microbatch_overlapped = self.communication_in_flight
+
     def microbatch_done(self, weight: float = 1.0) -> bool:
         """Count one micro-batch; end the round when it may. Returns whether a round ended.
 
@@ -628,7 +644,7 @@ class ACCOEngine:
         self.clear_placeholders()
         self._grads_counted = self.grads_received
         if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
-            elapsed = time.perf_counter() - self._microbatch_started
+            elapsed = time.perf_counter() - self._microbatch_started  # (start_microbatch)
             self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
             if self._auto is not None:
                 self._auto.record_microbatch(elapsed, communicating=self._microbatch_overlapped)

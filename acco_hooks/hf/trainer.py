@@ -249,6 +249,7 @@ class ACCOTrainer(Trainer):
             _broadcast_buffers(self.model)
         # DDP broadcasts before a forward that follows a synchronizing one: each step's first
         self._acco_broadcast_buffers_next = last and self.args.ddp_broadcast_buffers is not False
+        engine.start_microbatch()  # the advisor's K: this forward and backward, not the loop's logging
         loss = super().training_step(model, inputs, num_items_in_batch)
         weight = microbatch_weight(self, items, num_items_in_batch)
         ended = engine.microbatch_done(weight) if weight > 0 else engine.skip_microbatch()

@@ -454,6 +454,8 @@ class ACCOTrainerBase(Trainer):
                     engine, self._fsdp_modules, config.acco.fsdp_sync_every_microbatch
                 )
             input_dict, labels, valid = self._next_microbatch(data_iterator)
+            # the advisor's K starts here: not the step end's metrics, which wait on the link
+            engine.start_microbatch()
             # global_valid_tokens = 1: backward of the token-summed loss (see module docstring).
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=one

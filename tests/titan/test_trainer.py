@@ -548,6 +548,34 @@ def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None
     assert sorted(plain) == [1, 2, 3]
 
 
+SLOW_LINK = re.compile(r"slow link: rank (\d) compute ([\d.]+) advisor ([\d.]+) comm ([\d.]+)")
+
+
+# 0.2.2 only: the advisor is the engine's, fed by the trainer's step loop both releases share
+@pytest.mark.spmd_backends()
+@pytest.mark.parametrize("mode", ["acco", "ddp"])
+def test_the_advisors_compute_is_the_forward_and_backward_on_a_slow_link(
+    tmp_path, mode: str
+) -> None:  # fmt: skip
+    """One micro-batch per round on a link whose communication takes about twice the compute,
+    and a step end whose metrics wait on that link (tests/titan/slow_link.py): the advisor's
+    compute per micro-batch is the forward and backward's time within 10 %. Timed from one
+    micro-batch's end to the next, as it was before the trainer marked each forward, acco's K
+    held that wait (2.8x the compute here); ddp's round waits inside microbatch_done."""
+    status, output = launch_titan(
+        2, f"debug_cpu_{mode}.toml", "--training.steps", "9", "--training.global_batch_size", "8",
+        "--training.seq_len", "64", "--experimental.custom_import", "tests.titan.slow_link",
+        dump=tmp_path, env={"LOG_RANK": "all"},
+    )  # fmt: skip
+    assert status == 0, output[-6000:]
+    reports = SLOW_LINK.findall(output)
+    assert sorted(int(rank) for rank, *_ in reports) == [0, 1], output[-3000:]
+    for _, compute, advisor, comm in reports:
+        compute, advisor, comm = float(compute), float(advisor), float(comm)
+        assert comm >= 0.3, comm  # the link's wait is in C
+        assert abs(advisor - compute) <= 0.1 * compute, (advisor, compute)
+
+
 @pytest.mark.spmd_backends("spmd_types")  # the pipeline's stages, not how replicas shard
 @pytest.mark.skipif(not TITAN_030, reason="0.2.2's PP checkpoint resume: tests/titan/"
                     "test_torchft.py resumes 2 groups of 2 pipeline stages exactly")  # fmt: skip
