@@ -69,7 +69,8 @@ from benchmarks.harness import ROOT, header, step_lines, write_result
 WORKDIR = ROOT / "outputs" / "diloco"
 # no cap (the veth pair runs at ~9 Gbit/s here, CPU-bound: the 10 Gbit point), then the caps
 RATES = ("none", "1gbit", "200mbit", "100mbit", "50mbit")
-SEQ_LEN, LOCAL_BATCH, UPDATE_BATCH = 64, 4, 16  # sequences per optimizer update, both replicas
+SEQ_LEN, LOCAL_BATCH = 64, 4
+UPDATE_BATCH = 16  # sequences per optimizer update, both replicas (--sequences-per-update)
 HELDOUT_BATCHES = 32  # per replica: 64 batches of 4 sequences in all
 # the sweep's middle: DDP's held-out loss fell from 8e-4 (the debug configs' lr) to 3.2e-3
 BASE_LR = 3.2e-3
@@ -234,8 +235,8 @@ def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
     return status, [log.read_text(encoding="utf-8", errors="replace") for log in logs]
 
 
-def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path,
-             heldout_every: int = 0) -> list[str]:  # fmt: skip
+def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path, heldout_every: int = 0,
+             sequences_per_update: int = UPDATE_BATCH) -> list[str]:  # fmt: skip
     """The command line of one process of ``run`` for ``steps`` torchtitan steps."""
     arm = ARMS[name]
     script = ["-m", "benchmarks.convergence.ft_train"] if arm.diloco else ["train_titan.py"]
@@ -246,7 +247,7 @@ def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path,
             "--training.steps", str(steps), "--debug.seed", str(run.seed),
             "--training.dataset_path", str(dataset.relative_to(ROOT)),
             "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(LOCAL_BATCH),
-            "--training.global_batch_size", str(UPDATE_BATCH // arm.rounds_per_update),
+            "--training.global_batch_size", str(sequences_per_update // arm.rounds_per_update),
             "--optimizer.lr", f"{run.lr:g}", "--experimental.custom_import", HOOKS_MODULE,
             *arm.overrides]  # fmt: skip
     if arm.diloco:
@@ -275,7 +276,7 @@ def train(run: Run, args: argparse.Namespace, place: Place | None = None) -> dic
     shutil.rmtree(run_dir, ignore_errors=True)
     updates = run.updates or args.updates
     steps = updates * arm.rounds_per_update
-    argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every)
+    argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every, args.sequences_per_update)
     start = time.time()
     status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600)
     parsed = [parse_log(text).get(0, {}) for text in outputs]
@@ -390,20 +391,20 @@ def timed_steps(name: str) -> tuple[int, int]:
     return 2 * arm.rounds_per_update, 8 * arm.rounds_per_update
 
 
-def time_arm(name: str, run: Run, place: Place) -> dict:
+def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDATE_BATCH) -> dict:
     """Seconds per optimizer update of ``run`` on ``place``'s link, over :func:`timed_steps`."""
     arm = ARMS[name]
     first, last = timed_steps(name)
     run_dir = WORKDIR / "timing" / place.link.rate / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = job_argv(name, run, last, run_dir)
+    argv = job_argv(name, run, last, run_dir, sequences_per_update=sequences_per_update)
     status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800)
     ts = {row["step"]: row["ts"] for row in step_lines(outputs[0])}
     if status or first not in ts or last not in ts:
         raise SystemExit(f"benchmarks.diloco: timing {name} at {place.link.rate} failed "
                          f"(status {status}), see {run_dir}")  # fmt: skip
     update_s = (ts[last] - ts[first]) / (last - first) * arm.rounds_per_update
-    result = {"update_s": update_s, "tokens_per_s": UPDATE_BATCH * SEQ_LEN / update_s,
+    result = {"update_s": update_s, "tokens_per_s": sequences_per_update * SEQ_LEN / update_s,
               "window": [first, last]}  # fmt: skip
     if match := list(AUTO_RUNS.finditer(outputs[0])):
         result["auto_schedule"] = match[-1]["schedule"]
@@ -425,7 +426,7 @@ def timing(results: dict, args: argparse.Namespace) -> None:
                     continue
                 run = best.get(name, Run(name, BASE_LR, args.seeds[0], OUTER_LRS[0] if
                                          ARMS[name].diloco else None))  # fmt: skip
-                result = time_arm(name, run, Place(link))
+                result = time_arm(name, run, Place(link), args.sequences_per_update)
                 results["timing"].setdefault(rate, {})[name] = result
                 write_result(args.out, results)
                 print(f"timing {rate:>8} {name:>22}: {result['update_s']:.3f} s/update "
@@ -640,6 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the first sweeps the learning rates; the others repeat each arm's best")
     add("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     add("--rates", nargs="+", default=list(RATES), help="links to time (tc rates, or none)")
+    add("--sequences-per-update", type=int, default=UPDATE_BATCH,
+        help="sequences per optimizer update over both replicas, a multiple of "
+        f"{4 * LOCAL_BATCH} (acco's two rounds, each a whole micro-batch per replica); "
+        f"{8 * LOCAL_BATCH} gives an ACCO round two micro-batches, ACCO's window (keep each "
+        "batch in a result file of its own: --out)")
     add("--check-arm", default="diloco_h20", choices=sorted(ARMS))
     add("--check-rate", default="200mbit")
     harness.add_out_option(parser, "diloco_vs_acco")
@@ -657,10 +663,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.updates % args.heldout_every or any(
             args.heldout_every % a.sync_steps for a in ARMS.values()):  # fmt: skip
         parser.error("--heldout-every must divide --updates and be a multiple of every H")
+    if args.sequences_per_update % (4 * LOCAL_BATCH):
+        parser.error(f"--sequences-per-update must be a multiple of {4 * LOCAL_BATCH}")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    kept = results.get("settings", {}).get("sequences_per_update", args.sequences_per_update)
+    if kept != args.sequences_per_update:
+        parser.error(f"{args.out} holds runs of --sequences-per-update {kept}, not "
+                     f"{args.sequences_per_update}: give another --out")  # fmt: skip
     results = {"convergence": {}, "timing": {}, **results, **header(),
                "settings": {"seq_len": SEQ_LEN, "local_batch": LOCAL_BATCH,
-                            "sequences_per_update": UPDATE_BATCH, "updates": args.updates,
+                            "sequences_per_update": args.sequences_per_update,
+                            "updates": args.updates,
                             "diloco_updates": args.diloco_updates,
                             "heldout_every": args.heldout_every,
                             "heldout_batches_per_replica": HELDOUT_BATCHES, "base_lr": BASE_LR,

@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     print("act*: an estimate (selective activation checkpointing), see the module docstring")
     print("ft:*: under torchft, a replica group per node (per model replica in 3-D): the "
           "optimizer state is sharded over the group's data-parallel ranks only")
-    print(f"\ntorchft DiLoCo in the same layouts (any number of nodes; fp32 state): GiB per GPU")
+    print("\ntorchft DiLoCo in the same layouts (any number of nodes; fp32 state): GiB per GPU")
     print(f"{'config':<26}{'variant':>17}{'fsdp':>5}{'params':>8}{'grads':>7}{'optim':>7}"
           f"{'outer':>7}{'held':>6}{'act*':>7}{'sync+':>7}{'train':>7}{'@sync':>7}{'total':>7}"
           f"{'host':>6}")  # fmt: skip

@@ -43,7 +43,8 @@ def _lighthouses() -> set[int]:
 def test_the_diloco_arm_trains_and_is_scored_on_the_synchronized_model() -> None:
     before = _lighthouses()
     run = diloco.Run("diloco_h5", lr=8e-4, seed=0, outer_lr=0.4)
-    record = diloco.train(run, argparse.Namespace(updates=10, heldout_every=5))
+    record = diloco.train(run, argparse.Namespace(updates=10, heldout_every=5,
+                                                  sequences_per_update=diloco.UPDATE_BATCH))
     assert record["returncode"] == 0 and record["complete"], record["log"]
     assert record["heldout_updates"] == [1, 5, 10]
     per_replica = record["heldout_loss_per_replica"]  # each group scores its half of the set
@@ -55,6 +56,23 @@ def test_the_diloco_arm_trains_and_is_scored_on_the_synchronized_model() -> None
     # the held-out points after the first are sync steps: both groups then hold one model
     assert "Syncing fragment=0 step=5" in log and log.count("should_commit=True") == 2
     assert _lighthouses() == before  # the lighthouse went with the job
+
+
+@pytest.mark.parametrize(("sequences", "per_round"), [(16, 1), (32, 2)])
+def test_an_acco_round_holds_the_micro_batches_its_window_needs(
+    tmp_path, sequences: int, per_round: int
+) -> None:  # fmt: skip
+    """Every arm runs the same sequences per update; acco's update is two torchtitan steps, so
+    at 32 sequences (ACCO's window) each of its rounds holds two micro-batches per replica."""
+    for name, arm in diloco.ARMS.items():
+        run = diloco.Run(name, 1e-3, 0)
+        argv = diloco.job_argv(name, run, 4, tmp_path, sequences_per_update=sequences)
+        per_step = int(argv[argv.index("--training.global_batch_size") + 1])
+        assert per_step * arm.rounds_per_update == sequences, name
+    acco = diloco.job_argv("acco", diloco.Run("acco", 1e-3, 0), 4, tmp_path,
+                           sequences_per_update=sequences)  # fmt: skip
+    per_step = int(acco[acco.index("--training.global_batch_size") + 1])
+    assert per_step // (2 * diloco.LOCAL_BATCH) == per_round  # 2 replicas
 
 
 def _job(tmp_path: pathlib.Path, code: str) -> list[str]:

@@ -46,12 +46,12 @@ def test_memory_8b_writes_where_out_says_and_leaves_the_published_file(
     from benchmarks import memory_8b
 
     # the 8B model's figures without building it (test_memory_8b.py builds it)
-    facts = {"params": 8_030_261_248, "layers": 32, "hidden": 4096}
+    facts = {"params": 8_030_261_248, "layers": 32, "hidden": 4096, "largest": 525_336_576}
     monkeypatch.setattr(memory_8b, "model_facts", lambda: facts)
     published = ROOT / "docs" / "results" / "memory_8b.json"
     before = published.read_bytes()
     out = tmp_path / "sub" / "memory_8b.json"
     memory_8b.main(["--out", str(out)])
     assert f"wrote {out}" in capsys.readouterr().out
-    assert set(json.loads(out.read_text())) == {"params", "gpus_per_node", "configs"}
+    assert set(json.loads(out.read_text())) == {"params", "gpus_per_node", "configs", "diloco"}
     assert published.read_bytes() == before
