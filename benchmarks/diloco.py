@@ -5,6 +5,7 @@ a slow link.
     python -m benchmarks.diloco --phase convergence   # the lr sweep and the seeds (no root)
     sudo python -m benchmarks.diloco --phase timing   # seconds per step on every link
     sudo python -m benchmarks.diloco --phase check    # one full run on a capped link
+    sudo python -m benchmarks.diloco --phase heterogeneous   # replica 1 2x and 4x slower
     python -m benchmarks.diloco --phase report        # the table and the figure, from the JSON
 
 Every arm trains torchtitan's Llama-3 debug model on the benchmark corpus
@@ -29,6 +30,13 @@ updates to that loss (linear between held-out points) times its seconds per upda
 the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed, and its loss at
 ¾ of its run (:func:`summary` says why); where DiLoCo's runs fall short of it, its long runs
 (``--diloco-updates``) count the updates it needs.
+
+``--phase heterogeneous`` slows replica 1's compute ``--slow-factors`` times (the hooks of
+``benchmarks/convergence/slow_rank.py``), with no cap and on ``--heterogeneous-rates``: the
+synchronous arms, ``auto`` and streaming DiLoCo are timed so (their updates do not change: each
+waits for the slow replica, at its sum or its sync), and ``acco_until_ready`` (acco with
+``accumulate_until_ready``: the fast replica runs micro-batches while the round communicates)
+trains in full on the link, each seed, since what its updates hold depends on the timing.
 
 DiLoCo's score is the synchronized model's: every held-out point is a multiple of H, right after
 a sync, when both replicas hold the same parameters, and each replica scores half of the held-out
@@ -64,6 +72,7 @@ from benchmarks import harness
 from benchmarks.convergence import data
 from benchmarks.convergence.ft_train import HOSTNAME_ENV, OUTER_LR_ENV
 from benchmarks.convergence.run import HELDOUT_DATASET, parse_log
+from benchmarks.convergence.slow_rank import SLOW_FACTOR_ENV, SLOW_RANK_ENV
 from benchmarks.harness import ROOT, header, step_lines, write_result
 
 WORKDIR = ROOT / "outputs" / "diloco"
@@ -114,6 +123,11 @@ ARMS: dict[str, Arm] = {
     "streaming_diloco_h20": _diloco(20, "--fault_tolerance.num_fragments", "2",
                                     "--fault_tolerance.fragment_sync_delay", "1"),
 }
+# replica 1 slowed: acco whose fast replica accumulates while the round communicates
+ARMS["acco_until_ready"] = dataclasses.replace(
+    ARMS["acco"], overrides=("--acco.accumulate_until_ready",))
+SWEPT_ARMS = tuple(name for name in ARMS if name != "acco_until_ready")  # the default --arms
+HETEROGENEOUS_ARMS = ("titan_ddp", "ddp", "auto", "acco_until_ready", "streaming_diloco_h20")
 TARGET_ARM = "titan_ddp"
 # DiLoCo's long runs; H = 5 only runs --updates (it trained worst per token)
 LONG_ARMS = ("diloco_h20", "streaming_diloco_h20")
@@ -198,12 +212,14 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> int:
 
 
 def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
-               run_dir: pathlib.Path, timeout_s: float) -> tuple[int, list[str]]:  # fmt: skip
+               run_dir: pathlib.Path, timeout_s: float,
+               slow_factor: float = 1.0) -> tuple[int, list[str]]:  # fmt: skip
     """Both processes of one job (and DiLoCo's lighthouse): the exit status, each process's log.
 
     ``titan``: ``train_titan.py`` as ranks 0 and 1 of one group. ``ft``: two groups of one
     process, each its own world (torchft's cross-group gloo group joins them), and a lighthouse
-    on host 0 that forms a quorum only with both groups in it."""
+    on host 0 that forms a quorum only with both groups in it. ``slow_factor``: the process on
+    host 1 (replica 1) computes that many times slower (``slow_rank``)."""
     logs = [run_dir / f"host{host}.log" for host in (0, 1)]
     port = harness.free_port()
     with _processes() as procs:
@@ -230,6 +246,9 @@ def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
                 host_env.update({"RANK": str(host), "WORLD_SIZE": "2",
                                  "MASTER_ADDR": place.ip(0), "MASTER_PORT": str(port)})
                 cmd = argv
+            if host == 1 and slow_factor != 1.0:
+                host_env.update({SLOW_RANK_ENV: host_env["RANK"],
+                                 SLOW_FACTOR_ENV: f"{slow_factor:g}"})  # fmt: skip
             _start(procs, [*place.prefix(host), *cmd], host_env, logs[host])
         status = _wait(procs[-2:], timeout_s)  # the lighthouse runs until it is killed
     return status, [log.read_text(encoding="utf-8", errors="replace") for log in logs]
@@ -268,17 +287,21 @@ def job_env(run: Run) -> dict[str, str]:
 # ----------------------------------------------------------------------------- convergence
 
 
-def train(run: Run, args: argparse.Namespace, place: Place | None = None) -> dict:
+def train(run: Run, args: argparse.Namespace, place: Place | None = None,
+          where: str | None = None, slow_factor: float = 1.0) -> dict:  # fmt: skip
     """One run with held-out points: its held-out curve (per update), its step times, and
-    ``auto``'s schedule."""
+    ``auto``'s schedule. ``where``: its folder under the work folder (by default
+    ``convergence``, or ``check`` on a link)."""
     arm = ARMS[run.arm]
-    run_dir = WORKDIR / ("check" if place and place.link else "convergence") / run.key
+    where = where or ("check" if place and place.link else "convergence")
+    run_dir = WORKDIR / where / run.key
     shutil.rmtree(run_dir, ignore_errors=True)
     updates = run.updates or args.updates
     steps = updates * arm.rounds_per_update
     argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every, args.sequences_per_update)
     start = time.time()
-    status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600)
+    status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600,
+                                 slow_factor)  # fmt: skip
     parsed = [parse_log(text).get(0, {}) for text in outputs]
     # two-rank arms: rank 0 logs the mean over the ranks; DiLoCo: each group its own half
     scored = parsed if arm.diloco else parsed[:1]
@@ -391,14 +414,17 @@ def timed_steps(name: str) -> tuple[int, int]:
     return 2 * arm.rounds_per_update, 8 * arm.rounds_per_update
 
 
-def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDATE_BATCH) -> dict:
-    """Seconds per optimizer update of ``run`` on ``place``'s link, over :func:`timed_steps`."""
+def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDATE_BATCH,
+             slow_factor: float = 1.0) -> dict:  # fmt: skip
+    """Seconds per optimizer update of ``run`` on ``place``'s link, over :func:`timed_steps`
+    (replica 1 ``slow_factor`` times slower)."""
     arm = ARMS[name]
     first, last = timed_steps(name)
-    run_dir = WORKDIR / "timing" / place.link.rate / name
+    slowed = "" if slow_factor == 1.0 else f"slow{slow_factor:g}x"
+    run_dir = WORKDIR / "timing" / slowed / place.link.rate / name
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = job_argv(name, run, last, run_dir, sequences_per_update=sequences_per_update)
-    status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800)
+    status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800, slow_factor)
     ts = {row["step"]: row["ts"] for row in step_lines(outputs[0])}
     if status or first not in ts or last not in ts:
         raise SystemExit(f"benchmarks.diloco: timing {name} at {place.link.rate} failed "
@@ -431,6 +457,130 @@ def timing(results: dict, args: argparse.Namespace) -> None:
                 write_result(args.out, results)
                 print(f"timing {rate:>8} {name:>22}: {result['update_s']:.3f} s/update "
                       f"{result.get('auto_schedule', '')}", flush=True)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- heterogeneous
+
+
+def heterogeneous(results: dict, args: argparse.Namespace) -> None:
+    """Replica 1 ``args.slow_factors`` times slower, on each of ``args.heterogeneous_rates``:
+    each arm of :data:`HETEROGENEOUS_ARMS` at its best learning rate (``acco_until_ready`` at
+    acco's). The others' updates are what they were (each waits for the slow replica), so their
+    convergence runs stand and a timing run gives their seconds per update; acco_until_ready's
+    updates hold what the fast replica ran while the round communicated, which depends on the
+    link: it trains in full there, on every seed."""
+    from benchmarks.netbed import two_host_link
+
+    best = best_runs(results, args.seeds[0])
+    missing = {"acco", *HETEROGENEOUS_ARMS} - {"acco_until_ready"} - set(best)
+    if missing:
+        raise SystemExit(f"benchmarks.diloco: --phase heterogeneous needs the convergence runs "
+                         f"of {sorted(missing)} first (--phase convergence)")  # fmt: skip
+    with two_host_link() as link:
+        for rate in args.heterogeneous_rates:
+            link.set_rate(rate)
+            for factor in args.slow_factors:
+                cell = results["heterogeneous"].setdefault(f"{factor:g}x", {}).setdefault(rate, {})
+                for name in HETEROGENEOUS_ARMS:
+                    if name in cell:
+                        continue
+                    if name != "acco_until_ready":
+                        cell[name] = time_arm(name, best[name], Place(link),
+                                              args.sequences_per_update, factor)  # fmt: skip
+                        print(f"heterogeneous {factor:g}x {rate:>8} {name:>22}: "
+                              f"{cell[name]['update_s']:.3f} s/update", flush=True)  # fmt: skip
+                    else:
+                        runs = {}
+                        for seed in args.seeds:
+                            run = Run(name, best["acco"].lr, seed)
+                            record = train(run, args, Place(link),
+                                           where=f"slow{factor:g}x/{rate}", slow_factor=factor)
+                            if not record["complete"]:
+                                raise SystemExit(f"benchmarks.diloco: {run.key} at {factor:g}x "
+                                                 f"on {rate} failed, see {record['log']}")
+                            runs[str(seed)] = {
+                                key: record[key] for key in ("lr", "seed", "heldout_updates",
+                                                             "heldout_loss", "wall_s", "log")}
+                            runs[str(seed)]["training_s"] = training_seconds(
+                                record, ARMS[name].rounds_per_update)
+                            print(f"heterogeneous {factor:g}x {rate:>8} {name} seed {seed}: "
+                                  f"held-out {[round(v, 4) for v in record['heldout_loss']]}",
+                                  flush=True)  # fmt: skip
+                        cell[name] = {"runs": runs}
+                    write_result(args.out, results)
+
+
+def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
+    """Per slowdown, link and arm, per seed: seconds to the synchronous arm's final held-out
+    loss and to its loss at ¾ of its run (as :func:`summary`); acco_until_ready's from its own
+    run on the link, the others' updates to the target times their slowed seconds per update."""
+    table: dict = {}
+    for factor, by_rate in results.get("heterogeneous", {}).items():
+        for rate, cell in by_rate.items():
+            rows = table.setdefault(factor, {}).setdefault(rate, {})
+            for name, measured in cell.items():
+                row: dict = {"time_to_target_s": {}, "time_to_target_3q_s": {}}
+                if "update_s" in measured:
+                    row["update_s"] = measured["update_s"]
+                for seed in seeds:
+                    keys = results.get("best", {}).get(str(seed), {})
+                    if TARGET_ARM not in keys:
+                        continue
+                    sync = results["convergence"][keys[TARGET_ARM]]
+                    three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
+                    targets = {"": sync["heldout_loss"][-1],
+                               "_3q": sync["heldout_loss"][three_quarters]}  # fmt: skip
+                    for suffix, target in targets.items():
+                        if "runs" in measured:
+                            run = measured["runs"].get(str(seed))
+                            reached = run and seconds_to(
+                                {int(u): t for u, t in run["training_s"].items()},
+                                run["heldout_updates"], run["heldout_loss"], target)
+                        elif name in keys:
+                            record = results["convergence"][keys[name]]
+                            longer = results["convergence"].get(
+                                f"{keys[name]}/updates{args_long(results)}")
+                            updates = updates_to(record["heldout_updates"],
+                                                 record["heldout_loss"], target)  # fmt: skip
+                            if updates is None and longer and longer["complete"]:
+                                updates = updates_to(longer["heldout_updates"],
+                                                     longer["heldout_loss"], target)  # fmt: skip
+                            reached = None if updates is None else updates * measured["update_s"]
+                        else:
+                            reached = None
+                        row[f"time_to_target{suffix}_s"][seed] = reached
+                rows[name] = row
+    return table
+
+
+def heterogeneous_markdown(results: dict) -> list[str]:
+    """The table of docs/when_acco_helps.md: per slowdown and link, each arm's seconds to the
+    synchronous arm's ¾ and final held-out loss per seed, and which arm gets there first."""
+    table = results.get("heterogeneous_summary", {})
+    if not table:
+        return []
+    names = [n for n in HETEROGENEOUS_ARMS if any(n in rows for by_rate in table.values()
+                                                  for rows in by_rate.values())]  # fmt: skip
+    lines = ["", "Replica 1 slowed: seconds to the synchronous arm's loss at ¾ of its run, and "
+             "to its final loss, per seed (n/r: not reached):", "",
+             f"| slowdown | link | {' | '.join(names)} | first to the ¾ loss, per seed |",
+             "|---" * (len(names) + 3) + "|"]
+    for factor, by_rate in table.items():
+        for rate, rows in by_rate.items():
+            cells, firsts = [], []
+            for name in names:
+                row = rows.get(name, {"time_to_target_3q_s": {}, "time_to_target_s": {}})
+                pairs = [f"{'n/r' if a is None else f'{a:.0f}'}, "
+                         f"{'n/r' if b is None else f'{b:.0f}'}"
+                         for a, b in zip(row["time_to_target_3q_s"].values(),
+                                         row["time_to_target_s"].values())]  # fmt: skip
+                cells.append(" / ".join(pairs))
+            seeds = sorted({seed for row in rows.values() for seed in row["time_to_target_3q_s"]})
+            for seed in seeds:
+                firsts.append(_first({n: rows[n]["time_to_target_3q_s"].get(seed)
+                                      for n in names if n in rows}))  # fmt: skip
+            lines.append(f"| {factor} | {rate} | " + " | ".join(cells) + f" | {'; '.join(firsts)} |")
+    return lines
 
 
 # ----------------------------------------------------------------------------- the answer
@@ -491,8 +641,9 @@ def report(results: dict, args: argparse.Namespace) -> None:
     """The summary into the result file, the two tables docs/when_acco_helps.md shows (markdown,
     printed), and the figure."""
     results["summary"] = summary(results, args.seeds)
+    results["heterogeneous_summary"] = heterogeneous_summary(results, args.seeds)
     write_result(args.out, results)
-    print("\n".join(markdown(results)))
+    print("\n".join(markdown(results) + heterogeneous_markdown(results)))
     plot(results, args.figure)
 
 
@@ -588,10 +739,30 @@ def plot(results: dict, path: pathlib.Path) -> None:
         ax.set_xscale("log")
     (axes[0] if len(rates) > 1 else axes).set_ylabel("held-out loss")
     (axes[0] if len(rates) > 1 else axes).legend(fontsize=7)
-    fig.suptitle("ACCO, DiLoCo and synchronous DDP, 2 replicas, 16 x 64 tokens per update, each "
+    sequences = results["settings"]["sequences_per_update"]
+    fig.suptitle(f"ACCO, DiLoCo and synchronous DDP, 2 replicas, {sequences} x 64 tokens per update, each "
                  "arm at its best lr, 2 seeds (dotted: the synchronous final loss per seed; "
                  "dashed: DiLoCo's long runs)", fontsize=9)
     harness.save_figure(fig, path)
+
+
+def training_seconds(record: dict, rounds_per_update: int) -> dict[int, float]:
+    """Seconds of training from a run's first logged step to each held-out point after it
+    (per update), the validations' own time left out."""
+    ts = dict(zip(record["step"], record["step_ts"]))
+    points = [u * rounds_per_update for u in record["heldout_updates"]]  # validated after these
+    validation_s = {s: h - ts[s] for s, h in zip(points, record["heldout_ts"])}
+    first = min(ts)
+    return {u: ts[s] - ts[first] - sum(v for p, v in validation_s.items() if p < s)
+            for u, s in zip(record["heldout_updates"], points) if s > first}  # fmt: skip
+
+
+def seconds_to(seconds: dict[int, float], updates: Sequence[int], losses: Sequence[float],
+               target: float) -> float | None:  # fmt: skip
+    """The training seconds at which a held-out curve reaches ``target``, linear between its
+    points (``seconds``: :func:`training_seconds`); None if it does not."""
+    points = [(seconds[u], loss) for u, loss in zip(updates, losses) if u in seconds]
+    return updates_to([t for t, _ in points], [loss for _, loss in points], target)
 
 
 def check(results: dict, args: argparse.Namespace) -> None:
@@ -606,13 +777,9 @@ def check(results: dict, args: argparse.Namespace) -> None:
         record = train(run, args, Place(link))
     if not record["complete"]:
         raise SystemExit(f"benchmarks.diloco: the check run failed, see {record['log']}")
-    ts = dict(zip(record["step"], record["step_ts"]))
     rounds = ARMS[args.check_arm].rounds_per_update
-    points = [u * rounds for u in record["heldout_updates"]]  # validated after these steps
-    validation_s = {s: h - ts[s] for s, h in zip(points, record["heldout_ts"])}
-    first = min(ts)
-    measured = {u: ts[s] - ts[first] - sum(v for p, v in validation_s.items() if p < s)
-                for u, s in zip(record["heldout_updates"], points) if s > first}  # fmt: skip
+    measured = training_seconds(record, rounds)
+    first = min(record["step"])
     timed = results["timing"][args.check_rate][args.check_arm]["update_s"]
     predicted = {u: (u * rounds - first) / rounds * timed for u in measured}
     results["check"] = {
@@ -631,7 +798,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
-    add("--phase", choices=("all", "convergence", "timing", "check", "report"), default="all")
+    add("--phase", choices=("all", "convergence", "timing", "check", "heterogeneous", "report"),
+        default="all")
     add("--updates", type=int, default=160, help="optimizer updates per convergence run")
     add("--heldout-every", type=int, default=20, help="updates between held-out points "
         "(a multiple of every DiLoCo H)")
@@ -639,14 +807,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="DiLoCo's long runs (0: none): updates to the synchronous loss past --updates")
     add("--seeds", type=int, nargs="+", default=[0, 1],
         help="the first sweeps the learning rates; the others repeat each arm's best")
-    add("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    add("--arms", nargs="+", choices=list(SWEPT_ARMS), default=list(SWEPT_ARMS))
     add("--rates", nargs="+", default=list(RATES), help="links to time (tc rates, or none)")
     add("--sequences-per-update", type=int, default=UPDATE_BATCH,
         help="sequences per optimizer update over both replicas, a multiple of "
         f"{4 * LOCAL_BATCH} (acco's two rounds, each a whole micro-batch per replica); "
         f"{8 * LOCAL_BATCH} gives an ACCO round two micro-batches, ACCO's window (keep each "
         "batch in a result file of its own: --out)")
-    add("--check-arm", default="diloco_h20", choices=sorted(ARMS))
+    add("--check-arm", default="diloco_h20", choices=sorted(SWEPT_ARMS))
+    add("--slow-factors", type=float, nargs="+", default=[2.0, 4.0],
+        help="--phase heterogeneous: how many times slower replica 1 computes")
+    add("--heterogeneous-rates", nargs="+", default=["none"],
+        help="--phase heterogeneous: the links (tc rates, or none)")
     add("--check-rate", default="200mbit")
     harness.add_out_option(parser, "diloco_vs_acco")
     add("--figure", type=pathlib.Path, default=None,
@@ -670,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kept != args.sequences_per_update:
         parser.error(f"{args.out} holds runs of --sequences-per-update {kept}, not "
                      f"{args.sequences_per_update}: give another --out")  # fmt: skip
-    results = {"convergence": {}, "timing": {}, **results, **header(),
+    results = {"convergence": {}, "timing": {}, "heterogeneous": {}, **results, **header(),
                "settings": {"seq_len": SEQ_LEN, "local_batch": LOCAL_BATCH,
                             "sequences_per_update": args.sequences_per_update,
                             "updates": args.updates,
@@ -686,6 +858,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timing(results, args)
     if args.phase in ("all", "check"):
         check(results, args)
+    if args.phase == "heterogeneous":
+        heterogeneous(results, args)
     report(results, args)
     print(f"wrote {args.out}")
     return 0

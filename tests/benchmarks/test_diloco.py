@@ -4,7 +4,8 @@
 torchtitan's fault-tolerant trainer, lighthouse included, trains and is scored on the
 synchronized model; a job whose process fails, or that is interrupted, leaves no process; the
 time to a target loss is the updates to it (linear between held-out points) times the seconds
-per update.
+per update; with one replica slowed, the slow factor reaches that replica alone, and the
+heterogeneous table takes acco_until_ready's time from its own run.
 """
 
 from __future__ import annotations
@@ -95,6 +96,26 @@ def test_a_failed_group_ends_the_job_at_once_and_leaves_no_process(tmp_path) -> 
     assert _lighthouses() == before
 
 
+@pytest.mark.parametrize("arm", ["ddp", "streaming_diloco_h20"])
+def test_the_slow_factor_reaches_replica_1_alone(tmp_path, arm: str) -> None:
+    """Replica 1 is rank 1 of the two-rank arms and rank 0 of its own torchft group: either way
+    its process, and only it, gets the slow_rank hook's factor, naming its own rank."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        torchft = sys.argv[-2:-1] == ["--fault_tolerance.replica_id"]
+        replica = sys.argv[-1] if torchft else os.environ["RANK"]
+        seen = [os.environ.get(k, "-") for k in ("ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_SLOW_RANK")]
+        open(os.path.join({str(tmp_path)!r}, "replica" + replica), "w").write(
+            " ".join([*seen, os.environ["RANK"]]))
+    """)
+    status, _ = diloco.launch_job(diloco.ARMS[arm], [sys.executable, "-c", code], {},
+                                  diloco.Place(), tmp_path, timeout_s=60, slow_factor=4.0)  # fmt: skip
+    assert status == 0
+    written = {p.name: p.read_text() for p in tmp_path.glob("replica*")}
+    rank1 = "0" if diloco.ARMS[arm].diloco else "1"  # a torchft group is a world of its own
+    assert written == {"replica0": "- - 0", "replica1": f"4 {rank1} {rank1}"}
+
+
 def test_ctrl_c_ends_every_process_of_the_job(tmp_path) -> None:
     argv = _job(tmp_path, "time.sleep(300)")
     driver = textwrap.dedent(f"""
@@ -157,3 +178,32 @@ def test_the_time_to_a_loss_is_the_updates_to_it_times_the_seconds_per_update() 
     assert table["diloco_h20"]["from_long_run"] == {0: 160}
     assert "diloco_h20, 1.07x before diloco_h5" in "\n".join(diloco.markdown(
         {**results, "summary": {"50mbit": table}}))
+
+
+def test_with_a_slow_replica_until_ready_is_timed_by_its_own_run() -> None:
+    """acco_until_ready's seconds to a target come from its run on the link (training seconds
+    per held-out point, linear between them); a synchronous arm's from its unslowed curve
+    times its slowed seconds per update."""
+    updates, losses = [1, 20, 40, 60, 80], [8.0, 6.0, 5.0, 4.7, 4.6]
+    results = {
+        "settings": {"diloco_updates": 0},
+        "convergence": {"sync": {"arm": "titan_ddp", "heldout_updates": updates,
+                                 "heldout_loss": losses, "updates": 80, "complete": True}},
+        "best": {"0": {"titan_ddp": "sync"}},
+        "heterogeneous": {"4x": {"none": {
+            "titan_ddp": {"update_s": 2.0},
+            "acco_until_ready": {"runs": {"0": {
+                "heldout_updates": updates, "heldout_loss": [8.0, 5.8, 4.9, 4.65, 4.55],
+                # JSON keys: the seconds of training to each held-out point after the first
+                "training_s": {"20": 10.0, "40": 20.0, "60": 30.0, "80": 40.0}}}},
+        }}},
+    }  # fmt: skip
+    rows = diloco.heterogeneous_summary(results, seeds=[0])["4x"]["none"]
+    assert rows["titan_ddp"]["time_to_target_s"] == {0: 160.0}  # 80 updates x 2 s
+    assert rows["titan_ddp"]["time_to_target_3q_s"] == {0: 120.0}
+    # 4.6 between 30 s (4.65) and 40 s (4.55); 4.7 between 20 s (4.9) and 30 s (4.65)
+    assert rows["acco_until_ready"]["time_to_target_s"][0] == pytest.approx(35.0)
+    assert rows["acco_until_ready"]["time_to_target_3q_s"][0] == pytest.approx(28.0)
+    results["heterogeneous_summary"] = {"4x": {"none": rows}}
+    table = "\n".join(diloco.heterogeneous_markdown(results))
+    assert "| 4x | none | 120, 160 | 28, 35 | acco_until_ready, 4.29x before titan_ddp |" in table
