@@ -502,7 +502,7 @@ def heterogeneous(results: dict, args: argparse.Namespace) -> None:
                                 key: record[key] for key in ("lr", "seed", "heldout_updates",
                                                              "heldout_loss", "wall_s", "log")}
                             runs[str(seed)]["training_s"] = training_seconds(
-                                record, ARMS[name].rounds_per_update)
+                                record, ARMS[name].rounds_per_update, from_zero=True)
                             print(f"heterogeneous {factor:g}x {rate:>8} {name} seed {seed}: "
                                   f"held-out {[round(v, 4) for v in record['heldout_loss']]}",
                                   flush=True)  # fmt: skip
@@ -512,8 +512,10 @@ def heterogeneous(results: dict, args: argparse.Namespace) -> None:
 
 def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
     """Per slowdown, link and arm, per seed: seconds to the synchronous arm's final held-out
-    loss and to its loss at ¾ of its run (as :func:`summary`); acco_until_ready's from its own
-    run on the link, the others' updates to the target times their slowed seconds per update."""
+    loss and to its loss at ¾ of its run (:func:`targets`); acco_until_ready's from its own run
+    on the link, the others' updates to the target times their slowed seconds per update. An
+    ``auto`` whose slowed timing run chose another schedule than its convergence run ran is
+    not timed (``schedule_differs``): its updates would not be the ones counted."""
     table: dict = {}
     for factor, by_rate in results.get("heterogeneous", {}).items():
         for rate, cell in by_rate.items():
@@ -523,31 +525,24 @@ def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
                 if "update_s" in measured:
                     row["update_s"] = measured["update_s"]
                 for seed in seeds:
-                    keys = results.get("best", {}).get(str(seed), {})
-                    if TARGET_ARM not in keys:
+                    goals = targets(results, seed)
+                    if goals is None:
                         continue
-                    sync = results["convergence"][keys[TARGET_ARM]]
-                    three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
-                    targets = {"": sync["heldout_loss"][-1],
-                               "_3q": sync["heldout_loss"][three_quarters]}  # fmt: skip
-                    for suffix, target in targets.items():
-                        if "runs" in measured:
-                            run = measured["runs"].get(str(seed))
-                            reached = run and seconds_to(
-                                {int(u): t for u, t in run["training_s"].items()},
-                                run["heldout_updates"], run["heldout_loss"], target)
-                        elif name in keys:
-                            record = results["convergence"][keys[name]]
-                            longer = results["convergence"].get(
-                                f"{keys[name]}/updates{args_long(results)}")
-                            updates = updates_to(record["heldout_updates"],
-                                                 record["heldout_loss"], target)  # fmt: skip
-                            if updates is None and longer and longer["complete"]:
-                                updates = updates_to(longer["heldout_updates"],
-                                                     longer["heldout_loss"], target)  # fmt: skip
+                    best = results["best"][str(seed)]
+                    if name == "auto" and name in best:
+                        ran = results["convergence"][best[name]].get("auto_schedule")
+                        if ran != measured.get("auto_schedule"):
+                            row["schedule_differs"] = [ran, measured.get("auto_schedule")]
+                    for suffix, target in goals.items():
+                        reached = None
+                        if "runs" in measured and str(seed) in measured["runs"]:
+                            run = measured["runs"][str(seed)]
+                            reached = seconds_to({int(u): t for u, t in run["training_s"].items()},
+                                                 run["heldout_updates"], run["heldout_loss"],
+                                                 target)  # fmt: skip
+                        elif name in best and "schedule_differs" not in row:
+                            updates, _ = updates_to_target(results, name, seed, target)
                             reached = None if updates is None else updates * measured["update_s"]
-                        else:
-                            reached = None
                         row[f"time_to_target{suffix}_s"][seed] = reached
                 rows[name] = row
     return table
@@ -562,7 +557,7 @@ def heterogeneous_markdown(results: dict) -> list[str]:
     names = [n for n in HETEROGENEOUS_ARMS if any(n in rows for by_rate in table.values()
                                                   for rows in by_rate.values())]  # fmt: skip
     lines = ["", "Replica 1 slowed: seconds to the synchronous arm's loss at ¾ of its run, and "
-             "to its final loss, per seed (n/r: not reached):", "",
+             "to its final loss, per seed (n/r: not reached; n/c: not comparable):", "",
              f"| slowdown | link | {' | '.join(names)} | first to the ¾ loss, per seed |",
              "|---" * (len(names) + 3) + "|"]
     for factor, by_rate in table.items():
@@ -570,6 +565,10 @@ def heterogeneous_markdown(results: dict) -> list[str]:
             cells, firsts = [], []
             for name in names:
                 row = rows.get(name, {"time_to_target_3q_s": {}, "time_to_target_s": {}})
+                if "schedule_differs" in row:  # auto chose otherwise when slowed
+                    cells.append("n/c: ran {1} slowed, {0} in its convergence run".format(
+                        *row["schedule_differs"]))
+                    continue
                 pairs = [f"{'n/r' if a is None else f'{a:.0f}'}, "
                          f"{'n/r' if b is None else f'{b:.0f}'}"
                          for a, b in zip(row["time_to_target_3q_s"].values(),
@@ -601,6 +600,30 @@ def args_long(results: dict) -> int:
     return results["settings"].get("diloco_updates", 0)
 
 
+def targets(results: dict, seed: int) -> dict[str, float] | None:
+    """The synchronous arm's held-out losses an arm is timed to on ``seed``: at the end of its
+    run (``""``) and at ¾ of it (``"_3q"``); None where its run is missing."""
+    keys = results.get("best", {}).get(str(seed), {})
+    if TARGET_ARM not in keys:
+        return None
+    sync = results["convergence"][keys[TARGET_ARM]]
+    three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
+    return {"": sync["heldout_loss"][-1], "_3q": sync["heldout_loss"][three_quarters]}
+
+
+def updates_to_target(results: dict, name: str, seed: int,
+                      target: float) -> tuple[float | None, int | None]:  # fmt: skip
+    """The updates ``name``'s best run on ``seed`` takes to ``target``, from its long run where
+    its run falls short (and that run's length, else None)."""
+    key = results["best"][str(seed)][name]
+    record = results["convergence"][key]
+    reached = updates_to(record["heldout_updates"], record["heldout_loss"], target)
+    longer = results["convergence"].get(f"{key}/updates{args_long(results)}")
+    if reached is None and longer and longer["complete"]:
+        return updates_to(longer["heldout_updates"], longer["heldout_loss"], target), longer["updates"]
+    return reached, None
+
+
 def summary(results: dict, seeds: Sequence[int]) -> dict:
     """Per link and arm (each at its best learning rate): seconds per update, tokens/s, the
     held-out loss at the end (equal tokens), and, per seed, the updates and wall time to two
@@ -616,20 +639,15 @@ def summary(results: dict, seeds: Sequence[int]) -> dict:
             for suffix in ("", "_3q"):
                 row[f"updates_to_target{suffix}"], row[f"time_to_target{suffix}_s"] = {}, {}
             for seed in seeds:
-                keys = results.get("best", {}).get(str(seed), {})
-                if name not in keys or TARGET_ARM not in keys:
+                goals = targets(results, seed)
+                if goals is None or name not in results["best"][str(seed)]:
                     continue
-                record, sync = (results["convergence"][keys[n]] for n in (name, TARGET_ARM))
-                longer = results["convergence"].get(f"{keys[name]}/updates{args_long(results)}")
+                record = results["convergence"][results["best"][str(seed)][name]]
                 row["heldout_loss_final"][seed] = record["heldout_loss"][-1]
-                three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
-                for suffix, target in (("", sync["heldout_loss"][-1]),
-                                       ("_3q", sync["heldout_loss"][three_quarters])):
-                    reached = updates_to(record["heldout_updates"], record["heldout_loss"], target)
-                    if reached is None and longer and longer["complete"]:
-                        reached = updates_to(longer["heldout_updates"], longer["heldout_loss"],
-                                             target)  # fmt: skip
-                        row.setdefault(f"from_long_run{suffix}", {})[seed] = longer["updates"]
+                for suffix, target in goals.items():
+                    reached, longer = updates_to_target(results, name, seed, target)
+                    if longer is not None:
+                        row.setdefault(f"from_long_run{suffix}", {})[seed] = longer
                     row[f"updates_to_target{suffix}"][seed] = reached
                     row[f"time_to_target{suffix}_s"][seed] = (
                         None if reached is None else reached * timed["update_s"])
@@ -746,14 +764,22 @@ def plot(results: dict, path: pathlib.Path) -> None:
     harness.save_figure(fig, path)
 
 
-def training_seconds(record: dict, rounds_per_update: int) -> dict[int, float]:
+def training_seconds(record: dict, rounds_per_update: int,
+                     from_zero: bool = False) -> dict[int, float]:  # fmt: skip
     """Seconds of training from a run's first logged step to each held-out point after it
-    (per update), the validations' own time left out."""
+    (per update), the validations' own time left out. ``from_zero``: from the start of
+    training instead, the steps up to the first logged one counted at the run's median step
+    time (as a timed arm's updates are: its update time from update 0)."""
     ts = dict(zip(record["step"], record["step_ts"]))
     points = [u * rounds_per_update for u in record["heldout_updates"]]  # validated after these
     validation_s = {s: h - ts[s] for s, h in zip(points, record["heldout_ts"])}
     first = min(ts)
-    return {u: ts[s] - ts[first] - sum(v for p, v in validation_s.items() if p < s)
+    logged = sorted(ts)
+    step_s = statistics.median(
+        (ts[b] - ts[a]) / (b - a) for a, b in zip(logged, logged[1:])
+        if not any(a <= p < b for p in validation_s))  # fmt: skip
+    offset = first * step_s if from_zero else 0.0
+    return {u: offset + ts[s] - ts[first] - sum(v for p, v in validation_s.items() if p < s)
             for u, s in zip(record["heldout_updates"], points) if s > first}  # fmt: skip
 
 
@@ -809,11 +835,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the first sweeps the learning rates; the others repeat each arm's best")
     add("--arms", nargs="+", choices=list(SWEPT_ARMS), default=list(SWEPT_ARMS))
     add("--rates", nargs="+", default=list(RATES), help="links to time (tc rates, or none)")
-    add("--sequences-per-update", type=int, default=UPDATE_BATCH,
+    add("--sequences-per-update", type=int, default=None,
         help="sequences per optimizer update over both replicas, a multiple of "
         f"{4 * LOCAL_BATCH} (acco's two rounds, each a whole micro-batch per replica); "
         f"{8 * LOCAL_BATCH} gives an ACCO round two micro-batches, ACCO's window (keep each "
-        "batch in a result file of its own: --out)")
+        f"batch in a result file of its own: --out; default: the file's, else {UPDATE_BATCH})")
     add("--check-arm", default="diloco_h20", choices=sorted(SWEPT_ARMS))
     add("--slow-factors", type=float, nargs="+", default=[2.0, 4.0],
         help="--phase heterogeneous: how many times slower replica 1 computes")
@@ -835,11 +861,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.updates % args.heldout_every or any(
             args.heldout_every % a.sync_steps for a in ARMS.values()):  # fmt: skip
         parser.error("--heldout-every must divide --updates and be a multiple of every H")
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    kept = results.get("settings", {}).get("sequences_per_update")
+    if args.sequences_per_update is None:
+        args.sequences_per_update = kept or UPDATE_BATCH
     if args.sequences_per_update % (4 * LOCAL_BATCH):
         parser.error(f"--sequences-per-update must be a multiple of {4 * LOCAL_BATCH}")
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    kept = results.get("settings", {}).get("sequences_per_update", args.sequences_per_update)
-    if kept != args.sequences_per_update:
+    if kept not in (None, args.sequences_per_update):
         parser.error(f"{args.out} holds runs of --sequences-per-update {kept}, not "
                      f"{args.sequences_per_update}: give another --out")  # fmt: skip
     results = {"convergence": {}, "timing": {}, "heterogeneous": {}, **results, **header(),

@@ -161,6 +161,11 @@ def diloco_per_gpu_bytes(
     the inner gradients and AdamW's two moments (as plain FSDP training holds them), then
     :func:`diloco_buffers`. ``total`` is the larger of ``total_training`` (with the
     activations) and ``total_at_sync`` (without them, the sync's extra instead).
+
+    Activations: the estimate's 16-bit ones where FSDP shards the group (its mixed precision
+    computes in bf16), twice that where it does not: torchtitan 0.2.2 turns mixed precision off
+    with TP or PP and no FSDP (``maybe_enable_amp``), so fp32 parameters compute in fp32. bf16
+    parameters would halve that and every parameter-sized figure, and run AdamW in bf16.
     """
     import tomllib
 
@@ -171,20 +176,22 @@ def diloco_per_gpu_bytes(
     local = facts["params"] / group_gpus
     # the embedding and the output layer, sharded by TP and FSDP, not by the pipeline
     largest = facts["largest"] / (group_gpus / pp)
+    fsdp = group_gpus // (tp * pp)
+    activations = activation_bytes(cfg, facts) * (1 if fsdp > 1 or tp * pp == 1 else 2)
     b = DILOCO_STATE_BYTES
     buffers = diloco_buffers(local, local / fragments, sync_delay, largest)
     training = {"params": b * local, "grads": b * local, "optimizer": 2 * b * local,
                 "outer_momentum": buffers["outer_momentum"],
                 "pseudo_gradient_held": buffers["pseudo_gradient_held"]}  # fmt: skip
     held = sum(training.values())
-    total_training = held + activation_bytes(cfg, facts)
+    total_training = held + activations
     total_at_sync = held - buffers["pseudo_gradient_held"] + buffers["sync_extra"]
 
     def gib(n: float) -> float:
         return n / GIB if ndigits is None else round(n / GIB, ndigits)
 
-    row = {"fsdp_in_group": group_gpus // (tp * pp), **{k: gib(v) for k, v in training.items()},
-           "activations_estimate": gib(activation_bytes(cfg, facts)),
+    row = {"fsdp_in_group": fsdp, **{k: gib(v) for k, v in training.items()},
+           "activations_estimate": gib(activations),
            "sync_extra": gib(buffers["sync_extra"]), "total_training": gib(total_training),
            "total_at_sync": gib(total_at_sync), "total": gib(max(total_training, total_at_sync)),
            "host_backup": gib(buffers["host_backup"])}  # fmt: skip

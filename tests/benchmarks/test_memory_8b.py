@@ -49,6 +49,9 @@ def test_every_8b_config_fits_an_h100_wherever_it_runs(path: pathlib.Path, facts
     assert rows[4]["runs"] and rows[16]["runs"]
     for nodes, row in rows.items():
         assert not row["runs"] or row["fits_h100_80gb"], (nodes, row)
+    for fragments, delay in ((1, 0), (2, 1)):  # DiLoCo and streaming DiLoCo, in the same layout
+        row = diloco_per_gpu_bytes(path, facts, fragments, delay)
+        assert row["fits_h100_80gb"], (fragments, row)
 
 
 def test_the_arithmetic_of_one_diloco_row(facts) -> None:
@@ -67,6 +70,12 @@ def test_the_arithmetic_of_one_diloco_row(facts) -> None:
     assert row["total_at_sync"] == pytest.approx(20 * local / GIB + row["sync_extra"])
     assert row["total"] == max(row["total_training"], row["total_at_sync"])
     assert row["host_backup"] * GIB == 4 * local
+    # TP without FSDP: torchtitan 0.2.2 computes fp32 parameters in fp32, twice the estimate's
+    engine = per_gpu_bytes(config, 4, facts, ndigits=None)
+    assert row["activations_estimate"] == 2 * engine["activations_estimate"]
+    hsdp = ROOT / "torchtitan_configs" / "llama3_8b_hsdp_acco.toml"  # FSDP's bf16 compute
+    assert diloco_per_gpu_bytes(hsdp, facts, ndigits=None)["activations_estimate"] == (
+        per_gpu_bytes(hsdp, 4, facts, ndigits=None)["activations_estimate"])
     streaming = diloco_per_gpu_bytes(config, facts, fragments=2, sync_delay=1, ndigits=None)
     assert streaming["pseudo_gradient_held"] * GIB == 4 * local / 2  # one fragment's, held
     assert streaming["total_training"] == pytest.approx(row["total_training"] + 2 * local / GIB)
@@ -77,9 +86,10 @@ def test_the_arithmetic_of_one_diloco_row(facts) -> None:
 @pytest.mark.parametrize(("fragments", "sync_delay"), [(1, 0), (2, 1)],
                          ids=["diloco", "streaming"])  # fmt: skip
 def test_diloco_allocates_what_the_calculator_counts(fragments: int, sync_delay: int) -> None:
-    """torchft's DiLoCo itself on the debug model: its outer momentum and backup are the
-    arithmetic's, and each sync allocates, byte for byte, what the arithmetic says (the
-    backup is on the parameters' device here: no tensor of it is copied over)."""
+    """torchft's DiLoCo itself on the debug model, on this CPU: its outer momentum and backup
+    are the arithmetic's, and each sync allocates, byte for byte, what the arithmetic says for
+    a backup on the parameters' device. Not checked here: the GPU's copy of one backup tensor,
+    pinned memory, what a real Manager's all-reduce allocates."""
     check = check_diloco(fragments, sync_delay, periods=2)
     assert check["outer_momentum"] == check["predicted"]["outer_momentum"] == 4 * check["params"]
     assert check["host_backup"] == check["predicted"]["host_backup"]
