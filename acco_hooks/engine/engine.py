@@ -220,6 +220,7 @@ class ACCOEngine:
         # The advisor's clocks: when this round and this micro-batch started, and whether a
         # communication was in flight when the micro-batch started
         "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
+        "_microbatch_marked", "_marks_microbatches",
     )  # fmt: skip
 
     def __init__(
@@ -359,6 +360,8 @@ class ACCOEngine:
         self._round_started: float | None = None
         self._microbatch_started: float | None = None
         self._microbatch_overlapped = False
+        self._microbatch_marked = False  # start_microbatch() marked the one under way
+        self._marks_microbatches = False  # the front-end marks each micro-batch's start
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         # The learning rate (first parameter group) of the update the last round's gradients
@@ -598,13 +601,28 @@ class ACCOEngine:
         the previous one's end, so it also holds what the loop does between them; at a step's
         end that can be a wait for the network (a metrics all-reduce queued behind the round's
         traffic on a slow link), and with one micro-batch per round every interval holds one.
-        The torchtitan and Hugging Face trainers mark each forward; a plain loop that does more
-        than forward and backward between micro-batches should too.
+        The torchtitan and Hugging Face trainers mark each micro-batch; a plain loop that does
+        more than forward and backward between micro-batches should too. Where a front-end marks
+        them, an unmarked one (an empty micro-batch that pads a short step) is not timed. On a
+        GPU, while micro-batches are timed (the advisor's first rounds, ``auto``'s samples), the
+        compute stream is waited for at the mark and at the count: the time is then the
+        device's, not that of queuing its kernels.
         """
+        self._marks_microbatches = True
         if self._microbatch_started is None:  # the process's first micro-batch warms up: untimed
             return
+        self._wait_for_compute()
         self._microbatch_started = time.perf_counter()
+        self._microbatch_marked = True
         self._microbatch_overlapped = self.communication_in_flight
+
+    def _wait_for_compute(self) -> None:
+        """On a GPU, while micro-batches are timed: wait for the work queued on the compute
+        stream (the communication stream's is not waited for)."""
+        timing = not self.advisor.figures or (
+            self._auto is not None and self._auto.takes_microbatch_times)
+        if timing and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def microbatch_done(self, weight: float = 1.0) -> bool:
         """Count one micro-batch; end the round when it may. Returns whether a round ended.
@@ -643,16 +661,20 @@ class ACCOEngine:
         self._raise_if_failed()
         self.clear_placeholders()
         self._grads_counted = self.grads_received
-        if self._microbatch_started is not None:  # the advisor's K: this micro-batch's compute
-            elapsed = time.perf_counter() - self._microbatch_started  # (start_microbatch)
+        timed = self._microbatch_started is not None and (
+            self._microbatch_marked or not self._marks_microbatches)
+        if timed:  # the advisor's K: this micro-batch's compute (start_microbatch)
+            self._wait_for_compute()
+            elapsed = time.perf_counter() - self._microbatch_started
             self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
             if self._auto is not None:
                 self._auto.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
         self.step_boundary = False
         try:
             return self._count_or_end_round(weight)
-        finally:  # the next micro-batch's compute starts now
+        finally:  # unmarked, the next micro-batch's compute starts now
             self._microbatch_started = time.perf_counter()
+            self._microbatch_marked = False
             self._microbatch_overlapped = self.communication_in_flight
 
     def _count_or_end_round(self, weight: float) -> bool:

@@ -178,6 +178,11 @@ class AutoSchedule:
         self._comm: dict[str, list[float]] = {}
         self._trials = 0
 
+    @property
+    def takes_microbatch_times(self) -> bool:
+        """Whether it still keeps micro-batch times (it keeps ``_SAMPLES`` per decision)."""
+        return len(self._microbatch) < _SAMPLES
+
     def record_microbatch(self, seconds: float, communicating: bool) -> None:
         """One micro-batch's compute; only those with no communication in flight price c."""
         if not communicating and len(self._microbatch) < _SAMPLES:

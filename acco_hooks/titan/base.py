@@ -453,9 +453,10 @@ class ACCOTrainerBase(Trainer):
                 set_gradient_sync_for_next_microbatch(
                     engine, self._fsdp_modules, config.acco.fsdp_sync_every_microbatch
                 )
-            input_dict, labels, valid = self._next_microbatch(data_iterator)
-            # the advisor's K starts here: not the step end's metrics, which wait on the link
+            # the advisor's K starts here: the data and the compute, not the step end's
+            # metrics, which wait behind the round on a slow link
             engine.start_microbatch()
+            input_dict, labels, valid = self._next_microbatch(data_iterator)
             # global_valid_tokens = 1: backward of the token-summed loss (see module docstring).
             loss = self.forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=one

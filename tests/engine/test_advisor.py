@@ -156,6 +156,25 @@ def test_a_user_without_logging_configured_sees_that_acco_is_slower() -> None:
     assert "mode='ddp'" in shown[0]
 
 
+def test_a_front_end_that_marks_its_micro_batches_times_those_alone() -> None:
+    """The loop marks each real micro-batch's start (``start_microbatch``) and pads every round
+    with empty ones, as the HF Trainer pads a short step: K is the marked micro-batches'
+    compute (each >= 20 ms here), not pulled toward zero by the three in four that ran none."""
+    model = nn.Linear(16, 16)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="ddp", accumulation_steps=4,
+                        lr=1e-3)  # fmt: skip
+    for _ in range(8):  # rounds: the advisor concludes after its 2 + 4
+        opt.engine.start_microbatch()
+        time.sleep(0.02)
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        for _ in range(3):
+            opt.engine.skip_microbatch()
+    opt.close()
+    per_microbatch = opt.engine.advisor.figures["compute_per_round_s"] / 4
+    assert per_microbatch >= 0.02, opt.engine.advisor.figures
+
+
 def test_the_advice_on_a_slow_link_is_the_measured_regime_map() -> None:
     """Fed each benchmarked link's K and C (measured by the ddp arm's advisor), the advisor names
     torchft's DiLoCo, with the config lines to try it, exactly where DiLoCo reached the

@@ -5,9 +5,9 @@ between the replicas, as the advisor meets it on one.
   wire, which takes no CPU (a shaped link), inside the job the advisor times as C.
 * The step end's metrics all-reduce waits until the round's communication is done, as on a real
   slow link, where it is queued behind the round's traffic.
-* Each forward and backward is timed here; when the run closes, each rank prints the median time
-  of those the advisor timed (the same micro-batches) beside the advisor's compute per
-  micro-batch (K over the round's micro-batches).
+* Each micro-batch's data and forward and backward are timed here; when the run closes, each
+  rank prints the median time of those the advisor timed (the same micro-batches) beside the
+  advisor's compute per micro-batch (K over the round's micro-batches).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ LINK_S = 0.3
 
 _reduce_scatter_sum = communication.reduce_scatter_sum
 _log_pending_metrics = ACCOTrainerBase._log_pending_metrics
+_next_microbatch = ACCOTrainerBase._next_microbatch
 _forward_backward_step = ACCOTrainerBase.forward_backward_step
 _close = ACCOTrainerBase.close
 _record_microbatch = Advisor.record_microbatch
-_compute_s: list[float] = []  # each forward and backward
+_data_s: list[float] = [0.0]  # the micro-batch under way's
+_compute_s: list[float] = []  # each micro-batch's data, forward and backward
 _timed_by_advisor: list[float] = []  # those of the micro-batches the advisor timed
 
 
@@ -45,10 +47,17 @@ def _metrics_behind_the_round(trainer: ACCOTrainerBase) -> None:
     _log_pending_metrics(trainer)
 
 
+def _timed_data(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> Any:
+    start = time.perf_counter()
+    batch = _next_microbatch(trainer, *args, **kwargs)
+    _data_s[0] = time.perf_counter() - start
+    return batch
+
+
 def _timed_forward_backward(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> Any:
     start = time.perf_counter()
     loss = _forward_backward_step(trainer, *args, **kwargs)
-    _compute_s.append(time.perf_counter() - start)
+    _compute_s.append(_data_s[0] + time.perf_counter() - start)
     return loss
 
 
@@ -70,6 +79,7 @@ def _report_then_close(trainer: ACCOTrainerBase, **kwargs: Any) -> None:
 
 communication.reduce_scatter_sum = _over_a_slow_link
 ACCOTrainerBase._log_pending_metrics = _metrics_behind_the_round
+ACCOTrainerBase._next_microbatch = _timed_data
 ACCOTrainerBase.forward_backward_step = _timed_forward_backward
 ACCOTrainerBase.close = _report_then_close
 Advisor.record_microbatch = _record_microbatch_beside_its_compute

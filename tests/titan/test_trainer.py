@@ -554,12 +554,12 @@ SLOW_LINK = re.compile(r"slow link: rank (\d) compute ([\d.]+) advisor ([\d.]+) 
 # 0.2.2 only: the advisor is the engine's, fed by the trainer's step loop both releases share
 @pytest.mark.spmd_backends()
 @pytest.mark.parametrize("mode", ["acco", "ddp"])
-def test_the_advisors_compute_is_the_forward_and_backward_on_a_slow_link(
+def test_the_advisors_compute_leaves_out_the_step_ends_wait_on_a_slow_link(
     tmp_path, mode: str
 ) -> None:  # fmt: skip
     """One micro-batch per round on a link whose communication takes about twice the compute,
     and a step end whose metrics wait on that link (tests/titan/slow_link.py): the advisor's
-    compute per micro-batch is the forward and backward's time within 10 %. Timed from one
+    compute per micro-batch is the data, forward and backward's time within 10 %. Timed from one
     micro-batch's end to the next, as it was before the trainer marked each forward, acco's K
     held that wait (2.8x the compute here); ddp's round waits inside microbatch_done."""
     status, output = launch_titan(
