@@ -14,12 +14,22 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
+import subprocess
 import sys
 
 from benchmarks.harness import LOCAL_BATCH, SEQ_LEN, header
 from benchmarks.throughput import MODEL, netbed_parser, over_caps, titan_on_link
 
 MODES = ("acco", "dpu", "ddp")
+
+
+def _commit(tree: pathlib.Path) -> str:
+    """The commit a checkout is at, with "+changes" where its work tree differs from it."""
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    return head + ("+changes" if dirty else "")
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -29,6 +39,7 @@ def measure(args: argparse.Namespace) -> dict:
     results: dict = {
         "what": args.what, **header(), "model": MODEL,
         "trees": {name: str(path) for name, path in trees.items()},
+        "commits": {name: _commit(path) for name, path in trees.items()},
         "microbatches_per_round": k, "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
         "rounds": args.rounds, "repeats": args.repeats, "rates": {},
     }  # fmt: skip
