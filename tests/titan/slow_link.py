@@ -8,6 +8,9 @@ between the replicas, as the advisor meets it on one.
 * Each micro-batch's data and forward and backward are timed here; when the run closes, each
   rank prints the median time of those the advisor timed (the same micro-batches) beside the
   advisor's compute per micro-batch (K over the round's micro-batches).
+* Each step's start records whether a round's communication is still in flight: what the step
+  end between two steps waited for (torchtitan's ``checkpointer.save``, called after every step,
+  once waited for θ, the update in flight, even where it wrote nothing).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ _log_pending_metrics = ACCOTrainerBase._log_pending_metrics
 _next_microbatch = ACCOTrainerBase._next_microbatch
 _forward_backward_step = ACCOTrainerBase.forward_backward_step
 _close = ACCOTrainerBase.close
+_train_step = ACCOTrainerBase.train_step
 _record_microbatch = Advisor.record_microbatch
 _data_s: list[float] = [0.0]  # the micro-batch under way's
 _compute_s: list[float] = []  # each micro-batch's data, forward and backward
 _timed_by_advisor: list[float] = []  # those of the micro-batches the advisor timed
+_in_flight_at_step_start: list[bool] = []
 
 
 def _over_a_slow_link(*args: Any, **kwargs: Any) -> Any:
@@ -67,6 +72,12 @@ def _record_microbatch_beside_its_compute(advisor: Advisor, *args: Any, **kwargs
     _record_microbatch(advisor, *args, **kwargs)
 
 
+def _step_after_the_step_end(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> None:
+    if trainer.step > 1:
+        _in_flight_at_step_start.append(trainer.optimizers.engine.communication_in_flight)
+    _train_step(trainer, *args, **kwargs)
+
+
 def _report_then_close(trainer: ACCOTrainerBase, **kwargs: Any) -> None:
     engine = trainer.optimizers.engine
     figures = engine.advisor.figures
@@ -74,6 +85,8 @@ def _report_then_close(trainer: ACCOTrainerBase, **kwargs: Any) -> None:
         per_microbatch = figures["compute_per_round_s"] / engine.last_round_microbatches
         print(f"slow link: rank {dist.get_rank()} compute {statistics.median(_timed_by_advisor):.4f} "
               f"advisor {per_microbatch:.4f} comm {figures['comm_per_round_s']:.4f}", flush=True)  # fmt: skip
+    print(f"slow link: rank {dist.get_rank()} in flight at {sum(_in_flight_at_step_start)} of "
+          f"{len(_in_flight_at_step_start)} step starts", flush=True)  # fmt: skip
     _close(trainer, **kwargs)
 
 
@@ -82,4 +95,5 @@ ACCOTrainerBase._log_pending_metrics = _metrics_behind_the_round
 ACCOTrainerBase._next_microbatch = _timed_data
 ACCOTrainerBase.forward_backward_step = _timed_forward_backward
 ACCOTrainerBase.close = _report_then_close
+ACCOTrainerBase.train_step = _step_after_the_step_end
 Advisor.record_microbatch = _record_microbatch_beside_its_compute

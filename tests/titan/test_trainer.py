@@ -549,6 +549,7 @@ def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None
 
 
 SLOW_LINK = re.compile(r"slow link: rank (\d) compute ([\d.]+) advisor ([\d.]+) comm ([\d.]+)")
+IN_FLIGHT = re.compile(r"slow link: rank (\d) in flight at (\d+) of (\d+) step starts")
 
 
 # 0.2.2 only: the advisor is the engine's, fed by the trainer's step loop both releases share
@@ -574,6 +575,14 @@ def test_the_advisors_compute_leaves_out_the_step_ends_wait_on_a_slow_link(
         compute, advisor, comm = float(compute), float(advisor), float(comm)
         assert comm >= 0.3, comm  # the link's wait is in C
         assert abs(advisor - compute) <= 0.1 * compute, (advisor, compute)
+    # Between two steps nothing waits for the round: in acco each step starts while the
+    # round it launched (an estimate or an update, 0.3 s on the link) communicates; in ddp the
+    # round ended inside its step
+    in_flight = IN_FLIGHT.findall(output)
+    assert len(in_flight) == 2, output[-3000:]
+    for _, counted, steps in in_flight:
+        assert int(steps) == 8, output[-3000:]
+        assert int(counted) == (8 if mode == "acco" else 0), output[-3000:]
 
 
 @pytest.mark.spmd_backends("spmd_types")  # the pipeline's stages, not how replicas shard
