@@ -26,7 +26,10 @@ learning rate sweep, then a second seed at the best) run once, on loopback; shor
 on each capped link (``benchmarks/netbed.py``, two network namespaces, one core each) give its
 seconds per update, over whole DiLoCo sync periods. An arm's wall time to a loss is then its
 updates to that loss (linear between held-out points) times its seconds per update on the link;
-``--phase check`` runs one arm in full on a capped link to test that product. The target is
+``auto`` times its schedules on each link and may choose another there than on loopback: then
+its loopback curve is not its curve on the link, and it trains in full there, on every seed,
+and counts from that run. ``--phase check`` runs one arm in full on a capped link to test
+the product. The target is
 the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed, and its loss at
 ¾ of its run (:func:`summary` says why); where DiLoCo's runs fall short of it, its long runs
 (``--diloco-updates``) count the updates it needs.
@@ -453,10 +456,39 @@ def timing(results: dict, args: argparse.Namespace) -> None:
                 run = best.get(name, Run(name, BASE_LR, args.seeds[0], OUTER_LRS[0] if
                                          ARMS[name].diloco else None))  # fmt: skip
                 result = time_arm(name, run, Place(link), args.sequences_per_update)
+                ran = results["convergence"].get(run.key, {}).get("auto_schedule")
+                if name == "auto" and ran is not None and ran != result.get("auto_schedule"):
+                    # its loopback runs' updates are not the ones it makes here: their
+                    # held-out curve says nothing of this link's, which it trains in full
+                    result["runs"] = train_on_link(name, run.lr, args, Place(link),
+                                                   f"timing/{rate}")  # fmt: skip
                 results["timing"].setdefault(rate, {})[name] = result
                 write_result(args.out, results)
                 print(f"timing {rate:>8} {name:>22}: {result['update_s']:.3f} s/update "
                       f"{result.get('auto_schedule', '')}", flush=True)  # fmt: skip
+
+
+def train_on_link(name: str, lr: float, args: argparse.Namespace, place: Place, where: str,
+                  slow_factor: float = 1.0) -> dict[str, dict]:  # fmt: skip
+    """``name`` at ``lr`` in full on ``place``'s link, each seed: for an arm whose updates
+    depend on the link (``acco_until_ready``; ``auto`` where it chose another schedule than on
+    loopback), whose held-out curve the loopback runs cannot give. Per seed: its held-out curve
+    and its training seconds to each point (:func:`training_seconds`, from the start)."""
+    runs = {}
+    for seed in args.seeds:
+        run = Run(name, lr, seed)
+        record = train(run, args, place, where=where, slow_factor=slow_factor)
+        if not record["complete"]:
+            raise SystemExit(f"benchmarks.diloco: {run.key} in {where} failed, see {record['log']}")
+        runs[str(seed)] = {key: record[key] for key in (
+            "lr", "seed", "heldout_updates", "heldout_loss", "wall_s", "log")}  # fmt: skip
+        if "auto_schedule" in record:
+            runs[str(seed)]["auto_schedule"] = record["auto_schedule"]
+        runs[str(seed)]["training_s"] = training_seconds(
+            record, ARMS[name].rounds_per_update, from_zero=True)
+        print(f"{where} {name} seed {seed}: held-out "
+              f"{[round(v, 4) for v in record['heldout_loss']]}", flush=True)  # fmt: skip
+    return runs
 
 
 # ----------------------------------------------------------------------------- heterogeneous
@@ -468,7 +500,8 @@ def heterogeneous(results: dict, args: argparse.Namespace) -> None:
     acco's). The others' updates are what they were (each waits for the slow replica), so their
     convergence runs stand and a timing run gives their seconds per update; acco_until_ready's
     updates hold what the fast replica ran while the round communicated, which depends on the
-    link: it trains in full there, on every seed."""
+    link: it trains in full there, on every seed, and so does an ``auto`` that chose another
+    schedule slowed than on loopback."""
     from benchmarks.netbed import two_host_link
 
     best = best_runs(results, args.seeds[0])
@@ -485,37 +518,31 @@ def heterogeneous(results: dict, args: argparse.Namespace) -> None:
                     if name in cell:
                         continue
                     if name != "acco_until_ready":
-                        cell[name] = time_arm(name, best[name], Place(link),
-                                              args.sequences_per_update, factor)  # fmt: skip
+                        timed = time_arm(name, best[name], Place(link),
+                                         args.sequences_per_update, factor)  # fmt: skip
+                        ran = results["convergence"][best[name].key].get("auto_schedule")
+                        if ran is not None and ran != timed.get("auto_schedule"):
+                            timed["runs"] = train_on_link(  # as in timing(): its own curve
+                                name, best[name].lr, args, Place(link),
+                                f"slow{factor:g}x/{rate}", factor)  # fmt: skip
+                        cell[name] = timed
                         print(f"heterogeneous {factor:g}x {rate:>8} {name:>22}: "
-                              f"{cell[name]['update_s']:.3f} s/update", flush=True)  # fmt: skip
+                              f"{timed['update_s']:.3f} s/update "
+                              f"{timed.get('auto_schedule', '')}", flush=True)  # fmt: skip
                     else:
-                        runs = {}
-                        for seed in args.seeds:
-                            run = Run(name, best["acco"].lr, seed)
-                            record = train(run, args, Place(link),
-                                           where=f"slow{factor:g}x/{rate}", slow_factor=factor)
-                            if not record["complete"]:
-                                raise SystemExit(f"benchmarks.diloco: {run.key} at {factor:g}x "
-                                                 f"on {rate} failed, see {record['log']}")
-                            runs[str(seed)] = {
-                                key: record[key] for key in ("lr", "seed", "heldout_updates",
-                                                             "heldout_loss", "wall_s", "log")}
-                            runs[str(seed)]["training_s"] = training_seconds(
-                                record, ARMS[name].rounds_per_update, from_zero=True)
-                            print(f"heterogeneous {factor:g}x {rate:>8} {name} seed {seed}: "
-                                  f"held-out {[round(v, 4) for v in record['heldout_loss']]}",
-                                  flush=True)  # fmt: skip
-                        cell[name] = {"runs": runs}
+                        cell[name] = {"runs": train_on_link(
+                            name, best["acco"].lr, args, Place(link),
+                            f"slow{factor:g}x/{rate}", factor)}  # fmt: skip
                     write_result(args.out, results)
 
 
 def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
     """Per slowdown, link and arm, per seed: seconds to the synchronous arm's final held-out
     loss and to its loss at ¾ of its run (:func:`targets`); acco_until_ready's from its own run
-    on the link, the others' updates to the target times their slowed seconds per update. An
-    ``auto`` whose slowed timing run chose another schedule than its convergence run ran is
-    not timed (``schedule_differs``): its updates would not be the ones counted."""
+    on the link (and an ``auto``'s that trained there), the others' updates to the target times
+    their slowed seconds per update. An ``auto`` whose slowed timing run chose another schedule
+    than its convergence run, and that has no run of its own there (a file from before), is not
+    timed (``schedule_differs``): its updates would not be the ones counted."""
     table: dict = {}
     for factor, by_rate in results.get("heterogeneous", {}).items():
         for rate, cell in by_rate.items():
@@ -529,7 +556,7 @@ def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
                     if goals is None:
                         continue
                     best = results["best"][str(seed)]
-                    if name == "auto" and name in best:
+                    if name == "auto" and name in best and "runs" not in measured:
                         ran = results["convergence"][best[name]].get("auto_schedule")
                         if ran != measured.get("auto_schedule"):
                             row["schedule_differs"] = [ran, measured.get("auto_schedule")]
@@ -630,7 +657,9 @@ def summary(results: dict, seeds: Sequence[int]) -> dict:
     targets of the synchronous arm's: its final held-out loss (``target``), and its loss at
     three quarters of its run (``target_3q``), which arms as exact per token as it reach within
     the same run despite a trajectory that ends a percent apart (two implementations of
-    synchronous training do). DiLoCo takes its long run where ``--updates`` fall short."""
+    synchronous training do). DiLoCo takes its long run where ``--updates`` fall short; an arm
+    trained in full on a link (``auto`` where it chose another schedule there than on loopback)
+    its own run there (``trained_on_link``)."""
     table: dict = {}
     for rate, timings in results["timing"].items():
         for name, timed in timings.items():
@@ -641,6 +670,17 @@ def summary(results: dict, seeds: Sequence[int]) -> dict:
             for seed in seeds:
                 goals = targets(results, seed)
                 if goals is None or name not in results["best"][str(seed)]:
+                    continue
+                on_link = timed.get("runs", {}).get(str(seed))  # trained in full on this link
+                if on_link is not None:
+                    row["trained_on_link"] = True
+                    row["heldout_loss_final"][seed] = on_link["heldout_loss"][-1]
+                    for suffix, target in goals.items():
+                        row[f"updates_to_target{suffix}"][seed] = updates_to(
+                            on_link["heldout_updates"], on_link["heldout_loss"], target)
+                        row[f"time_to_target{suffix}_s"][seed] = seconds_to(
+                            {int(u): t for u, t in on_link["training_s"].items()},
+                            on_link["heldout_updates"], on_link["heldout_loss"], target)
                     continue
                 record = results["convergence"][results["best"][str(seed)][name]]
                 row["heldout_loss_final"][seed] = record["heldout_loss"][-1]

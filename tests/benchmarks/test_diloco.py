@@ -207,3 +207,36 @@ def test_with_a_slow_replica_until_ready_is_timed_by_its_own_run() -> None:
     results["heterogeneous_summary"] = {"4x": {"none": rows}}
     table = "\n".join(diloco.heterogeneous_markdown(results))
     assert "| 4x | none | 120, 160 | 28, 35 | acco_until_ready, 4.29x before titan_ddp |" in table
+
+
+def test_an_auto_that_chose_another_schedule_on_the_link_is_timed_by_its_run_there() -> None:
+    """Where auto's timing run chose another schedule than its loopback runs, its seconds to a
+    target and its final loss come from its run on that link; elsewhere from its loopback curve
+    times its seconds per update."""
+    updates, losses = [1, 20, 40, 60, 80], [8.0, 6.0, 5.0, 4.7, 4.6]
+    results = {
+        "settings": {"diloco_updates": 0},
+        "convergence": {
+            "sync": {"arm": "titan_ddp", "heldout_updates": updates, "heldout_loss": losses,
+                     "updates": 80, "complete": True},
+            "auto": {"arm": "auto", "heldout_updates": updates, "heldout_loss": losses,
+                     "updates": 80, "complete": True, "auto_schedule": "synchronous"},
+        },
+        "best": {"0": {"titan_ddp": "sync", "auto": "auto"}},
+        "timing": {
+            "none": {"auto": {"update_s": 1.0, "tokens_per_s": 1.0, "auto_schedule": "synchronous"}},
+            "650mbit": {"auto": {"update_s": 0.5, "tokens_per_s": 2.0, "auto_schedule": "acco", "runs": {"0": {
+                "heldout_updates": updates, "heldout_loss": [8.0, 5.9, 4.9, 4.65, 4.58],
+                "training_s": {"20": 10.0, "40": 20.0, "60": 30.0, "80": 40.0}}}}},
+        },
+    }  # fmt: skip
+    table = diloco.summary(results, seeds=[0])
+    assert table["none"]["auto"]["time_to_target_s"] == {0: 80.0}  # 80 updates x 1 s
+    assert "trained_on_link" not in table["none"]["auto"]
+    on_link = table["650mbit"]["auto"]
+    assert on_link["trained_on_link"] is True
+    assert on_link["heldout_loss_final"] == {0: 4.58}
+    # 4.6 between 30 s (4.65) and 40 s (4.58); 4.7 between 20 s (4.9) and 30 s (4.65)
+    assert on_link["time_to_target_s"][0] == pytest.approx(30 + 10 * 0.05 / 0.07)
+    assert on_link["time_to_target_3q_s"][0] == pytest.approx(28.0)
+    assert on_link["updates_to_target_3q"][0] == pytest.approx(56.0)
