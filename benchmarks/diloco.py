@@ -69,7 +69,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from benchmarks import harness
 from benchmarks.convergence import data
@@ -89,6 +89,7 @@ BASE_LR = 3.2e-3
 INNER_LR_FACTORS = (0.5, 1.0, 2.0)
 OUTER_LRS = (0.7, 0.4)  # torchtitan's, and one below it
 HOOKS_MODULE = "benchmarks.convergence.slow_rank"  # its fixed held-out batches
+LINK_LOG_UPDATES = 5  # a run on a link logs every 5 updates (held-out points: every 20)
 AUTO_RUNS = re.compile(r"acco auto: runs (?P<schedule>.*?): (?P<speedup>[\d.]+)x")
 # the engine's measurement of one round: K (compute) and C (communication)
 ADVISOR = re.compile(
@@ -258,8 +259,9 @@ def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
 
 
 def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path, heldout_every: int = 0,
-             sequences_per_update: int = UPDATE_BATCH) -> list[str]:  # fmt: skip
-    """The command line of one process of ``run`` for ``steps`` torchtitan steps."""
+             sequences_per_update: int = UPDATE_BATCH, log_every: int = 1) -> list[str]:  # fmt: skip
+    """The command line of one process of ``run`` for ``steps`` torchtitan steps, logging every
+    ``log_every`` steps (and the first and last)."""
     arm = ARMS[name]
     script = ["-m", "benchmarks.convergence.ft_train"] if arm.diloco else ["train_titan.py"]
     dataset = data.prepare("stdlib", "sequences", run.seed, SEQ_LEN)
@@ -271,7 +273,7 @@ def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path, heldout_eve
             "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(LOCAL_BATCH),
             "--training.global_batch_size", str(sequences_per_update // arm.rounds_per_update),
             "--optimizer.lr", f"{run.lr:g}", "--experimental.custom_import", HOOKS_MODULE,
-            *arm.overrides]  # fmt: skip
+            "--metrics.log_freq", str(log_every), *arm.overrides]  # fmt: skip
     if arm.diloco:
         argv += ["--fault_tolerance.min_replica_size", "2"]
     if heldout_every:
@@ -301,7 +303,12 @@ def train(run: Run, args: argparse.Namespace, place: Place | None = None,
     shutil.rmtree(run_dir, ignore_errors=True)
     updates = run.updates or args.updates
     steps = updates * arm.rounds_per_update
-    argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every, args.sequences_per_update)
+    # On a link a step's logged loss is an all-reduce that waits behind an overlapped round's
+    # traffic (up to the tbf queue's 50 ms each way): logged every step, it would cost the
+    # overlapped arms what a run at torchtitan's default (every 10 steps) does not pay
+    log_every = LINK_LOG_UPDATES * arm.rounds_per_update if place and place.link else 1
+    argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every, args.sequences_per_update,
+                    log_every)  # fmt: skip
     start = time.time()
     status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600,
                                  slow_factor)  # fmt: skip
@@ -414,7 +421,7 @@ def timed_steps(name: str) -> tuple[int, int]:
         return arm.sync_steps, 3 * arm.sync_steps
     if name == "auto":
         return 32, 40
-    return 2 * arm.rounds_per_update, 8 * arm.rounds_per_update
+    return 4 * arm.rounds_per_update, 12 * arm.rounds_per_update  # logged at 4, 8 and 12
 
 
 def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDATE_BATCH,
@@ -426,7 +433,9 @@ def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDA
     slowed = "" if slow_factor == 1.0 else f"slow{slow_factor:g}x"
     run_dir = WORKDIR / "timing" / slowed / place.link.rate / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = job_argv(name, run, last, run_dir, sequences_per_update=sequences_per_update)
+    # the window's ends alone (see train(): a logged loss waits behind the round's traffic)
+    argv = job_argv(name, run, last, run_dir, sequences_per_update=sequences_per_update,
+                    log_every=math.gcd(first, last))  # fmt: skip
     status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800, slow_factor)
     ts = {row["step"]: row["ts"] for row in step_lines(outputs[0])}
     if status or first not in ts or last not in ts:
@@ -720,6 +729,17 @@ def _first(times: dict[str, float | None]) -> str:
     return f"{ranked[0][1]}, {ranked[1][0] / ranked[0][0]:.2f}x before {ranked[1][1]}"
 
 
+def fastest_first(rates: Iterable[str]) -> list[str]:
+    """Links from no cap down to the slowest (a result file keeps the order they were run in)."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+
+    def bits(rate: str) -> float:
+        unit = next((u for u in units if rate.endswith(u)), None)
+        return math.inf if unit is None else float(rate[: -len(unit)]) * units[unit]
+
+    return sorted(rates, key=bits, reverse=True)
+
+
 def markdown(results: dict) -> list[str]:
     """The tables of docs/when_acco_helps.md: per target (the synchronous arm's final loss, and
     its loss at ¾ of its run) and link, C/K (:func:`comm_over_compute`), each arm's time to the
@@ -731,26 +751,30 @@ def markdown(results: dict) -> list[str]:
     lines: list[str] = []
     for suffix, what in (("", "final held-out loss"),
                          ("_3q", "held-out loss at ¾ of its run")):
-        lines += ["", f"Seconds to the synchronous arm's {what}, per seed (n/r: not reached):", "",
+        lines += ["", f"Seconds to the synchronous arm's {what}, per seed (n/r: not reached; "
+                  "*: from its own run on that link):", "",
                   f"| link | C/K | {head} | first, per seed |", "|---" * (len(names) + 3) + "|"]
-        for rate, rows in results["summary"].items():
+        for rate in fastest_first(results["summary"]):
+            rows = results["summary"][rate]
             ratio = comm_over_compute(results, rate)
             ratio = "?" if ratio is None else f"{ratio:.1f}"
-            times = {n: rows[n][f"time_to_target{suffix}_s"] for n in names}
+            times = {n: rows[n][f"time_to_target{suffix}_s"] for n in names if n in rows}
             cells = [" / ".join("n/r" if t is None else f"{t:.0f}" for t in times[n].values())
-                     for n in names]  # fmt: skip
-            seeds = list(times[names[0]])
-            firsts = [_first({n: times[n].get(seed) for n in names}) for seed in seeds]
+                     + ("*" if rows[n].get("trained_on_link") else "")
+                     if n in rows else "not timed" for n in names]  # fmt: skip
+            seeds = list(times[TARGET_ARM] if TARGET_ARM in times else next(iter(times.values())))
+            firsts = [_first({n: t.get(seed) for n, t in times.items()}) for seed in seeds]
             first = firsts[0] if len(set(firsts)) == 1 else "; ".join(firsts)
             lines.append(f"| {rate} | {ratio} | " + " | ".join(cells) + f" | {first} |")
     lines += ["", "Seconds per update:", "", f"| link | {head} |", "|---" * (len(names) + 1) + "|"]
-    for rate, rows in results["summary"].items():
-        lines.append(f"| {rate} | " + " | ".join(f"{rows[n]['update_s']:.3f}" for n in names)
-                     + " |")
+    for rate in fastest_first(results["summary"]):
+        rows = results["summary"][rate]
+        lines.append(f"| {rate} | " + " | ".join(
+            f"{rows[n]['update_s']:.3f}" if n in rows else "not timed" for n in names) + " |")
     lines += ["", ("| arm | inner lr (outer lr) | final held-out loss per seed | "
                    "gap to the synchronous arm per seed | updates to its final loss per seed |"),
               "|---|---|---|---|---|"]
-    rate = next(iter(results["summary"]), None)
+    rate = next(iter(fastest_first(results["summary"])), None)  # the loopback runs' own
     for name in names:
         keys = {seed: by_arm[name] for seed, by_arm in results.get("best", {}).items()}
         records = {seed: results["convergence"][key] for seed, key in keys.items()}
