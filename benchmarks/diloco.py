@@ -322,6 +322,7 @@ def train(run: Run, args: argparse.Namespace, place: Place | None = None,
         **dataclasses.asdict(run), "returncode": status, "wall_s": round(time.time() - start, 1),
         "updates": updates, "heldout_every": args.heldout_every,
         "heldout_updates": [s // arm.rounds_per_update for s in common],
+        "heldout_steps": common,  # acco's first is step 1, in update 0
         "heldout_loss": [statistics.fmean(p[s] for p in points) for s in common],
         "heldout_loss_per_replica": [[p[s] for s in common] for p in points],
         "step_ts": main.get("ts", []), "step": main.get("step", []),
@@ -793,9 +794,10 @@ def markdown(results: dict) -> list[str]:
 
 def plot(results: dict, path: pathlib.Path) -> None:
     """Held-out loss against wall time, one panel per link: every seed of each arm at its best
-    learning rate (the time axis: updates x the arm's seconds per update on that link)."""
+    learning rate (the time axis: updates x the arm's seconds per update on that link, or an
+    arm's own run on the link where it trained there)."""
     plt = harness.pyplot()
-    rates = list(results["timing"])
+    rates = fastest_first(results["timing"])
     if not rates or not results.get("best"):
         return
     fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates), 3.8), sharey=True)
@@ -807,7 +809,15 @@ def plot(results: dict, path: pathlib.Path) -> None:
             for name, key in keys.items():
                 if name not in results["timing"][rate]:
                     continue
-                update_s = results["timing"][rate][name]["update_s"]
+                timed = results["timing"][rate][name]
+                update_s = timed["update_s"]
+                on_link = timed.get("runs", {}).get(seed)
+                if on_link is not None:
+                    seconds = {int(u): t for u, t in on_link["training_s"].items()}
+                    points = [(seconds[u], loss) for u, loss in
+                              zip(on_link["heldout_updates"], on_link["heldout_loss"]) if u in seconds]
+                    ax.plot(*zip(*points), color=colors[name], lw=1, ls="-.")
+                    continue
                 longer = results["convergence"].get(f"{key}/updates{args_long(results)}")
                 for record, style in ((results["convergence"][key], "-"), (longer, "--")):
                     if record is None:
@@ -824,7 +834,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     sequences = results["settings"]["sequences_per_update"]
     fig.suptitle(f"ACCO, DiLoCo and synchronous DDP, 2 replicas, {sequences} x 64 tokens per update, each "
                  "arm at its best lr, 2 seeds (dotted: the synchronous final loss per seed; "
-                 "dashed: DiLoCo's long runs)", fontsize=9)
+                 "dashed: DiLoCo's long runs; dash-dot: a run on the link itself)", fontsize=9)
     harness.save_figure(fig, path)
 
 
@@ -835,7 +845,8 @@ def training_seconds(record: dict, rounds_per_update: int,
     training instead, the steps up to the first logged one counted at the run's median step
     time (as a timed arm's updates are: its update time from update 0)."""
     ts = dict(zip(record["step"], record["step_ts"]))
-    points = [u * rounds_per_update for u in record["heldout_updates"]]  # validated after these
+    points = record.get("heldout_steps") or [  # validated after these steps
+        u * rounds_per_update for u in record["heldout_updates"]]  # (a record from before)
     validation_s = {s: h - ts[s] for s, h in zip(points, record["heldout_ts"])}
     first = min(ts)
     logged = sorted(ts)
@@ -914,7 +925,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--figure", type=pathlib.Path, default=None,
         help="default: beside --out (docs/figures/ for the published result file)")  # fmt: skip
     args = parser.parse_args(argv)
-    args.figure = args.figure or harness.figure_file(args.out, "diloco_vs_acco")
+    # a published result file's figure is docs/figures/<its name>.png (diloco_window too)
+    args.figure = args.figure or harness.figure_file(args.out, args.out.stem)
     # Ctrl-C, and a kill, end the benchmark through its cleanup (every process it started),
     # also when it was started in the background, where a shell ignores SIGINT
     signal.signal(signal.SIGINT, signal.default_int_handler)

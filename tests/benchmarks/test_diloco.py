@@ -240,3 +240,16 @@ def test_an_auto_that_chose_another_schedule_on_the_link_is_timed_by_its_run_the
     assert on_link["time_to_target_s"][0] == pytest.approx(30 + 10 * 0.05 / 0.07)
     assert on_link["time_to_target_3q_s"][0] == pytest.approx(28.0)
     assert on_link["updates_to_target_3q"][0] == pytest.approx(56.0)
+
+
+def test_a_runs_training_seconds_leave_out_its_validations_from_its_logged_steps() -> None:
+    """acco logs every 10 steps on a link and is scored after steps 1, 40 and 80 (updates 0,
+    20 and 40): a second per step, 5 s per validation. Each held-out point's training time
+    counts the steps from the run's start, its validations left out."""
+    ts = {1: 0.0, 10: 14.0, 20: 24.0, 30: 34.0, 40: 44.0, 50: 59.0, 60: 69.0, 70: 79.0, 80: 89.0}
+    record = {"step": list(ts), "step_ts": list(ts.values()), "heldout_updates": [0, 20, 40],
+              "heldout_steps": [1, 40, 80], "heldout_ts": [5.0, 49.0, 94.0]}  # fmt: skip
+    assert diloco.training_seconds(record, rounds_per_update=2, from_zero=True) == {
+        20: pytest.approx(40.0), 40: pytest.approx(80.0)}
+    assert diloco.training_seconds(record, rounds_per_update=2) == {
+        20: pytest.approx(39.0), 40: pytest.approx(79.0)}
