@@ -46,14 +46,17 @@ logger = logging.getLogger("acco_hooks")
 # Rounds ignored while the process warms up (allocations, the first collectives), then measured.
 WARMUP_ROUNDS, MEASURED_ROUNDS = 2, 4
 
-# Where C > 2K and the batch cannot grow, communicating less often is the alternative: on every
-# link with C above 2K, torchft's DiLoCo reached synchronous training's held-out loss first in
-# the project's comparison (benchmarks/diloco.py, docs/results/diloco_vs_acco.json; the regime
-# map in docs/when_acco_helps.md), and on none below it.
+# Where C > 2K and the batch cannot grow, communicating less often is the alternative: in the
+# project's comparison (benchmarks/diloco.py; the regime map in docs/when_acco_helps.md)
+# torchft's DiLoCo reached synchronous training's held-out loss first on every link with C
+# above 2K at one micro-batch per round (docs/results/diloco_vs_acco.json) and level with it
+# at C = 3K with two (docs/results/diloco_window.json, first on one seed of two), and on no
+# link below 2K.
 DILOCO_ADVICE = (
     ". If the batch cannot grow, synchronize less often: torchft's DiLoCo reached synchronous "
-    "training's held-out loss first wherever C > 2K in docs/when_acco_helps.md ('Beside "
-    "DiLoCo'); in torchtitan: [fault_tolerance] enable = true, semi_sync_method = \"diloco\", "
+    "training's held-out loss first, or level with it, wherever C > 2K in "
+    "docs/when_acco_helps.md ('Beside DiLoCo'); in torchtitan: [fault_tolerance] enable = "
+    "true, semi_sync_method = \"diloco\", "
     "sync_steps = 20, one job per replica group and a torchft lighthouse"
 )
 
