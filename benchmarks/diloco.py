@@ -574,9 +574,7 @@ def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
                         reached = None
                         if "runs" in measured and str(seed) in measured["runs"]:
                             run = measured["runs"][str(seed)]
-                            reached = seconds_to({int(u): t for u, t in run["training_s"].items()},
-                                                 run["heldout_updates"], run["heldout_loss"],
-                                                 target)  # fmt: skip
+                            reached = seconds_to(run, target)
                         elif name in best and "schedule_differs" not in row:
                             updates, _ = updates_to_target(results, name, seed, target)
                             reached = None if updates is None else updates * measured["update_s"]
@@ -688,9 +686,7 @@ def summary(results: dict, seeds: Sequence[int]) -> dict:
                     for suffix, target in goals.items():
                         row[f"updates_to_target{suffix}"][seed] = updates_to(
                             on_link["heldout_updates"], on_link["heldout_loss"], target)
-                        row[f"time_to_target{suffix}_s"][seed] = seconds_to(
-                            {int(u): t for u, t in on_link["training_s"].items()},
-                            on_link["heldout_updates"], on_link["heldout_loss"], target)
+                        row[f"time_to_target{suffix}_s"][seed] = seconds_to(on_link, target)
                     continue
                 record = results["convergence"][results["best"][str(seed)][name]]
                 row["heldout_loss_final"][seed] = record["heldout_loss"][-1]
@@ -813,10 +809,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
                 update_s = timed["update_s"]
                 on_link = timed.get("runs", {}).get(seed)
                 if on_link is not None:
-                    seconds = {int(u): t for u, t in on_link["training_s"].items()}
-                    points = [(seconds[u], loss) for u, loss in
-                              zip(on_link["heldout_updates"], on_link["heldout_loss"]) if u in seconds]
-                    ax.plot(*zip(*points), color=colors[name], lw=1, ls="-.")
+                    ax.plot(*zip(*timed_curve(on_link)), color=colors[name], lw=1, ls="-.")
                     continue
                 longer = results["convergence"].get(f"{key}/updates{args_long(results)}")
                 for record, style in ((results["convergence"][key], "-"), (longer, "--")):
@@ -858,11 +851,18 @@ def training_seconds(record: dict, rounds_per_update: int,
             for u, s in zip(record["heldout_updates"], points) if s > first}  # fmt: skip
 
 
-def seconds_to(seconds: dict[int, float], updates: Sequence[int], losses: Sequence[float],
-               target: float) -> float | None:  # fmt: skip
-    """The training seconds at which a held-out curve reaches ``target``, linear between its
-    points (``seconds``: :func:`training_seconds`); None if it does not."""
-    points = [(seconds[u], loss) for u, loss in zip(updates, losses) if u in seconds]
+def timed_curve(run: dict) -> list[tuple[float, float]]:
+    """A run on a link (:func:`train_on_link`): its training seconds and held-out loss at each
+    held-out point that :func:`training_seconds` timed (JSON keeps its keys as strings)."""
+    seconds = {int(u): t for u, t in run["training_s"].items()}
+    return [(seconds[u], loss) for u, loss in zip(run["heldout_updates"], run["heldout_loss"])
+            if u in seconds]  # fmt: skip
+
+
+def seconds_to(run: dict, target: float) -> float | None:
+    """The training seconds at which a run on a link reaches ``target``, linear between its
+    held-out points; None if it does not."""
+    points = timed_curve(run)
     return updates_to([t for t, _ in points], [loss for _, loss in points], target)
 
 
