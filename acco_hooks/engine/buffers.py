@@ -1,7 +1,8 @@
-"""The flat buffer layout: how the engine's parameter groups are laid out, sharded and buffered.
+"""The engine's buffers: each parameter group's padded vector, its shards and their memory.
 
-A group's parameters are laid end to end in one flat vector padded with zeros to a multiple of
-the data-parallel world size N; rank r owns elements ``[r*shard, (r+1)*shard)``. Each group has:
+A group's parameters lie in one padded vector of N shards (N: the data-parallel world size),
+where its :class:`~acco_hooks.engine.layout.ShardLayout` puts them (end to end, or each whole in
+one rank's shard); rank r owns elements ``[r*shard, (r+1)*shard)``. Each group has:
 
 ====================  ===========  ========================================================
 buffer                size, dtype  role
@@ -52,6 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from acco_hooks.engine.layout import ShardLayout, flat_layout
 
 __all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
            "normalize_param_groups"]  # fmt: skip
@@ -107,15 +110,15 @@ def normalize_param_groups(
 
 
 class GroupBuffers:
-    """The flat, padded buffers of one parameter group, and their per-parameter views.
+    """The padded buffers of one parameter group, and their per-parameter views.
 
-    The group's parameters are laid end to end in one flat vector padded with zeros to a
-    multiple of the world size; rank r owns elements ``[r*shard, (r+1)*shard)`` of it.
+    The group's parameters lie in one padded vector where ``layout`` puts them; rank r owns
+    elements ``[r*shard, (r+1)*shard)`` of it.
     """
 
     __slots__ = (
         # Layout (``locals``: the tensors holding this rank's data; a DTensor's local shard)
-        "params", "locals", "names", "padded_numel", "shard_numel", "gather_dtype",
+        "params", "locals", "names", "layout", "padded_numel", "shard_numel", "gather_dtype",
         # Slices of this rank's shard whose squared norm counts less than once in the global
         # gradient norm: parameters replicated over a mesh dimension outside the data-parallel one
         "norm_discounts",
@@ -130,25 +133,25 @@ class GroupBuffers:
     def __init__(
         self, params: list[Tensor], names: list[str], world_size: int, rank: int,
         reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...], carry: bool = False,
-        wire_bytes: Callable[[int], int] | None = None,
+        wire_bytes: Callable[[int], int] | None = None, layout: ShardLayout | None = None,
     ) -> None:  # fmt: skip
         """``wire_bytes(n)``: the most bytes n values take in a narrow format the engine may
-        send its estimate in (None: it never does)."""
+        send its estimate in (None: it never does). ``layout``: where the parameters lie in
+        the vector (default: the flat layout)."""
         self.params, self.names = params, names
         self.locals = [local_tensor(p) for p in params]
         device = self.locals[0].device
-        numel = sum(t.numel() for t in self.locals)
-        self.shard_numel = max(1, math.ceil(numel / world_size))
-        self.padded_numel = self.shard_numel * world_size
+        if layout is None:
+            layout = flat_layout([t.numel() for t in self.locals], world_size)
+        self.layout = layout
+        self.shard_numel, self.padded_numel = layout.shard_numel, layout.padded_numel
         dtypes = {t.dtype for t in self.locals}
         self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self.norm_discounts = _norm_discounts(
-            params, self.locals, rank, self.shard_numel, data_parallel_ranks
-        )
+        self.norm_discounts = _norm_discounts(params, layout, rank, data_parallel_ranks)
 
         # Gradients accumulate in fp32 whatever the model dtype; the padding stays zero.
         self.accumulator = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        self.accumulator_views = _split(self.accumulator, self.locals)
+        self.accumulator_views = self.views(self.accumulator)
         # The reduce-scatter reads the payload once, before the all-gather writes the new
         # parameters: one byte buffer serves as both, so ACCO costs one model-sized buffer.
         itemsize = max(reduce_dtype.itemsize, self.gather_dtype.itemsize)
@@ -160,7 +163,7 @@ class GroupBuffers:
         self.gathered = raw[: self.padded_numel * self.gather_dtype.itemsize].view(
             self.gather_dtype
         )
-        self.gathered_views = _split(self.gathered, self.locals)
+        self.gathered_views = self.views(self.gathered)
 
         self.shard_sum = torch.empty(self.shard_numel, dtype=reduce_dtype, device=device)
         self.gather_input = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=device)
@@ -175,6 +178,11 @@ class GroupBuffers:
             self.encoded_shard = torch.empty(wire_bytes(self.shard_numel), dtype=torch.uint8,
                                              device=device)  # fmt: skip
         self.reset_master(rank)
+
+    def views(self, vector: Tensor) -> list[Tensor]:
+        """Each parameter's place in ``vector`` (one of the group's padded vectors), shaped as
+        its local tensor."""
+        return self.layout.views(vector, [t.shape for t in self.locals])
 
     def copy_gathered_into_params(self, difference: bool = False) -> None:
         """The live parameters become ``gathered``; with ``difference``, ``gathered`` holds
@@ -196,10 +204,10 @@ class GroupBuffers:
     @torch.no_grad()
     def shard_of(self, tensors: list[Tensor], rank: int) -> Tensor:
         """Rank ``rank``'s fp32 shard of ``tensors``, one per parameter and shaped as its local
-        tensor, laid end to end as the parameters are (the padding zero)."""
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.accumulator.device)
-        torch._foreach_copy_(_split(flat, self.locals), list(tensors))
-        return flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        tensor, laid out as the parameters are (the padding zero)."""
+        vector = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.accumulator.device)
+        torch._foreach_copy_(self.views(vector), list(tensors))
+        return vector[rank * self.shard_numel : (rank + 1) * self.shard_numel]
 
     def moved_params(self) -> list[str]:
         """Names of parameters whose storage is no longer the one the buffers were laid over.
@@ -327,14 +335,6 @@ def local_tensor(param: Tensor) -> Tensor:
     return local.detach()
 
 
-def _split(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
-
-
 def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
     """On how many ranks outside the data-parallel group a parameter's local values repeat.
 
@@ -355,16 +355,13 @@ def _replication(param: Tensor, data_parallel_ranks: tuple[int, ...]) -> int:
 
 
 def _norm_discounts(
-    params: list[Tensor], locals_: list[Tensor], rank: int, shard_numel: int,
-    data_parallel_ranks: tuple[int, ...],
-) -> list[tuple[int, int, float]]:  # fmt: skip
+    params: list[Tensor], layout: ShardLayout, rank: int, data_parallel_ranks: tuple[int, ...]
+) -> list[tuple[int, int, float]]:
     """``(start, end, 1 - 1/replication)`` for shard slices of replicated parameters."""
-    discounts, offset = [], 0
-    shard_start, shard_end = rank * shard_numel, (rank + 1) * shard_numel
-    for param, local in zip(params, locals_):
-        replication = _replication(param, data_parallel_ranks)
-        start, end = max(offset, shard_start), min(offset + local.numel(), shard_end)
-        if replication > 1 and start < end:
-            discounts.append((start - shard_start, end - shard_start, 1.0 - 1.0 / replication))
-        offset += local.numel()
+    discounts = []
+    for piece in layout.pieces(rank):
+        replication = _replication(params[piece.index], data_parallel_ranks)
+        if replication > 1:
+            discounts.append((piece.at_shard, piece.at_shard + piece.numel,
+                              1.0 - 1.0 / replication))  # fmt: skip
     return discounts

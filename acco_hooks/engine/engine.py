@@ -4,7 +4,8 @@ This module is the one place where the algorithm's schedule lives; the front-end
 (``ACCOOptimizer``, the DDP hook, the torchtitan and Hugging Face trainers) only build its
 settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The contract is
 ``docs/algorithm.md``. Beside it in this folder: ``settings`` (every setting, its
-allowed values and its check), ``buffers`` (the flat buffer layout and its memory),
+allowed values and its check), ``buffers`` (each group's padded vector and its memory), ``layout``
+(where a group's parameters lie in that vector: flat, or each whole on one rank),
 ``communication`` (the thread, its process groups and the job it runs each round),
 ``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step the
 flat shard), ``ownership`` (one engine per parameter), ``state`` (what a rank's state is, how it

@@ -2,9 +2,10 @@
 shard and load it into a run of another shape.
 
 The engine keeps its per-element state (the fp32 master, the optimizer's moments, acco's carried
-half-batch, the pending result) in flat shards: a parameter group's local parameter tensors
-laid end to end make a vector of Φ elements, and rank r of the N data-parallel ranks owns
-elements ``[r*s, (r+1)*s)`` of it, s = ⌈Φ/N⌉ (``buffers``).
+half-batch, the pending result) in shards: a parameter group's local parameter tensors lie in a
+padded vector of N shards, and rank r of the N data-parallel ranks owns shard r (``buffers``);
+where each tensor lies is the group's ``layout``: end to end (flat), or each whole in one
+rank's shard.
 
 Checkpoint coordinates are those of the *part vector*: the group's parameters laid end to end as
 one model part holds them, before FSDP shards them, i.e. restricted to this rank's coordinates on
@@ -13,8 +14,8 @@ pipeline stage's parameters). Each part's vector has a key of its own: the group
 parameter name and those coordinates. Resharding therefore changes the data-parallel degree N
 and the FSDP degree S; another tensor- or pipeline-parallel degree changes what the parts are.
 
-* **Without FSDP** (S = 1) the local vector is the part vector, and rank r's range is exactly
-  how ``torch.chunk`` splits it, so how a ``DTensor`` of global shape ``(Φ,)`` with placement
+* **Without FSDP** (S = 1), in the flat layout, the local vector is the part vector, and rank
+  r's range is exactly how ``torch.chunk`` splits it, so how a ``DTensor`` of global shape ``(Φ,)`` with placement
   ``Shard(0)`` over the data-parallel group places it. Handed to DCP as such a DTensor, each
   shard is saved under the key with its offset (no rank's is dropped as a duplicate, as plain
   tensors under one key are), and ``dcp.load`` into the DTensor of a run with another N reads,
@@ -27,6 +28,10 @@ and the FSDP degree S; another tensor- or pipeline-parallel degree changes what 
   layout of every rank gathered once when the engine is built. DCP reads and writes those
   ranges the same way, so a run with another N or S loads the ranges it holds. The coordinates
   are those of the DTensor case, and each format loads the other.
+* **Whole parameters** (no FSDP): a rank's shard holds the parameters it owns, each a
+  contiguous range of the part vector: a ``ShardedTensor`` as with FSDP, every rank's ranges
+  known from the layout. The coordinates are the part vector's in both layouts, so each loads
+  the other's state, on any N.
 
 A layout FSDP2 did not make this way (a parameter sharded on another dimension, or replicated
 over the FSDP ranks) keeps one vector per FSDP rank: its key carries the FSDP coordinate, and
@@ -37,6 +42,7 @@ Without ``torch.distributed`` (one local worker) each vector is a plain tensor.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -126,14 +132,21 @@ class ShardPlacement:
             split = _agreed(split, count_group)
         if split is not None:
             self.part_numels = [sum(n for n, _ in parts) for parts in split]
-            self.pieces = [
-                _ranges_in_part(g, parts, start, end)
-                for g, parts, (start, end) in zip(buffers, split, self.ranges)
-            ]  # fmt: skip
+            self.pieces = [_ranges_in_part(g, parts, rank) for g, parts in zip(buffers, split)]
             mine = [tuple((off, n) for off, _, n in ps) for ps in self.pieces]
             every = [None] * dist.get_world_size(count_group)
             dist.all_gather_object(every, (dist.get_rank(), mine), group=count_group)
             self.layouts = [[(r, pieces[gi]) for r, pieces in every] for gi in range(len(buffers))]
+        elif data_group is not None and any(g.layout.whole for g in buffers):
+            # Whole parameters: a rank's shard holds a few ranges of the part vector, one per
+            # parameter it owns; every rank's are the layout's, known here without a gather.
+            parts = [[(t.numel(), 0) for t in g.locals] for g in buffers]
+            self.pieces = [_ranges_in_part(g, p, rank) for g, p in zip(buffers, parts)]
+            self.layouts = [
+                [(peer, tuple((off, n) for off, _, n in _ranges_in_part(g, p, r)))
+                 for r, peer in enumerate(data_parallel_ranks)]
+                for g, p in zip(buffers, parts)
+            ]  # fmt: skip
         # Whether a run of another FSDP degree can load this state: the vectors are the part
         # vectors (one FSDP rank holds the whole part)
         self.reshards_fsdp = split is not None or len(fsdp_ranks) <= 1
@@ -206,11 +219,12 @@ class ShardPlacement:
                     at = _find(self.pieces[gi], shard.metadata.shard_offsets[0])
                     if shard.tensor.data_ptr() != flat[at:].data_ptr():  # else loaded in place
                         flat[at : at + shard.tensor.numel()].copy_(shard.tensor)
+                _zero_outside(flat, self.pieces[gi])
             else:
                 data = _local(source)
                 if data.data_ptr() != flat.data_ptr():  # else DCP loaded in place
                     flat[: end - start].copy_(data)
-            flat[end - start :].zero_()
+                flat[end - start :].zero_()
 
 
 # ------------------------------------------------------------------ the FSDP pieces
@@ -252,18 +266,23 @@ def _agreed(split: list[Any], group: dist.ProcessGroup | None) -> list[Any] | No
 
 
 def _ranges_in_part(
-    g: GroupBuffers, split: list[tuple[int, int]], start: int, end: int
+    g: GroupBuffers, split: list[tuple[int, int]], rank: int
 ) -> list[tuple[int, int, int]]:
-    """(offset in the part vector, offset in the flat shard, length) of each piece of this
-    rank's range ``[start, end)`` of its local vector."""
-    out, local_at, part_at = [], 0, 0
-    for local, (part_numel, piece_at) in zip(g.locals, split):
-        lo, hi = max(start, local_at), min(end, local_at + local.numel())
-        if lo < hi:
-            out.append((part_at + piece_at + lo - local_at, lo - start, hi - lo))
-        local_at += local.numel()
-        part_at += part_numel
-    return out
+    """(offset in the part vector, offset in the shard, length) of each piece of the
+    parameters in ``rank``'s shard; ``split``: per parameter, the elements of its part and
+    where this rank's local tensor starts among them."""
+    part_at = [0, *itertools.accumulate(n for n, _ in split)]
+    return [(part_at[p.index] + split[p.index][1] + p.at_tensor, p.at_shard, p.numel)
+            for p in g.layout.pieces(rank)]  # fmt: skip
+
+
+def _zero_outside(flat: Tensor, pieces: list[tuple[int, int, int]]) -> None:
+    """Zero the elements of ``flat`` that no piece holds: the padding."""
+    at = 0
+    for _, start, n in sorted(pieces, key=lambda piece: piece[1]):
+        flat[at:start].zero_()
+        at = start + n
+    flat[at:].zero_()
 
 
 def _pieces_of(tensor: ShardedTensor) -> Pieces:

@@ -546,12 +546,10 @@ def save_live_parameters(engine: ACCOEngine) -> dict[str, Any]:
     for g in engine._buffers:
         shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=engine.device)
         tensors = g.locals if live is None else [live[n] for n in g.names]
-        start, offset = engine.rank * g.shard_numel, 0
-        for tensor in tensors:  # the parts of this rank's range each parameter holds
-            lo, hi = max(start, offset), min(start + g.shard_numel, offset + tensor.numel())
-            if lo < hi:
-                shard[lo - start : hi - start] = tensor.reshape(-1)[lo - offset : hi - offset]
-            offset += tensor.numel()
+        for piece in g.layout.pieces(engine.rank):  # the parts of the parameters in this shard
+            shard[piece.at_shard : piece.at_shard + piece.numel] = (
+                tensors[piece.index].reshape(-1)[piece.at_tensor : piece.at_tensor + piece.numel]
+            )
         shards.append(shard)
     return engine._placement.chunks(shards)
 
@@ -565,11 +563,8 @@ def load_live_parameters(engine: ACCOEngine, state: dict[str, Any]) -> None:
                 for g in engine._buffers]  # fmt: skip
     engine._run_on_thread(all_gather_into, gathered, shards, engine._groups)
     with torch.no_grad():
-        for g, flat in zip(engine._buffers, gathered):
-            offset = 0
-            for tensor in g.locals:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        for g, vector in zip(engine._buffers, gathered):
+            torch._foreach_copy_(g.locals, g.views(vector))
 
 
 # ---------------------------------------------------------------- handed to a joining group
