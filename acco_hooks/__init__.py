@@ -31,7 +31,10 @@ from acco_hooks.engine import (  # noqa: E402
     EngineSettings,
     SettingError,
 )
-from acco_hooks.engine.shard_optimizer import declare_per_element_optimizer  # noqa: E402
+from acco_hooks.engine.shard_optimizer import (  # noqa: E402
+    declare_per_element_optimizer,
+    declare_per_parameter_optimizer,
+)
 from acco_hooks.optim import ACCOHSDPOptimizer, ACCOOptimizer  # noqa: E402
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "acco_hook",
     "check_supported_versions",
     "declare_per_element_optimizer",
+    "declare_per_parameter_optimizer",
     "delayed_allreduce_hook",
     "label_tokens",
 ]

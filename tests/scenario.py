@@ -29,20 +29,66 @@ class TinyNet(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x))) * self.gain
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> TinyNet:
+class DeepNet(nn.Module):
+    """Four linear layers of different shapes and a scalar gain: matrices of 35 to 42 weights,
+    enough of them that 4 ranks each own one whole (Muon's parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in ((5, 7), (7, 6), (6, 7), (7, 3))
+        )
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return self.layers[-1](x) * self.gain
+
+
+def make_model(dtype: torch.dtype = torch.float32, model: str = "tiny") -> nn.Module:
     torch.manual_seed(1234)
-    return TinyNet().to(dtype)
+    return (DeepNet() if model == "deep" else TinyNet()).to(dtype)
 
 
-def param_groups(model: nn.Module, two_groups: bool) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (the usual LLM recipe) or one group."""
+# Muon's options for the matrices (torch.optim.Muon): the rest take the AdamW of "adamw"
+MUON = dict(lr=5e-2, momentum=0.9, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
+
+
+def param_groups(model: nn.Module, two_groups: bool, muon: bool = False) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (the usual LLM recipe) or one group; with ``muon``, the
+    matrices stepped by ``torch.optim.Muon`` (its group names the class, as acco_hooks takes
+    it) and the rest by the run's optimizer."""
     named = list(model.named_parameters())
     if not two_groups:
         return [{"params": named}]
+    matrices = {"optimizer_class": torch.optim.Muon, **MUON} if muon else {}
     return [
-        {"params": [(n, p) for n, p in named if p.ndim == 2]},
+        {"params": [(n, p) for n, p in named if p.ndim == 2], **matrices},
         {"params": [(n, p) for n, p in named if p.ndim != 2], "weight_decay": 0.0},
     ]
+
+
+class MuonAndAdamW:
+    """The reference's optimizer for ``optimizer="muon"``: torch's Muon over the matrices and
+    AdamW over the rest, two plain torch optimizers stepped one after the other."""
+
+    def __init__(self, groups: list[dict[str, Any]], **adamw: Any) -> None:
+        (matrices, rest) = groups
+        matrices = {k: v for k, v in matrices.items() if k != "optimizer_class"}
+        self.parts = [torch.optim.Muon([matrices]), torch.optim.AdamW([rest], **adamw)]
+        self.param_groups = [g for part in self.parts for g in part.param_groups]
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [part.state_dict() for part in self.parts]
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        for part, state in zip(self.parts, states):
+            part.load_state_dict(state)
 
 
 def microbatch_loss(model: nn.Module, rank: int, round_index: int, micro: int) -> torch.Tensor:
@@ -82,11 +128,14 @@ class Config:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     # The engine run's estimate round on the wire (acco_hooks' estimate_dtype); None: exact.
     estimate_dtype: str | None = None
+    model: str = "tiny"  # or "deep" (DeepNet)
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)),
     "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    # Muon on the matrices (MUON), this AdamW on the rest
+    "muon": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)),
 }
 
 
@@ -96,14 +145,14 @@ def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSch
 
 def reference_run(cfg: Config) -> dict[str, Any]:
     """The spec's recursion for ``cfg.mode``; returns the final real parameters θ by name."""
-    model = make_model(torch.float32)
+    model = make_model(torch.float32, cfg.model)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
-    groups = [
-        {**g, "params": [p for _, p in g["params"]]} for g in param_groups(model, cfg.two_groups)
-    ]
-    opt = opt_class(groups, **kwargs)
+    muon = cfg.optimizer == "muon"
+    groups = [{**g, "params": [p for _, p in g["params"]]}
+              for g in param_groups(model, cfg.two_groups, muon)]  # fmt: skip
+    opt = MuonAndAdamW(groups, **kwargs) if muon else opt_class(groups, **kwargs)
     sched = make_scheduler(opt) if cfg.scheduler else None
 
     def set_params(values: list[torch.Tensor]) -> None:
@@ -173,10 +222,10 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     """One rank of the same training with ``ACCOOptimizer`` (run under ``run_distributed``)."""
     from acco_hooks import ACCOOptimizer
 
-    model = make_model(cfg.dtype).to(cfg.device)
+    model = make_model(cfg.dtype, cfg.model).to(cfg.device)
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = ACCOOptimizer(
-        param_groups(model, cfg.two_groups),
+        param_groups(model, cfg.two_groups, cfg.optimizer == "muon"),
         opt_class,
         mode=cfg.mode,
         accumulation_steps=cfg.micro[rank],

@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from acco_hooks.engine.layout import ShardLayout, flat_layout
+from acco_hooks.engine.layout import ShardLayout, flat_layout, whole_parameter_layout
+from acco_hooks.engine.shard_optimizer import build_shard_optimizer
 
 __all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
            "normalize_param_groups"]  # fmt: skip
@@ -118,7 +119,7 @@ class GroupBuffers:
 
     __slots__ = (
         # Layout (``locals``: the tensors holding this rank's data; a DTensor's local shard)
-        "params", "locals", "names", "layout", "padded_numel", "shard_numel", "gather_dtype",
+        "params", "locals", "names", "layout", "rank", "padded_numel", "shard_numel", "gather_dtype",
         # Slices of this rank's shard whose squared norm counts less than once in the global
         # gradient norm: parameters replicated over a mesh dimension outside the data-parallel one
         "norm_discounts",
@@ -126,6 +127,9 @@ class GroupBuffers:
         "accumulator", "accumulator_views", "comm_input", "gathered", "gathered_views",
         # Shard-size buffers (the communication side); ``carried`` in acco only
         "shard_sum", "master", "gather_input", "carried",
+        # What the shard optimizer steps: the master itself (flat), or a view of it per
+        # parameter this rank owns, in the parameter's shape (whole parameters)
+        "stepped",
         # A narrow estimate round's (``wire``): None when the engine never sends one
         "wire_front", "wire_tail", "difference", "encoded_shard",
     )  # fmt: skip
@@ -143,7 +147,7 @@ class GroupBuffers:
         device = self.locals[0].device
         if layout is None:
             layout = flat_layout([t.numel() for t in self.locals], world_size)
-        self.layout = layout
+        self.layout, self.rank = layout, rank
         self.shard_numel, self.padded_numel = layout.shard_numel, layout.padded_numel
         dtypes = {t.dtype for t in self.locals}
         self.gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -178,6 +182,16 @@ class GroupBuffers:
             self.encoded_shard = torch.empty(wire_bytes(self.shard_numel), dtype=torch.uint8,
                                              device=device)  # fmt: skip
         self.reset_master(rank)
+        self.stepped = self.shard_views(self.master)
+
+    def shard_views(self, shard: Tensor) -> list[Tensor]:
+        """What of ``shard`` (one of this rank's shard-sized buffers) the optimizer steps, as
+        :attr:`stepped` is of the master: ``shard`` itself in the flat layout; in the
+        whole-parameter layout a view per parameter this rank owns, in its local shape."""
+        if not self.layout.whole:
+            return [shard]
+        return [shard[p.at_shard : p.at_shard + p.numel].view(self.locals[p.index].shape)
+                for p in self.layout.pieces(self.rank)]  # fmt: skip
 
     def views(self, vector: Tensor) -> list[Tensor]:
         """Each parameter's place in ``vector`` (one of the group's padded vectors), shaped as
@@ -228,8 +242,9 @@ def build_shard(
     wire_bytes: Callable[[int], int] | None,
     optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+    classes: list[type] | None = None, whole: list[bool] | None = None,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
-    """Lay each parameter group out in flat buffers; build the shard optimizer (and its
+    """Lay each parameter group out in its buffers; build the shard optimizer (and its
     scheduler) over this rank's fp32 master shard.
 
     Takes no process group: a traceback through a refused optimizer argument must not keep the
@@ -243,28 +258,37 @@ def build_shard(
         wire_bytes: the bytes of ``n`` values in the widest narrower estimate format, or
             ``None`` when no estimate travels narrower (no wire buffers).
         optimizer_class, optimizer_kwargs, lr_scheduler: the shard optimizer and its scheduler.
+        classes: each group's optimizer class (default: ``optimizer_class`` for every group).
+        whole: per group, whether it lies on the whole-parameter layout (default: flat).
 
     Returns:
         ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group that
         has parameters; the optimizer has every group, at its index.
     """
+    whole = whole or [False] * len(param_groups)
     buffers = [
         GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks,
-                     carry, wire_bytes)  # fmt: skip
-        for g in param_groups if g["params"]
+                     carry, wire_bytes, _layout(g["params"], world_size, kept))  # fmt: skip
+        for g, kept in zip(param_groups, whole) if g["params"]
     ]
     # every group, at its index: an empty one (all its parameters frozen) steps nothing
-    masters = iter(b.master for b in buffers)
+    stepped = iter(b.stepped for b in buffers)
     shard_groups = [
         {**{k: v for k, v in g.items() if k not in ("params", "names")},
-         "params": [next(masters)] if g["params"] else []}
+         "params": next(stepped) if g["params"] else []}
         for g in param_groups
     ]  # fmt: skip
-    optimizer = optimizer_class(shard_groups, **optimizer_kwargs)
+    optimizer = build_shard_optimizer(optimizer_class, classes or [optimizer_class] * len(
+        param_groups), shard_groups, optimizer_kwargs)  # fmt: skip
     scheduler = None if lr_scheduler is None else lr_scheduler(optimizer)
     if scheduler is not None:
         _check_scheduler(scheduler)
     return buffers, optimizer, scheduler
+
+
+def _layout(params: list[Tensor], world_size: int, whole: bool) -> ShardLayout:
+    numels = [local_tensor(p).numel() for p in params]
+    return (whole_parameter_layout if whole else flat_layout)(numels, world_size)
 
 
 def _check_scheduler(scheduler: Any) -> None:

@@ -579,6 +579,9 @@ def communicate(
             total.add_(g.carried)
         g.master.grad = total.div_(global_count)
         grads.append(g.master.grad)
+        if g.layout.whole:  # each parameter this rank owns, stepped in its shape
+            for param, grad in zip(g.stepped, g.shard_views(total)):
+                param.grad = grad
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = _clip_(grads, buffers, max_grad_norm, groups.norm)
@@ -592,7 +595,7 @@ def communicate(
             g.gather_input.copy_(g.master)
     elif wire is not None:  # θ̃ − θ, narrow: θ stays exact on every rank
         with record_function("acco::estimate_step"):
-            peek(optimizer, [g.difference for g in buffers])
+            peek(optimizer, _estimate_outputs(buffers, "difference"))
         with record_function("acco::all_gather"):
             for g in buffers:
                 all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
@@ -601,11 +604,24 @@ def communicate(
                            True, choice, unit_weights)  # fmt: skip
     else:
         with record_function("acco::estimate_step"):
-            peek(optimizer, [g.gather_input for g in buffers])
+            peek(optimizer, _estimate_outputs(buffers, "gather_input"))
     with record_function("acco::all_gather"):
         all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
                        time.perf_counter() - start, False, choice, unit_weights)  # fmt: skip
+
+
+def _estimate_outputs(buffers: list[GroupBuffers], name: str) -> list[Tensor]:
+    """Where the estimate step writes θ̃, one tensor per tensor the optimizer steps: the shard
+    buffer ``name`` itself (flat), or its view per parameter this rank owns (whole parameters;
+    the rest of the buffer, the padding, becomes the master's)."""
+    outputs = []
+    for g in buffers:
+        shard = getattr(g, name)
+        if g.layout.whole:
+            shard.copy_(g.master)
+        outputs += g.shard_views(shard)
+    return outputs
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

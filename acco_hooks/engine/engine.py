@@ -93,6 +93,7 @@ from acco_hooks.engine.communication import (
     release_communication,
     round_weights,
 )
+from acco_hooks.engine.layout import ShardLayout
 from acco_hooks.engine.peek import has_functional_peek
 from acco_hooks.engine.placement import ShardPlacement
 from acco_hooks.engine.replicas import GroupFellBehind, ReplicaGroups
@@ -103,7 +104,7 @@ from acco_hooks.engine.schedule import (
     candidate_schedules,
 )
 from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
-from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizer
+from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizers, state_index
 from acco_hooks.engine.state import (
     handover_state,
     load_handover,
@@ -195,7 +196,7 @@ class ACCOEngine:
         # The worker thread's process groups, and this rank's place in them
         "_groups", "world_size", "rank", "fsdp_world_size",
         # Buffers (one per parameter group), the shard optimizer and how its state is saved
-        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler", "_state_layout",
+        "_buffers", "_slot_of", "_frozen", "optimizer", "lr_scheduler", "_state_layouts",
         # Where each element of the shards lives in the model, for checkpoints
         "_placement",
         # The worker thread, the gradient hooks, and what close() (or a finalizer) releases
@@ -252,13 +253,26 @@ class ACCOEngine:
             )
         self.settings = settings
         param_groups, self._frozen = normalize_param_groups(params)
-        trained = [g for g in param_groups if g["params"]]  # the others are all frozen
-        self.device = trained[0]["params"][0].device
-        # Refused here, before any process group exists, unless its step is per element
-        self._state_layout: ShardStateLayout = check_optimizer(
-            optimizer_class, [{k: v for k, v in g.items() if k not in ("params", "names")}
-                              for g in trained], optimizer_kwargs, self.device,
-            [[tuple(local_tensor(p).shape) for p in g["params"]] for g in trained],
+        # a group may name its own class ("optimizer_class": Muon for the matrices)
+        classes = [g.pop("optimizer_class", optimizer_class) for g in param_groups]
+        trained = [gi for gi, g in enumerate(param_groups) if g["params"]]  # others: all frozen
+        self.device = param_groups[trained[0]]["params"][0].device
+        # Refused here, before any process group exists, unless its step is per element (a
+        # flat shard) or per parameter (whole parameters, each on one rank)
+        layouts = check_optimizers(
+            optimizer_class, [classes[gi] for gi in trained],
+            [{k: v for k, v in param_groups[gi].items() if k not in ("params", "names")}
+             for gi in trained], optimizer_kwargs, self.device,
+            [[tuple(local_tensor(p).shape) for p in param_groups[gi]["params"]] for gi in trained],
+        )  # fmt: skip
+        # per group that has parameters (as ``_buffers``): its layout and how its state is saved
+        self._state_layouts: list[ShardStateLayout] = layouts
+        whole = [False] * len(param_groups)
+        for gi, layout in zip(trained, layouts):
+            whole[gi] = layout.layout == "whole"
+        _check_whole_parameters(
+            [param_groups[gi]["names"][0] for gi in trained if whole[gi]],
+            [classes[gi] for gi in trained if whole[gi]], split_by, manager,
         )  # fmt: skip
 
         replicas = None
@@ -268,7 +282,7 @@ class ACCOEngine:
                              "leave replica_groups unset")  # fmt: skip
         if manager is not None:  # refused here too, before any process group exists
             replicas = ReplicaGroups(
-                manager, _replica_description(settings, optimizer_class, optimizer_kwargs,
+                manager, _replica_description(settings, classes, optimizer_kwargs,
                                               param_groups, process_group, fsdp_process_group,
                                               norm_process_group),
                 group_size=dist.get_world_size() if dist.is_initialized() else 1,
@@ -308,7 +322,7 @@ class ACCOEngine:
                 carry=settings.reduce_format in formats,
                 wire_bytes=(lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs,
-                lr_scheduler=lr_scheduler,
+                lr_scheduler=lr_scheduler, classes=classes, whole=whole,
             )  # fmt: skip
             groups = self._groups
             self._placement = ShardPlacement(
@@ -370,12 +384,17 @@ class ACCOEngine:
         # starts: the scheduler steps on the communication thread, and any other moment races it.
         self.last_round_lr: float | None = None
         if self.advisor.report:  # one line per job; every setting at DEBUG
+            whole = [g.layout for g in self._buffers if g.layout.whole]
             logger.info(
                 "acco_hooks: mode=%s accumulation_steps=%d world_size=%d fsdp_world_size=%d "
-                "%s (%s estimate), %d params", settings.mode, settings.accumulation_steps,
-                self.world_size, self.fsdp_world_size, optimizer_class.__name__,
+                "%s (%s estimate), %d params%s", settings.mode, settings.accumulation_steps,
+                self.world_size, self.fsdp_world_size,
+                "+".join(dict.fromkeys(c.__name__ for c in classes)),
                 "functional" if has_functional_peek(self.optimizer) else "snapshot",
                 len(self._slot_of),
+                "" if not whole else f"; whole parameters in {len(whole)} group(s), padding "
+                f"{100 * sum(w.padding for w in whole) / sum(w.padded_numel for w in whole):.1f}"
+                " % of their vectors",
             )  # fmt: skip
         logger.debug("acco_hooks: %s", settings)
         self._handover_counters: dict[str, Any] | None = None
@@ -467,6 +486,13 @@ class ACCOEngine:
     def params(self) -> list[Tensor]:
         """The model parameters the engine trains, in layout order."""
         return [p for g in self._buffers for p in g.params]
+
+    @property
+    def layouts(self) -> list[ShardLayout]:
+        """Per parameter group that has parameters (in order, as :attr:`params`): where its
+        parameters lie in its padded vector (``layout``): ``kind`` ("flat" or "whole"), which
+        parameters each rank ``owned()``, and the ``padding`` the vector sends."""
+        return [g.layout for g in self._buffers]
 
     def hook_param_grads(
         self, on_grad: Callable[[Tensor], None] | None = None, *, placeholders: bool = True
@@ -1089,15 +1115,24 @@ class ACCOEngine:
                 "acco_hooks: load_optimizer_state_by_name() after training started would drop "
                 "the optimizer's progress; call it before the first step"
             )
-        layout, shard_state = self._state_layout, {}
-        for gi, g in enumerate(self._buffers):
-            missing = [f"{name}.{key}" for name in g.names
-                       for key in sorted(layout.per_element | layout.per_parameter)
+        shard_state = {}
+        index = state_index(self.optimizer)
+        for g, layout in zip(self._buffers, self._state_layouts):
+            keys = sorted(layout.per_element | layout.per_parameter)
+            missing = [f"{name}.{key}" for name in g.names for key in keys
                        if key not in state.get(name, {})]  # fmt: skip
             if missing:
                 raise KeyError(f"acco_hooks: load_optimizer_state_by_name: no {missing[0]} "
                                f"(and {len(missing) - 1} more) in the state given")  # fmt: skip
-            shard_state[gi] = {
+            if layout.layout == "whole":  # each owned parameter's own, in its shape
+                for param, pi in zip(g.stepped, g.layout.owned(self.rank)):
+                    shard_state[index[id(param)]] = {  # copies: torch steps them in place
+                        key: copy.deepcopy(local_tensor(value) if isinstance(value, Tensor)
+                                           else value)
+                        for key, value in state[g.names[pi]].items() if key in keys
+                    }  # fmt: skip
+                continue
+            shard_state[index[id(g.master)]] = {
                 **{key: g.shard_of([local_tensor(state[name][key]) for name in g.names],
                                    self.rank).clone() for key in layout.per_element},
                 # a copy: torch's optimizers count their steps in place
@@ -1185,7 +1220,7 @@ class ACCOEngine:
 
 
 def _replica_description(
-    settings: EngineSettings, optimizer_class: type, optimizer_kwargs: dict[str, Any],
+    settings: EngineSettings, classes: list[type], optimizer_kwargs: dict[str, Any],
     param_groups: list[dict[str, Any]], process_group: Any, fsdp_process_group: Any,
     norm_process_group: Any,
 ) -> str:  # fmt: skip
@@ -1201,7 +1236,7 @@ def _replica_description(
     layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
               for g in param_groups]  # fmt: skip
     options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]
-    return repr((settings, optimizer_class, sorted(optimizer_kwargs.items()),
+    return repr((settings, classes, sorted(optimizer_kwargs.items()),
                  layout, options, group_size))  # fmt: skip
 
 
@@ -1260,6 +1295,31 @@ def _first_schedule(
 
 
 # ---------------------------------------------------------------- what the engine refuses
+
+
+def _check_whole_parameters(
+    first_names: list[str], classes: list[type], split_by: list[str], manager: Any
+) -> None:
+    """Refuse, by name, what the whole-parameter layout does not do yet: a parameter that FSDP
+    or tensor parallelism splits is not whole on any rank (its step would need the matrix
+    gathered inside that group first), and a torchft group hands its state over as a
+    checkpoint, which that layout does not save yet."""
+    if not first_names:
+        return
+    what = (f"{classes[0].__name__} steps whole parameters (the group of {first_names[0]})")
+    if split_by:
+        raise ValueError(
+            f"acco_hooks: {what}, and {' and '.join(split_by)} split(s) each parameter over "
+            "other ranks: no rank holds a whole one. Train it without FSDP or tensor and "
+            "pipeline parallelism, or step that group with a per-element optimizer "
+            "(torch.optim.AdamW)"
+        )
+    if manager is not None:
+        raise ValueError(
+            f"acco_hooks: {what}: under a torchft manager= a joining group takes a live group's "
+            "state as a checkpoint, which acco_hooks does not save for whole parameters yet. "
+            "Step every group with a per-element optimizer (torch.optim.AdamW) under torchft"
+        )
 
 
 def _release(worker: CommWorker, groups: EngineGroups) -> None:

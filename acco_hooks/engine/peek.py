@@ -18,6 +18,8 @@ import functools
 import torch
 from torch import Tensor
 
+from acco_hooks.engine.shard_optimizer import GroupedOptimizer
+
 __all__ = ["CHUNK_NUMEL", "peek", "has_functional_peek"]
 
 # Elements per chunk of the functional estimate: bounds its temporaries to a few MiB whatever
@@ -50,6 +52,12 @@ def peek(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(params) != len(outputs):
         raise ValueError(f"peek: {len(outputs)} outputs for {len(params)} parameters")
+    if isinstance(optimizer, GroupedOptimizer):  # each class estimates its own parameters
+        out_of = dict(zip(map(id, params), outputs))
+        for part in optimizer.optimizers:
+            peek(part, [out_of[id(p)] for group in part.param_groups for p in group["params"]],
+                 chunk_numel=chunk_numel)  # fmt: skip
+        return
     if not has_functional_peek(optimizer):
         _peek_by_snapshot(optimizer, params, outputs)
         return

@@ -79,7 +79,9 @@ def to_local_chunks(state: Any) -> Any:
         offset = chunk.offsets[0] if len(chunk.offsets) else 0
         return LocalChunk(state.shape[0], offset, state.to_local())
     if isinstance(state, ShardedTensor):
-        pieces = _pieces_of(state)
+        # a rank that holds no range (whole parameters it does not own) keeps one empty piece:
+        # no pieces at all means a DTensor's one range
+        pieces = _pieces_of(state) or ((0, 0),)
         shards = [s.tensor for s in state.local_shards()]
         data = torch.cat(shards) if shards else torch.empty(0, dtype=state.dtype)
         return LocalChunk(state.size(0), pieces[0][0] if pieces else 0, data, pieces)
@@ -220,6 +222,15 @@ class ShardPlacement:
                     if shard.tensor.data_ptr() != flat[at:].data_ptr():  # else loaded in place
                         flat[at : at + shard.tensor.numel()].copy_(shard.tensor)
                 _zero_outside(flat, self.pieces[gi])
+            elif isinstance(source, LocalChunk) and source.pieces:  # a per-rank file's
+                at = 0
+                for offset, n in source.pieces:
+                    if not n:
+                        continue
+                    start = _find(self.pieces[gi], offset)
+                    flat[start : start + n].copy_(source.data[at : at + n])
+                    at += n
+                _zero_outside(flat, self.pieces[gi])
             else:
                 data = _local(source)
                 if data.data_ptr() != flat.data_ptr():  # else DCP loaded in place
@@ -332,7 +343,7 @@ def _signature(chunk: Any) -> tuple | None:
         chunk = to_local_chunks(chunk)
     if isinstance(chunk, LocalChunk):
         if chunk.pieces:
-            return ("pieces", chunk.numel, chunk.pieces)
+            return ("pieces", chunk.numel, tuple(p for p in chunk.pieces if p[1]))
         return chunk.numel, chunk.offset, chunk.offset + chunk.data.numel()
     if isinstance(chunk, Tensor):
         return chunk.numel(), 0, chunk.numel()

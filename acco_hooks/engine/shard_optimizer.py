@@ -42,6 +42,7 @@ equal on every rank (a step count), saved once.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -49,8 +50,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["PER_ELEMENT", "REFUSED", "ShardStateLayout", "check_optimizer",
-           "declare_per_element_optimizer", "first_step_state"]  # fmt: skip
+__all__ = ["PER_ELEMENT", "PER_PARAMETER", "REFUSED", "GroupedOptimizer", "ShardStateLayout",
+           "build_shard_optimizer", "check_optimizer", "check_optimizers",
+           "declare_per_element_optimizer", "declare_per_parameter_optimizer", "first_step_state",
+           "state_index"]  # fmt: skip
 
 # torch.optim classes whose step is per element: the engine runs them exactly (tests/engine/
 # test_optimizers.py holds each one to torch's own step on 1 to 4 ranks). A class torch lacks
@@ -61,20 +64,25 @@ PER_ELEMENT: frozenset[type] = frozenset(
     if (cls := getattr(torch.optim, name, None)) is not None
 )  # fmt: skip
 
-# torch.optim classes the flat shard cannot run, and why (a class torch lacks is left out).
-REFUSED: dict[type, str] = {
+# torch.optim classes whose step looks at each parameter whole (its shape, a norm over it) and
+# at no other parameter: they run on the whole-parameter layout (``layout``), each parameter in
+# its real shape on the rank that owns it, and why the flat shard cannot run them.
+PER_PARAMETER: dict[type, str] = {
     cls: why
     for name, why in {
         "Adafactor": (
             "factors its second moment by a parameter's rows and columns and scales each "
-            "update by RMS values over the whole parameter: on a flat 1-D shard it would run "
-            "an unfactored variant whose update also changes with the number of ranks"
+            "update by RMS values over the whole parameter"
         ),
-        "Muon": (
-            "orthogonalizes each 2-D parameter's update as a whole matrix, which the flat "
-            "shard cuts into pieces; it needs a layout that keeps whole matrices on a rank, "
-            "which acco_hooks does not have"
-        ),
+        "Muon": "orthogonalizes each 2-D parameter's update as a whole matrix (Newton-Schulz)",
+    }.items()
+    if (cls := getattr(torch.optim, name, None)) is not None
+}
+
+# torch.optim classes the engine cannot run, and why (a class torch lacks is left out).
+REFUSED: dict[type, str] = {
+    cls: why
+    for name, why in {
         "LBFGS": (
             "needs a closure that re-evaluates the loss in step(), which a sharded step on "
             "the communication thread cannot run"
@@ -90,6 +98,9 @@ REFUSED: dict[type, str] = {
 # Classes their authors declared per element (declare_per_element_optimizer), probed at the
 # run's shapes.
 _DECLARED: set[type] = set()
+# Classes their authors declared per parameter (declare_per_parameter_optimizer), probed at the
+# run's shapes on whole parameters.
+_DECLARED_WHOLE: set[type] = set()
 
 _PROBE_STEPS = 4
 _PROBE_NUMEL = 1 << 20  # a group of more elements is probed with every dimension capped
@@ -97,11 +108,16 @@ _PROBE_DIM_CAP = 16
 _RTOL = 1e-4  # of the largest update element: float rounding, not an algorithm, differs below
 _RUNNABLE = ("torch.optim.AdamW, Adam, SGD, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, "
              "Rprop or ASGD")  # fmt: skip
+_WHOLE = ("on whole parameters in their real shapes: "
+          + ", ".join(f"torch.optim.{cls.__name__}" for cls in PER_PARAMETER))  # fmt: skip
 
 
 class ShardStateLayout(NamedTuple):
     """How a shard optimizer's state is checkpointed, and how to build another instance."""
 
+    layout: str
+    """``"flat"``: the class steps each element on its own, and runs on a flat shard;
+    ``"whole"``: it looks at each parameter whole, and runs on whole parameters (``layout``)."""
     per_element: frozenset[str]
     """Keys with one value per parameter element (moments, momentum): sharded like the master."""
     per_parameter: frozenset[str]
@@ -144,10 +160,52 @@ def declare_per_element_optimizer(optimizer_class: type[torch.optim.Optimizer]) 
             "acco_hooks: declare_per_element_optimizer takes a torch.optim.Optimizer subclass, "
             f"got {optimizer_class!r}"
         )
-    if optimizer_class in REFUSED:
-        raise TypeError(f"acco_hooks: {_name(optimizer_class)} is not per element: it "
-                        f"{REFUSED[optimizer_class]}")  # fmt: skip
+    for known in (REFUSED, PER_PARAMETER):
+        if optimizer_class in known:
+            raise TypeError(f"acco_hooks: {_name(optimizer_class)} is not per element: it "
+                            f"{known[optimizer_class]}")  # fmt: skip
     _DECLARED.add(optimizer_class)
+    return optimizer_class
+
+
+def declare_per_parameter_optimizer(optimizer_class: type[torch.optim.Optimizer]) -> type:
+    """Declare that ``optimizer_class`` steps each parameter from that parameter alone, so that
+    the engine runs it on whole parameters.
+
+    On the whole-parameter layout (``layout``) each parameter lies in one rank's shard, whole,
+    and that rank steps it in its real shape: a step may look at the parameter's shape (1-D
+    biases apart, muP's fan-in), at norms over it (LARS's and LAMB's trust ratios) or factor it
+    (Adafactor), and computes there what it computes on the parameters themselves, on any
+    number of ranks. It must not look at another parameter: a norm over all of them (clipping
+    inside ``step()``, as timm's Lamb or Adan do) would see only the parameters one rank owns.
+    The engine probes the class with the run's parameter shapes, dealt to two instances as two
+    ranks own them, and refuses it where the probe sees a difference; a probe of a few steps
+    cannot see everything, which is why the declaration is yours.
+
+    Subclasses are not declared with their base. Usable as a class decorator.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass.
+
+    Returns:
+        ``optimizer_class``.
+
+    Example::
+
+        >>> @acco_hooks.declare_per_parameter_optimizer
+        ... class LARS(torch.optim.SGD):
+        ...     def step(self, closure=None):   # scales each matrix's step by a trust ratio
+        ...         ...
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            "acco_hooks: declare_per_parameter_optimizer takes a torch.optim.Optimizer "
+            f"subclass, got {optimizer_class!r}"
+        )
+    if optimizer_class in REFUSED:
+        raise TypeError(f"acco_hooks: {_name(optimizer_class)} cannot run on whole parameters "
+                        f"either: it {REFUSED[optimizer_class]}")  # fmt: skip
+    _DECLARED_WHOLE.add(optimizer_class)
     return optimizer_class
 
 
@@ -178,9 +236,8 @@ def check_optimizer(
         )
     if optimizer_class in REFUSED:
         raise TypeError(
-            f"acco_hooks: {name} cannot step the engine's flat shard: it "
-            f"{REFUSED[optimizer_class]}. Use an optimizer that updates each element on its "
-            f"own: {_RUNNABLE}"
+            f"acco_hooks: {name} cannot step the engine's shard: it "
+            f"{REFUSED[optimizer_class]}. Use {_RUNNABLE}, or {_WHOLE}"
         )
     closure = inspect.signature(optimizer_class.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
@@ -189,6 +246,14 @@ def check_optimizer(
             "sharded step on the communication thread cannot run; use a first-order optimizer "
             "such as torch.optim.AdamW or SGD"
         )
+    options = list(group_options)
+    known = optimizer_class in PER_PARAMETER
+    if known or optimizer_class in _DECLARED_WHOLE:  # whole parameters, in their real shapes
+        shapes = [[(11, 7), (5, 13), (6, 6)] for _ in options] if group_shapes is None else [
+            _probe_shapes(group) for group in group_shapes
+        ]  # fmt: skip
+        return _probe(optimizer_class, options, optimizer_kwargs, device, shapes, known,
+                      whole=True)  # fmt: skip
     known = optimizer_class in PER_ELEMENT
     if not known and optimizer_class not in _DECLARED:
         raise TypeError(
@@ -200,13 +265,108 @@ def check_optimizer(
             "silently, and something that changes with the number of ranks. Use "
             f"{_RUNNABLE}; or, if every step of {optimizer_class.__qualname__} updates each "
             "element from that element alone, declare it with acco_hooks."
-            f"declare_per_element_optimizer({optimizer_class.__qualname__})"
+            f"declare_per_element_optimizer({optimizer_class.__qualname__}); if it looks at "
+            "each parameter whole but never at another one (a trust ratio, a shape), declare "
+            f"it with acco_hooks.declare_per_parameter_optimizer("
+            f"{optimizer_class.__qualname__}) and it runs on whole parameters"
         )
-    options = list(group_options)
     shapes = [[(11,)] for _ in options] if known or group_shapes is None else [
         _probe_shapes(group) for group in group_shapes
     ]  # fmt: skip
     return _probe(optimizer_class, options, optimizer_kwargs, device, shapes, known)
+
+
+def check_optimizers(
+    optimizer_class: Any, classes: Sequence[Any], group_options: Sequence[dict[str, Any]],
+    optimizer_kwargs: dict[str, Any], device: torch.device,
+    group_shapes: Sequence[Sequence[tuple[int, ...]]],
+) -> list[ShardStateLayout]:  # fmt: skip
+    """:func:`check_optimizer` for parameter groups that may name their own class.
+
+    Args:
+        optimizer_class: the class a group that names none is stepped by.
+        classes: each group's class (``optimizer_class`` where it names none).
+        group_options, group_shapes: each group's options and parameter shapes.
+        optimizer_kwargs: ``optimizer_class``'s keyword arguments; a group that names another
+            class takes its options from the group alone.
+
+    Returns:
+        Each group's :class:`ShardStateLayout`, at its index.
+    """
+    out: list[ShardStateLayout | None] = [None] * len(classes)
+    for cls in dict.fromkeys(classes):
+        indices = [i for i, c in enumerate(classes) if c is cls]
+        layout = check_optimizer(
+            cls, [group_options[i] for i in indices],
+            optimizer_kwargs if cls is optimizer_class else {}, device,
+            [group_shapes[i] for i in indices],
+        )  # fmt: skip
+        for i in indices:
+            out[i] = layout
+    return out
+
+
+class GroupedOptimizer(torch.optim.Optimizer):
+    """Several torch optimizers stepped as one: the shard optimizer of a run whose parameter
+    groups name different classes (Muon for the matrices, AdamW for the rest).
+
+    Its ``param_groups`` are the classes' own group dicts, in the run's group order, so that an
+    LR scheduler built over it (``lr_scheduler=``) sets each class's learning rate; its
+    ``state`` is the one dict every class keeps its state in; :meth:`step` steps each class.
+
+    Args:
+        optimizers: one instance per class, over the groups that name it.
+        order: per group of the run, ``(optimizer index, its group index)``.
+        part_kwargs: each instance's keyword arguments (what another instance is built with).
+    """
+
+    def __init__(
+        self, optimizers: list[torch.optim.Optimizer], order: list[tuple[int, int]],
+        part_kwargs: list[dict[str, Any]],
+    ) -> None:  # fmt: skip
+        self.optimizers, self.part_kwargs = optimizers, part_kwargs
+        self.order = order
+        super().__init__([optimizers[o].param_groups[i] for o, i in order], {})
+        self._share()
+
+    def _share(self) -> None:
+        """Every class reads the group dicts and the state this optimizer holds."""
+        for o, optimizer in enumerate(self.optimizers):
+            optimizer.param_groups = [self.param_groups[k] for k, (owner, _) in
+                                      enumerate(self.order) if owner == o]  # fmt: skip
+            optimizer.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Step every class's groups."""
+        if closure is not None:
+            raise TypeError("acco_hooks: the shard optimizer takes no closure")
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and state: share them again
+        self._share()
+
+    def __repr__(self) -> str:
+        return "GroupedOptimizer(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
+
+
+def build_shard_optimizer(
+    optimizer_class: type[torch.optim.Optimizer], classes: Sequence[type],
+    shard_groups: list[dict[str, Any]], optimizer_kwargs: dict[str, Any],
+) -> torch.optim.Optimizer:  # fmt: skip
+    """The shard optimizer over ``shard_groups`` (every group, at its index): one instance of
+    ``optimizer_class`` when every group is stepped by it, else a :class:`GroupedOptimizer`."""
+    if all(cls is optimizer_class for cls in classes):
+        return optimizer_class(shard_groups, **optimizer_kwargs)
+    kinds = list(dict.fromkeys(classes))
+    order = [(kinds.index(cls), sum(c is cls for c in classes[:k]))
+             for k, cls in enumerate(classes)]  # fmt: skip
+    part_kwargs = [optimizer_kwargs if cls is optimizer_class else {} for cls in kinds]
+    optimizers = [cls([g for g, c in zip(shard_groups, classes) if c is cls], **kwargs)
+                  for cls, kwargs in zip(kinds, part_kwargs)]  # fmt: skip
+    return GroupedOptimizer(optimizers, order, part_kwargs)
 
 
 def _probe_shapes(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -219,9 +379,13 @@ def _probe_shapes(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
 def _probe(
     optimizer_class: type[torch.optim.Optimizer], options: list[dict[str, Any]],
     optimizer_kwargs: dict[str, Any], device: torch.device,
-    shapes: list[list[tuple[int, ...]]], known: bool,
+    shapes: list[list[tuple[int, ...]]], known: bool, whole: bool = False,
 ) -> ShardStateLayout:  # fmt: skip
-    """Step the groups whole and cut in two pieces (module docstring); refuse what differs."""
+    """Step the groups whole and in two pieces (module docstring); refuse what differs.
+
+    Flat: each group's vector cut inside a parameter, into pieces of different lengths, as two
+    ranks' flat shards. ``whole``: each group's parameters dealt to the two pieces in turn, in
+    their shapes, as two ranks own them on the whole-parameter layout."""
     name = _name(optimizer_class)
     generator = torch.Generator().manual_seed(0)
 
@@ -230,89 +394,151 @@ def _probe(
 
     wholes = [[random(s) for s in group] for group in shapes]
     starts = [[w.detach().clone() for w in group] for group in wholes]
-    # each group's flat vector cut inside a parameter, into pieces of different lengths
-    cuts = [max(1, sum(math.prod(s) for s in group) * 4 // 11) for group in shapes]
-    flats = [torch.cat([w.reshape(-1) for w in group]) for group in wholes]
-    pieces = [[f[:c].clone(), f[c:].clone()] for f, c in zip(flats, cuts)]
+    # per group, the two pieces: lists of tensors, and their order against the whole's elements
+    if whole:  # dealt in turn over every group's parameters: a coupling across groups shows
+        first = [0, *itertools.accumulate(len(group) for group in wholes)]
+        orders = [[[i for i in range(len(group)) if (first[gi] + i) % 2 == k] for k in range(2)]
+                  for gi, group in enumerate(wholes)]  # fmt: skip
+        pieces = [[[group[i].detach().clone() for i in order] for order in two]
+                  for group, two in zip(wholes, orders)]  # fmt: skip
+    else:
+        cuts = [max(1, sum(math.prod(s) for s in group) * 4 // 11) for group in shapes]
+        flats = [torch.cat([w.reshape(-1) for w in group]) for group in wholes]
+        pieces = [[[f[:c].clone()], [f[c:].clone()]] for f, c in zip(flats, cuts)]
     # The group options as the user gave them: only the tensors differ. A bad keyword argument
     # fails here as it would in the engine's own optimizer, in torch's words.
-    whole_opt = optimizer_class([{**o, "params": ws} for o, ws in zip(options, wholes)],
-                                **optimizer_kwargs)  # fmt: skip
+    try:
+        whole_opt = optimizer_class([{**o, "params": ws} for o, ws in zip(options, wholes)],
+                                    **optimizer_kwargs)  # fmt: skip
+    except ValueError as error:
+        if not whole:
+            raise
+        shapes_seen = sorted({tuple(s) for group in shapes for s in group})
+        raise TypeError(
+            f"acco_hooks: {name} refused the parameters of its group(s), shaped "
+            f"{shapes_seen} ({error}). Put in a group that names optimizer_class={name} only "
+            "what it steps (torch.optim.Muon: 2-D matrices), and the rest (biases, norms) in "
+            "groups stepped by the default optimizer"
+        ) from error
     # one instance per piece, as one per rank's shard
-    piece_opts = [optimizer_class([{**o, "params": [ps[i]]} for o, ps in zip(options, pieces)],
+    piece_opts = [optimizer_class([{**o, "params": two[i]} for o, two in zip(options, pieces)],
                                   **optimizer_kwargs) for i in range(2)]  # fmt: skip
+
+    def joined(tensors: list[Tensor], two: list[list[Tensor]], group: int) -> list[Tensor]:
+        """The whole's tensors in the pieces' order, flattened: what the pieces hold."""
+        if not whole:
+            return [torch.cat([t.reshape(-1) for t in tensors])]
+        return [tensors[i] for order in orders[group] for i in order]
+
     try:
         for _ in range(_PROBE_STEPS):
-            for group, parts, cut in zip(wholes, pieces, cuts):
+            for gi, (group, two) in enumerate(zip(wholes, pieces)):
                 for w in group:
                     w.grad = random(w.shape)
-                flat = torch.cat([w.grad.reshape(-1) for w in group])
-                parts[0].grad, parts[1].grad = flat[:cut].clone(), flat[cut:].clone()
+                if whole:
+                    for order, part in zip(orders[gi], two):
+                        for i, p in zip(order, part):
+                            p.grad = group[i].grad.clone()
+                else:
+                    (flat,) = joined([w.grad for w in group], two, gi)
+                    two[0][0].grad = flat[: two[0][0].numel()].clone()
+                    two[1][0].grad = flat[two[0][0].numel() :].clone()
             whole_opt.step()
             for opt in piece_opts:
                 opt.step()
     except Exception as error:  # reported as the reason it is refused
+        what = "its parameters dealt to two instances" if whole else "a flat 1-D piece of"
         raise TypeError(
-            f"acco_hooks: {name} failed to step a flat 1-D piece of a parameter group "
-            f"({type(error).__name__}: {error}). The engine steps each parameter group as one "
-            "flat vector cut into one shard per rank, so the optimizer must update each element "
-            f"on its own: use {_RUNNABLE}"
+            f"acco_hooks: {name} failed to step {what} a parameter group "
+            f"({type(error).__name__}: {error}). "
+            + ("" if whole else "The engine steps each parameter group as one flat vector cut "
+               "into one shard per rank, so the optimizer must update each element on its own: "
+               f"use {_RUNNABLE}")
         ) from error
 
     per_element, per_parameter, differs = set(), set(), []
-    for group, start, parts in zip(wholes, starts, pieces):
-        update = torch.cat([(w.detach() - s).reshape(-1) for w, s in zip(group, start)])
-        joined = torch.cat([p.detach() for p in parts]) - torch.cat([s.reshape(-1) for s in start])
-        if not _close(joined, update):
-            differs.append(f"its update ({_gap(joined, update):.1e} of the largest element)")
+    for gi, (group, start, two) in enumerate(zip(wholes, starts, pieces)):
+        held = [p for part in two for p in part]  # the pieces' tensors, in the pieces' order
+        update = joined([w.detach() - s for w, s in zip(group, start)], two, gi)
+        now = [p.detach() for p in held] if whole else [torch.cat([p.detach() for p in held])]
+        moved = [p - s for p, s in zip(now, joined(start, two, gi))]
+        if not all(_close(m, u) for m, u in zip(moved, update)):
+            gap = max(_gap(m, u) for m, u in zip(moved, update))
+            differs.append(f"its update ({gap:.1e} of the largest element)")
         whole_states = [whole_opt.state.get(w, {}) for w in group]
-        part_states = [opt.state.get(p, {}) for opt, p in zip(piece_opts, parts)]
+        part_states = [opt.state.get(p, {}) for opt, part in zip(piece_opts, two) for p in part]
         for key in sorted(set().union(*whole_states, *part_states)):
             values = [s.get(key) for s in part_states]
-            if all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(values, parts)):
+            if all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(values, held)):
                 per_element.add(key)
                 whole_values = [s.get(key) for s in whole_states]
-                if not (all(isinstance(v, Tensor) and v.shape == w.shape
-                            for v, w in zip(whole_values, group))
-                        and _close(torch.cat(values),
-                                   torch.cat([v.reshape(-1) for v in whole_values]))):
+                same = all(isinstance(v, Tensor) and v.shape == w.shape
+                           for v, w in zip(whole_values, group))  # fmt: skip
+                if same:
+                    got = values if whole else [torch.cat([v.reshape(-1) for v in values])]
+                    same = all(_close(a.reshape(-1), b.reshape(-1))
+                               for a, b in zip(got, joined(whole_values, two, gi)))  # fmt: skip
+                if not same:
                     differs.append(f"its per-element state {key!r}")
             else:
                 per_parameter.add(key)
-                if not all(_same(v, s.get(key)) for v in values for s in whole_states):
+                # whole: each parameter's own (Adafactor's row and column variances); flat:
+                # one value for every parameter of the group (a step count)
+                pairs = (zip(values, joined(whole_states, two, gi)) if whole
+                         else ((v, s) for v in values for s in whole_states))  # fmt: skip
+                if not all(_same(v, s.get(key)) for v, s in pairs):
                     differs.append(f"its per-parameter state {key!r}")
     if differs:
         raise TypeError(
             f"acco_hooks: {name} was "
-            + ("expected to step each element on its own" if known
-               else "declared per element (declare_per_element_optimizer)")
-            + f", but stepping this run's parameter groups whole and cut in two pieces, each "
-            f"stepped by an instance of its own as ranks' shards are, gave a different "
-            f"{differs[0]}: its step looks at a parameter's shape or at a norm over a parameter "
-            "or over several, and on the engine's shards it would compute something else, and "
-            f"something that changes with the number of ranks. Use {_RUNNABLE}"
+            + ("expected to step each " + ("parameter" if whole else "element") + " on its own"
+               if known else "declared per parameter (declare_per_parameter_optimizer)"
+               if whole else "declared per element (declare_per_element_optimizer)")
+            + ", but stepping this run's parameter groups whole and in two pieces, each "
+            "stepped by an instance of its own as ranks' shards are, gave a different "
+            f"{differs[0]}: its step looks at "
+            + ("several parameters at once (a norm over all of them)" if whole else
+               "a parameter's shape or at a norm over a parameter or over several")
+            + ", and on the engine's shards it would compute something else, and something "
+            f"that changes with the number of ranks. Use {_RUNNABLE}"
         )
-    return ShardStateLayout(frozenset(per_element), frozenset(per_parameter - per_element),
-                            dict(optimizer_kwargs))
+    return ShardStateLayout("whole" if whole else "flat", frozenset(per_element),
+                            frozenset(per_parameter - per_element),
+                            dict(optimizer_kwargs))  # fmt: skip
+
+
+def state_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """``id(tensor)`` -> the tensor's index in ``optimizer.state_dict()["state"]`` (torch
+    numbers the parameters over the groups, in order)."""
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    return {id(p): i for i, p in enumerate(params)}
 
 
 def first_step_state(
-    optimizer: torch.optim.Optimizer, shards: list[Tensor], optimizer_kwargs: dict[str, Any]
+    optimizer: torch.optim.Optimizer, optimizer_kwargs: dict[str, Any]
 ) -> dict[int, dict[str, Any]]:
     """The state ``optimizer`` has after one step, from a copy of it over zero tensors shaped
-    like ``shards`` (one per parameter group that has parameters): what a checkpoint of a run that never stepped
-    holds, so that DCP has tensors to load into. ``optimizer_kwargs``: what it was built with
-    (its class may require arguments; the groups' own options override them)."""
-    zeros = iter(torch.zeros_like(shard) for shard in shards)  # an empty group has no shard
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [next(zeros)] if group["params"] else []}
-              for group in optimizer.param_groups]  # fmt: skip
-    probe = type(optimizer)(groups, **optimizer_kwargs)
-    for group in probe.param_groups:
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    probe.step()
-    return probe.state_dict()["state"]
+    like its own: what a checkpoint of a run that never stepped holds, so that DCP has tensors
+    to load into. ``optimizer_kwargs``: what it was built with (its class may require
+    arguments; the groups' own options override them); a :class:`GroupedOptimizer` knows each
+    class's."""
+    index = state_index(optimizer)
+    grouped = isinstance(optimizer, GroupedOptimizer)
+    parts = zip(optimizer.optimizers, optimizer.part_kwargs) if grouped else [
+        (optimizer, optimizer_kwargs)]  # fmt: skip
+    out = {}
+    for part, kwargs in parts:
+        zeros = [[torch.zeros_like(p) for p in group["params"]] for group in part.param_groups]
+        probe = type(part)([{**{k: v for k, v in group.items() if k != "params"}, "params": z}
+                            for group, z in zip(part.param_groups, zeros)], **kwargs)  # fmt: skip
+        for z in (z for group in zeros for z in group):
+            z.grad = torch.zeros_like(z)
+        probe.step()
+        for group, z_group in zip(part.param_groups, zeros):
+            for p, z in zip(group["params"], z_group):
+                if z in probe.state:
+                    out[index[id(p)]] = probe.state[z]
+    return out
 
 
 def _close(actual: Tensor, expected: Tensor) -> bool:

@@ -41,7 +41,7 @@ from acco_hooks.engine.communication import (
 )
 from acco_hooks.engine.placement import to_local_chunks
 from acco_hooks.engine.schedule import Schedule
-from acco_hooks.engine.shard_optimizer import first_step_state
+from acco_hooks.engine.shard_optimizer import GroupedOptimizer, first_step_state, state_index
 from acco_hooks.engine.wire import WIRE_FORMATS
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ __all__ = [
     "load_state", "round_counters", "save_live_parameters", "save_state",
 ]  # fmt: skip
 
+# 7: a whole-parameter group's optimizer state other than per element is by parameter name
+# (``owned``), and a grouped shard optimizer names each group's class (``optimizer_class``).
 # 6: ``replica_groups``: the torchft replica groups whose sums the counters and the carried ΣG̃
 # hold (5 recorded a group's own ranks alone, as if it were the whole job: 1 group).
 # 5: ``update_weight`` is a whole update's weight (4: its update round's, measured only when it
@@ -63,7 +65,7 @@ __all__ = [
 # 3: every per-element shard is a DTensor over the data-parallel group (``placement``), so that
 # DCP saves every rank's and reshards it; what only one rank holds is under a key of its own.
 # 2 kept flat shards (same-shaped runs only); 1 carried acco's half-batch in the accumulator.
-STATE_VERSION = 6
+STATE_VERSION = 7
 
 
 # ---------------------------------------------------------------- saving
@@ -162,34 +164,68 @@ def round_counters(engine: ACCOEngine) -> dict[str, Any]:
 
 
 def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
-    """The shard optimizer's state: per-element tensors by parameter (as the master), per-
-    parameter values (the same on every rank) as torch keeps them, by what the optimizer
-    keeps (``shard_optimizer``), not by shape: a group's shard may have one element. Before
-    its first step, the state a first step creates, so that DCP has tensors to load into
-    (``stepped`` says it is not real)."""
-    saved = engine.optimizer.state_dict()
+    """The shard optimizer's state, by what each group's class keeps (``shard_optimizer``),
+    not by shape (a group's shard may have one element):
+
+    * ``per_element``: tensors of one value per parameter element (moments, momentum), laid
+      out as the master shard and saved as its chunks, whatever the group's layout;
+    * ``shared``: a flat group's per-parameter values (a step count), one per group, the same
+      on every rank;
+    * ``owned``: a whole-parameter group's other state (Adafactor's row and column variances,
+      a step count), by parameter name, from the rank that owns the parameter;
+    * ``rank_state``: keys the probe never saw, this rank's own.
+
+    Before its first step, the state a first step creates, so that DCP has tensors to load
+    into (``stepped`` says it is not real)."""
+    optimizer, buffers = engine.optimizer, engine._buffers
+    saved = optimizer.state_dict()
     stepped = bool(saved["state"])
     state = saved["state"] if stepped else first_step_state(
-        engine.optimizer, [g.master for g in engine._buffers],
-        engine._state_layout.optimizer_kwargs,
-    )  # fmt: skip
-    names = {name for entry in state.values() for name in entry}
-    layout = engine._state_layout
-    per_element, shared, other = {}, {}, {}
-    for name in sorted(names):
-        values = [state.get(gi, {}).get(name) for gi in range(len(engine._buffers))]
-        if name in layout.per_element and all(
-            v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,)
-            for v, g in zip(values, engine._buffers)
-        ):  # only the groups that keep it (SGD without momentum keeps no buffer)
-            per_element[name] = engine._placement.chunks(values)
-        elif name in layout.per_parameter:
-            shared[name] = values  # a step count: the same on every rank
-        else:
-            other[name] = values  # a key the probe never saw: this rank's own
+        optimizer, engine._state_layouts[0].optimizer_kwargs)  # fmt: skip
+    index = state_index(optimizer)
+    # per group: the state of each tensor the optimizer steps (one, the master, when flat)
+    held = [[state.get(index[id(p)], {}) for p in g.stepped] for g in buffers]
+    per_element, shared, owned, other = {}, {}, {}, {}
+    for name in sorted({name for entry in state.values() for name in entry}):
+        vectors, values = [], []
+        for g, layout, states in zip(buffers, engine._state_layouts, held):
+            found = [s.get(name) for s in states]
+            whole = layout.layout == "whole"
+            if name in layout.per_element and whole:
+                vectors.append(_shard_vector(g, found))
+            elif name in layout.per_element and all(
+                v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,) for v in found
+            ):  # only the groups that keep it (SGD without momentum keeps no buffer)
+                vectors.append(found[0])
+            else:
+                vectors.append(None)
+            if whole and name not in layout.per_element:
+                for pi, value in zip(g.layout.owned(engine.rank), found):
+                    if value is not None:
+                        owned.setdefault(g.names[pi], {})[name] = value
+            values.append(None if whole or vectors[-1] is not None else found[0])
+        if any(v is not None for v in vectors):
+            per_element[name] = engine._placement.chunks(vectors)
+        if any(v is not None for v in values):
+            if all(name in layout.per_parameter for layout, v in zip(engine._state_layouts, values)
+                   if v is not None):  # a step count: the same on every rank
+                shared[name] = values
+            else:
+                other[name] = values  # a key the probe never saw: this rank's own
     return {"param_groups": saved["param_groups"], "stepped": stepped,
-            "per_element": per_element, "shared": shared,
+            "per_element": per_element, "shared": shared, "owned": owned,
             "rank_state": {_rank_key(): other} if other else {}}  # fmt: skip
+
+
+def _shard_vector(g: Any, values: list[Tensor | None]) -> Tensor:
+    """A whole-parameter group's per-element state as the master shard lays it out: each
+    owned parameter's value at its place, the padding zero."""
+    dtype = next((v.dtype for v in values if v is not None), torch.float32)
+    vector = torch.zeros(g.shard_numel, dtype=dtype, device=g.master.device)
+    for view, value in zip(g.shard_views(vector), values):
+        if value is not None:
+            view.copy_(value)
+    return vector
 
 
 def _kept_estimate_sum(engine: ACCOEngine) -> list[Tensor]:
@@ -269,25 +305,37 @@ def load_state(engine: ACCOEngine, state: dict[str, Any]) -> RoundPlan | None:
 
 
 def _load_optimizer_state(engine: ACCOEngine, saved: dict[str, Any], rank_key: str) -> None:
+    optimizer = engine.optimizer
+    # The saved hyperparameters, over this engine's own tensors: on another number of ranks a
+    # whole-parameter group's rank owns other parameters, and another number of them
+    own = optimizer.state_dict()["param_groups"]
+    groups = [{**group, "params": mine["params"]} for group, mine in zip(saved["param_groups"], own)]
     if not saved["stepped"]:
-        engine.optimizer.state.clear()  # as built: no step yet
-        engine.optimizer.load_state_dict({"state": {}, "param_groups": saved["param_groups"]})
+        optimizer.state.clear()  # as built: no step yet
+        optimizer.load_state_dict({"state": {}, "param_groups": groups})
         return
-    state: dict[int, dict[str, Any]] = {gi: {} for gi in range(len(engine._buffers))}
+    index = state_index(optimizer)
+    state: dict[int, dict[str, Any]] = {index[id(p)]: {} for g in engine._buffers for p in g.stepped}
     for name, chunks in saved["per_element"].items():
-        flats = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=engine.device)
-                 if key in chunks else None
-                 for g, key in zip(engine._buffers, engine._placement.keys)]  # fmt: skip
-        engine._placement.fill(flats, chunks)
-        for gi, flat in enumerate(flats):
-            if flat is not None:
-                state[gi][name] = flat
+        vectors = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=engine.device)
+                   if key in chunks else None
+                   for g, key in zip(engine._buffers, engine._placement.keys)]  # fmt: skip
+        engine._placement.fill(vectors, chunks)
+        for g, vector in zip(engine._buffers, vectors):
+            if vector is not None:  # flat: the vector itself; whole: each parameter's view
+                for p, view in zip(g.stepped, g.shard_views(vector)):
+                    state[index[id(p)]][name] = view
     for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
         for name, per_group in values.items():
-            for gi, value in enumerate(per_group):
+            for g, value in zip(engine._buffers, per_group):
                 if value is not None:
-                    state[gi][name] = value
-    engine.optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+                    state[index[id(g.master)]][name] = value
+    owned = saved.get("owned", {})  # whole parameters: each one's own, by name
+    for g in engine._buffers:
+        if g.layout.whole:
+            for p, pi in zip(g.stepped, g.layout.owned(engine.rank)):
+                state[index[id(p)]].update(owned.get(g.names[pi], {}))
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ---------------------------------------------------------------- checked before a load
@@ -298,7 +346,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
     that forbids loading it, before anything is loaded."""
     mode, steps = engine.settings.mode, engine.settings.accumulation_steps
     version = state.get("version")
-    if version not in (3, 4, 5, STATE_VERSION) or (version == 3 and (
+    if version not in (3, 4, 5, 6, STATE_VERSION) or (version == 3 and (
         (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
     )):  # 3 kept each rank's share of c̃ in its local count, and a narrow result encoded
         raise ValueError(
@@ -621,4 +669,7 @@ def _rank_key() -> str:
 
 
 def _class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The shard optimizer's class; a grouped one's, each group's, in the groups' order."""
+    if isinstance(optimizer, GroupedOptimizer):
+        return "+".join(_class_name(optimizer.optimizers[o]) for o, _ in optimizer.order)
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"

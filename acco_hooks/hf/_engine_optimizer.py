@@ -133,14 +133,21 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
         )
     device = next(model.parameters()).device
     try:  # the engine's own decision, with the Trainer's two groups' options
-        check_optimizer(optimizer_cls, [{"weight_decay": trainer.args.weight_decay},
-                                        {"weight_decay": 0.0}], kwargs, device)  # fmt: skip
+        layout = check_optimizer(optimizer_cls, [{"weight_decay": trainer.args.weight_decay},
+                                                 {"weight_decay": 0.0}], kwargs, device)  # fmt: skip
     except TypeError as refusal:
         raise ValueError(
             f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which the ACCO engine "
             f"cannot run ({refusal}). Use optim='adamw_torch_fused' (the default), "
             "'adamw_torch' or 'sgd'"
         ) from refusal
+    if layout.layout == "whole":  # exact in the engine, not yet held to the Trainer's oracle
+        raise ValueError(
+            f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which steps each parameter "
+            "whole (on the rank that owns it): the ACCO engine runs it through ACCOOptimizer "
+            "and the DDP hook, not yet through ACCOTrainer. Use optim='adamw_torch_fused' (the "
+            "default), 'adamw_torch' or 'sgd'"
+        )
     return optimizer_cls, kwargs
 
 

@@ -228,7 +228,7 @@ def bad_use_run(rank: int, world_size: int) -> dict[str, str]:
 
     model = make_model()
     capture("not_ddp", lambda: ACCOState(model, torch.optim.AdamW))
-    capture("adafactor", lambda: ACCOState(DDP(make_model()), torch.optim.Adafactor, lr=1e-2))
+    capture("lbfgs", lambda: ACCOState(DDP(make_model()), torch.optim.LBFGS, lr=1e-2))
     ddp = DDP(model)
     state = ACCOState(ddp, torch.optim.AdamW)
     ddp.register_comm_hook(state, acco_hook)
@@ -292,9 +292,9 @@ def test_a_forgotten_state_step_is_refused_at_the_next_backward_and_named_at_clo
 def test_bad_use_is_refused_with_a_clear_message() -> None:
     messages = run_distributed("tests.ddp_hooks.test_ddp_hooks:bad_use_run", 1)[0]
     assert messages["not_ddp"].startswith("TypeError: ACCOState needs a torch.nn.parallel.DistributedDataParallel model")
-    # plain DDP would run it on whole parameters; the engine's flat shard cannot
-    assert messages["adafactor"].startswith("TypeError: acco_hooks: torch.optim.Adafactor cannot "
-                                            "step the engine's flat shard: it factors")
+    # plain DDP would run it; a sharded step on the communication thread cannot
+    assert messages["lbfgs"].startswith("TypeError: acco_hooks: torch.optim.LBFGS cannot step "
+                                        "the engine's shard: it needs a closure")
     assert "can only be called once" in messages["twice"]
     assert "no backward() ran since the last step()" in messages["step_first"]
     assert "the state was built for another model" in messages["other_model"]

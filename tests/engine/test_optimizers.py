@@ -1,6 +1,7 @@
 """Every ``torch.optim`` class either steps the engine's flat shard exactly as torch steps the
 parameters themselves, on 1 and 2 ranks, and resumes through DCP on the same and on another
-number of ranks; or it is refused when the optimizer is built, by name and with the reason.
+number of ranks; or steps whole parameters (Adafactor, Muon: ``test_whole_parameters.py``);
+or it is refused when the optimizer is built, by name and with the reason.
 
 Any other class (a user's, transformers', a subclass of torch's) is refused by name unless
 its author declares it per element, and a declared one is refused where the probe, at the run's
@@ -39,11 +40,11 @@ RUNS: dict[str, tuple[type, dict]] = {
     "SGD": (torch.optim.SGD, dict(lr=5e-2, weight_decay=1e-2)),
 }
 REFUSED = {
-    "Adafactor": r"torch\.optim\.Adafactor cannot step the engine's flat shard: it factors",
-    "Muon": r"torch\.optim\.Muon cannot step the engine's flat shard: it orthogonalizes each 2-D",
-    "LBFGS": r"torch\.optim\.LBFGS cannot step the engine's flat shard: it needs a closure",
-    "SparseAdam": r"torch\.optim\.SparseAdam cannot step the engine's flat shard: it steps sparse",
+    "LBFGS": r"torch\.optim\.LBFGS cannot step the engine's shard: it needs a closure",
+    "SparseAdam": r"torch\.optim\.SparseAdam cannot step the engine's shard: it steps sparse",
 }
+# Each parameter whole on the rank that owns it (tests/engine/test_whole_parameters.py)
+WHOLE_PARAMETERS = {"Adafactor", "Muon"}
 STEPS = 8
 GLOBAL_BATCH = 12  # samples per micro-batch: splits evenly over 1, 2, 3 and 4 ranks
 
@@ -52,7 +53,7 @@ def test_every_torch_optimizer_is_decided() -> None:
     exported = {name for name, value in vars(torch.optim).items()
                 if inspect.isclass(value) and issubclass(value, torch.optim.Optimizer)
                 and value is not torch.optim.Optimizer}  # fmt: skip
-    assert exported == set(RUNS) | set(REFUSED)
+    assert exported == set(RUNS) | set(REFUSED) | WHOLE_PARAMETERS
 
 
 def groups(model: nn.Module, name: str) -> list[dict]:

@@ -38,7 +38,7 @@ from acco_hooks.engine.schedule import (
     schedule_seconds,
 )
 from tests.dist_utils import run_distributed
-from tests.scenario import OPTIMIZERS, make_model, microbatch_loss, param_groups
+from tests.scenario import OPTIMIZERS, MuonAndAdamW, make_model, microbatch_loss, param_groups
 
 # The last commit before the schedules existed: its engine is today's ``acco`` as it was.
 BEFORE_SCHEDULES = "567055e"
@@ -119,8 +119,12 @@ def test_the_existing_modes_are_bit_identical_to_before_the_schedules(tmp_path: 
 
 def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
                  emulated: dict | None = None, save_to: str | None = None,
-                 load_from: str | None = None, through_dcp: bool = False) -> dict:  # fmt: skip
+                 load_from: str | None = None, through_dcp: bool = False,
+                 recipe: str = "adamw") -> dict:  # fmt: skip
     """Train with ``settings``; record where each micro-batch's gradient was computed.
+
+    ``recipe``: ``"adamw"`` (the small model, AdamW) or ``"muon"`` (the deeper model, Muon on
+    its matrices on whole parameters, AdamW on the rest).
 
     ``emulated``: per-update seconds the loop sleeps, by schedule kind (``"synchronous"``,
     ``"overlapped"``), as if it waited for a link or computed longer: it shapes what ``auto``
@@ -131,9 +135,10 @@ def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    model = make_model()
-    opt_class, kwargs = OPTIMIZERS["adamw"]
-    opt = ACCOOptimizer(param_groups(model, True), opt_class, **settings, **kwargs)
+    model = make_model(model="deep" if recipe == "muon" else "tiny")
+    opt_class, kwargs = OPTIMIZERS[recipe]
+    opt = ACCOOptimizer(param_groups(model, True, recipe == "muon"), opt_class, **settings,
+                        **kwargs)  # fmt: skip
     engine = opt.engine
     if load_from is not None and through_dcp:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
@@ -170,20 +175,23 @@ def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
     result = {
         "params": [p.detach().clone() for p in model.parameters()],
         "points": points, "schedules": schedules, "num_updates": opt.num_updates,
-        "resumed_with": resumed_with,
+        "resumed_with": resumed_with, "recipe": recipe,
     }  # fmt: skip
     opt.close()
     return result
 
 
 def replay(results: list[dict], updates: int) -> list[torch.Tensor]:
-    """θ after ``updates`` real updates, each the AdamW step of the float32 average of every
-    micro-batch gradient of that update, on every rank, at the parameters it was computed at."""
-    model = make_model()
+    """θ after ``updates`` real updates, each the recipe's step (AdamW; Muon and AdamW) of the
+    float32 average of every micro-batch gradient of that update, on every rank, at the
+    parameters it was computed at."""
+    muon = results[0].get("recipe") == "muon"
+    model = make_model(model="deep" if muon else "tiny")
     params = list(model.parameters())
-    opt_class, kwargs = OPTIMIZERS["adamw"]
-    groups = [{**g, "params": [p for _, p in g["params"]]} for g in param_groups(model, True)]
-    opt = opt_class(groups, **kwargs)
+    opt_class, kwargs = OPTIMIZERS["muon" if muon else "adamw"]
+    groups = [{**g, "params": [p for _, p in g["params"]]}
+              for g in param_groups(model, True, muon)]  # fmt: skip
+    opt = MuonAndAdamW(groups, **kwargs) if muon else opt_class(groups, **kwargs)
     theta = [p.detach().clone() for p in params]
     for update in range(updates):
         total, count = [torch.zeros_like(p) for p in params], 0

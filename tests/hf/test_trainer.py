@@ -95,9 +95,9 @@ REFUSALS = {  # setting: (how to spoil the run, what the message must name)
                            "engine cannot run (acco_hooks: tests.hf.test_trainer."
                            "MatrixDecayAdamW is not known to step each parameter element"),
     "torch_adafactor": ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {})}},
-                        "optimizer_cls_and_kwargs gives Adafactor, which the ACCO engine cannot "
-                        "run (acco_hooks: torch.optim.Adafactor cannot step the engine's flat "
-                        "shard"),
+                        "optimizer_cls_and_kwargs gives Adafactor, which steps each parameter "
+                        "whole (on the rank that owns it): the ACCO engine runs it through "
+                        "ACCOOptimizer and the DDP hook, not yet through ACCOTrainer"),
     "not_an_optimizer": ({"trainer": {"optimizer_cls_and_kwargs": (dict, {})}},
                          "optimizer_cls_and_kwargs"),
     "optimizers": ({"trainer": {"optimizers": "an SGD instance"}}, "optimizers="),
