@@ -1,0 +1,40 @@
+"""The Muon cost benchmark's worker: one short arm on two loopback ranks, its figures checked
+against what the recipe and the layout say they must be (the timing itself runs on the
+netbed: ``python -m benchmarks.muon_cost``)."""
+
+from __future__ import annotations
+
+from benchmarks.harness import run_ranks
+
+
+def test_one_arm_reports_the_layouts_the_bytes_and_each_classs_steps() -> None:
+    ranks = run_ranks("benchmarks.muon_cost:worker", 2, "muon", "acco", 1, 1)
+    result = ranks[0]
+    # Muon's hidden matrices on whole parameters, the rest flat
+    assert [layout["kind"] for layout in result["layouts"]] == ["whole", "flat"]
+    # 42 matrices of 256x256 and 768x256 split evenly over 2 ranks; the flat vector pads < 2
+    assert result["layouts"][0]["padding"] == 0
+    assert 0 <= result["layouts"][1]["padding"] < 2
+    padded = sum(layout["padded_numel"] for layout in result["layouts"])
+    assert padded >= 6_163_712
+    assert result["bytes_per_round"] == 2 * 4 * padded
+    assert len(result["update_s_all"]) == 1
+    # one timed update of acco: Muon steps its update and (a snapshot for) its estimate, AdamW
+    # its update alone (its estimate is recomputed without a step)
+    assert len(result["shard_step_s_all"]["Muon"]) == 2
+    assert len(result["shard_step_s_all"]["AdamW"]) == 1
+    memory = result["memory_bytes"]
+    assert memory["master_shard"] == 4 * padded // 2
+    assert ranks[1]["layouts"] == result["layouts"]
+
+
+def test_the_padding_table_is_the_layouts() -> None:
+    """Llama 3 8B's 224 hidden matrices balance without padding up to 32 ranks; with more
+    ranks than matrices of a size, shards pad to the largest (w1, w2, w3: 58.7M each)."""
+    from benchmarks.muon_cost import padding_by_world_size
+
+    table = padding_by_world_size()
+    assert all(table["llama3_8b"][n] == 0.0 for n in (2, 4, 8, 16, 32))
+    # at 64 ranks a shard averages 109M elements and the longest holds two 58.7M matrices
+    assert table["llama3_8b"][64] == 1 / 14
+    assert table["debugmodel"][2] == 0.0 and table["debugmodel"][128] > 0.5  # 42 matrices
