@@ -57,9 +57,13 @@ else:
     from torchtitan.train import Trainer
 
 __all__ = ["ACCOTrainerBase", "Batch", "EngineOptimizersContainer", "LIVE_KEY",
-           "OPTIMIZER_CLASSES", "STATE_KEY", "WithoutReplicate"]  # fmt: skip
+           "OPTIMIZER_CLASSES", "STATE_KEY", "WHOLE_PARAMETER_CLASSES", "WithoutReplicate"]  # fmt: skip
 
 OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+# torchtitan 0.3.0's optimizers that the engine steps on whole parameters, by the torch class
+# it runs: DistMuon computes torch's Muon (its momentum, Newton-Schulz iteration and learning
+# rate adjustment), distributed by the engine instead of by FlexShard
+WHOLE_PARAMETER_CLASSES = {"DistMuon": torch.optim.Muon, "Muon": torch.optim.Muon}
 
 # The engine's state in torchtitan's checkpoint, under its "optimizer" entry, and the live
 # parameters (θ̃ where the model holds them; the checkpoint's "model" holds θ)
@@ -109,6 +113,10 @@ class EngineOptimizersContainer(OptimizersContainer):
         optimizer_class: ``torch.optim.Adam`` or ``AdamW``, stepped on the shard.
         optimizer_kwargs: its keyword arguments (``lr``, ``betas``, ...).
         settings: the engine's settings (what ``acco_hooks.titan.config.validate_acco`` built).
+        param_groups: torchtitan 0.3.0's ``optimizer.param_groups`` as ``(pattern, class,
+            keyword arguments)``: each trained parameter goes to the first pattern its name
+            matches (``re.search``), as torchtitan assigns them; ``None``: one group of every
+            parameter, stepped by ``optimizer_class`` with ``optimizer_kwargs``.
     """
 
     engine: ACCOEngine
@@ -119,10 +127,11 @@ class EngineOptimizersContainer(OptimizersContainer):
         optimizer_class: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         settings: EngineSettings,
+        param_groups: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] | None = None,
     ) -> None:
         self.model_parts = model_parts
         self.optimizers = []  # the engine's shard optimizer, once bound
-        self._engine_plan = (optimizer_class, optimizer_kwargs, settings)
+        self._engine_plan = (optimizer_class, optimizer_kwargs, settings, param_groups)
         params = [p for m in model_parts for p in m.parameters() if p.requires_grad]
         # What torchtitan's own containers do last: the torch.optim.Optimizer machinery (hooks)
         torch.optim.Optimizer.__init__(self, params, dict(optimizer_kwargs))
@@ -136,8 +145,10 @@ class EngineOptimizersContainer(OptimizersContainer):
         round waiting for the ``replica_groups`` the job is launched with), with
         the LR schedulers ``lr_scheduler(shard_optimizer)`` builds (or, later,
         :meth:`attach_lr_schedulers`)."""
-        optimizer_class, optimizer_kwargs, settings = self._engine_plan
+        optimizer_class, optimizer_kwargs, settings, param_groups = self._engine_plan
         named = self.trained_parameters()
+        if param_groups is not None:
+            named = _assign_to_groups(named, param_groups)
         # With TP or PP a rank holds only part of the model: the gradient norm is summed over
         # every rank (each counts its shard of its part; replicated tensors count once).
         model_parallel = parallel_dims.tp_enabled or parallel_dims.pp_enabled
@@ -553,3 +564,28 @@ class ACCOTrainerBase(Trainer):
         if isinstance(optimizers, EngineOptimizersContainer) and hasattr(optimizers, "engine"):
             optimizers.close(flush=barrier, barrier=barrier)
         super().close()
+
+
+def _assign_to_groups(
+    named: list[tuple[str, nn.Parameter]],
+    param_groups: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """The engine's parameter groups: each parameter in the first group whose pattern its name
+    matches, as torchtitan 0.3.0 assigns them; a group names its class."""
+    groups, claimed = [], set()
+    for pattern, optimizer_class, kwargs in param_groups:
+        matcher = re.compile(pattern)
+        members = [(n, p) for n, p in named if n not in claimed and matcher.search(n)]
+        if not members:
+            raise ValueError(f"optimizer.param_groups: the pattern {pattern!r} matched no "
+                             "trained parameter of this rank's model")  # fmt: skip
+        claimed.update(n for n, _ in members)
+        groups.append({"params": members, "optimizer_class": optimizer_class, **kwargs})
+    missing = [n for n, _ in named if n not in claimed]
+    if missing:
+        raise ValueError(
+            f"optimizer.param_groups: {', '.join(missing[:3])}"
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            + " match(es) no pattern: end the groups with the catch-all pattern '.*'"
+        )
+    return groups

@@ -159,6 +159,7 @@ def validate_acco(
     world_size: int | None = None,
     train_timeout_seconds: float | None = None,
     fault_tolerance: Any = None,
+    whole_parameter_optimizers: tuple[str, ...] = (),
 ) -> EngineSettings | None:
     """Refuse bad ``[acco]`` settings or an unsupported parallelism before anything is built,
     and build the engine's settings: the one place the torchtitan path checks and builds them.
@@ -171,6 +172,9 @@ def validate_acco(
         training: torchtitan's ``Training`` section (the batch sizes give the round's size;
             ``max_norm`` the clipping, off when <= 0).
         optimizer_names: the optimizer of every parameter group (0.2.2 has exactly one).
+        whole_parameter_optimizers: the names of the release's optimizers that the engine
+            runs on whole parameters (0.3.0: "DistMuon" and "Muon", torch's Muon), beside
+            "Adam" and "AdamW".
         early_step_in_backward: torchtitan 0.2.2's ``[optimizer]`` option of that name.
         world_size: default: the launcher's (``$WORLD_SIZE``, 1 without one).
         train_timeout_seconds: torchtitan's ``[comm] train_timeout_seconds``: the engine's
@@ -246,11 +250,28 @@ def validate_acco(
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     settings.check_until_ready(" and ".join(split_by) or None, spelling)
     _check_global_batch(training, replicate * shard * groups, shard * groups)
-    if len(optimizer_names) != 1 or optimizer_names[0] not in ("Adam", "AdamW"):
+    runs = ("Adam", "AdamW", *whole_parameter_optimizers)
+    if (len(optimizer_names) != 1 and not whole_parameter_optimizers) or any(
+        name not in runs for name in optimizer_names
+    ):
         named = optimizer_names[0] if len(optimizer_names) == 1 else optimizer_names
         raise ValueError(
             f"[optimizer] name = {named!r}: the ACCO trainer supports one 'Adam' or 'AdamW' "
             "optimizer over every parameter"
+            + (f", or parameter groups each stepped by one of {list(runs)}"
+               if whole_parameter_optimizers else "")
+        )
+    whole = sorted({name for name in optimizer_names if name in whole_parameter_optimizers})
+    if whole and (split_by or ft is not None):
+        raise ValueError(
+            f"optimizer.param_groups: {whole[0]} steps each matrix whole on the data-parallel "
+            "rank that owns it, and "
+            + (f"{' and '.join(split_by)} split(s) every matrix over other ranks"
+               if split_by else "[fault_tolerance] hands a joining group a live group's state, "
+               "which acco_hooks does not do for whole parameters yet")
+            + f": train the {whole[0]} recipe over data_parallel_replicate_degree alone"
+            + ("" if split_by else " without [fault_tolerance]")
+            + ", or step every group with 'AdamW'"
         )
     if early_step_in_backward:
         raise ValueError(

@@ -59,6 +59,7 @@ from acco_hooks.engine import EngineSettings, real_updates  # noqa: E402
 from acco_hooks.fsdp import fsdp_modules, turn_off_replica_all_reduce  # noqa: E402
 from acco_hooks.titan.base import (  # noqa: E402
     OPTIMIZER_CLASSES,
+    WHOLE_PARAMETER_CLASSES,
     ACCOTrainerBase,
     Batch,
     EngineOptimizersContainer,
@@ -99,11 +100,13 @@ def validate_acco_config(
         [g.optimizer_name for g in groups] or ["(none)"],
         world_size=world_size, train_timeout_seconds=config.comm.train_timeout_seconds,
         fault_tolerance=getattr(config, "fault_tolerance", None),
+        whole_parameter_optimizers=tuple(WHOLE_PARAMETER_CLASSES),
     )  # fmt: skip
-    if groups[0].pattern != ".*":
+    if groups[-1].pattern != ".*":
         raise ValueError(
-            f"optimizer.param_groups[0].pattern = {groups[0].pattern!r}: the ACCO engine "
-            "optimizes every parameter with one optimizer; use the catch-all pattern '.*'"
+            f"optimizer.param_groups[{len(groups) - 1}].pattern = {groups[-1].pattern!r}: the "
+            "ACCO engine optimizes every parameter; end the groups with the catch-all pattern "
+            "'.*'"
         )
     if config.parallelism.spmd_backend not in ACCO_SPMD_BACKENDS:
         raise ValueError(
@@ -117,8 +120,10 @@ def validate_acco_config(
 class ACCOOptimizersContainer(EngineOptimizersContainer):
     """torchtitan 0.3.0's optimizer container with the ACCO engine inside (see
     :class:`acco_hooks.titan.base.EngineOptimizersContainer`). Built from the run's optimizer
-    config (one Adam or AdamW parameter group matching every parameter) and the engine's
-    settings; bound to the meshes by the model spec's ``post_optimizer_build_fn``."""
+    config (one Adam or AdamW parameter group matching every parameter, or several groups, each
+    its class: AdamW, Adam, or Muon on whole parameters by the name ``DistMuon`` or ``Muon``)
+    and the engine's settings; bound to the meshes by the model spec's
+    ``post_optimizer_build_fn``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
@@ -126,11 +131,24 @@ class ACCOOptimizersContainer(EngineOptimizersContainer):
         """The engine's settings: acco, the round size and training.max_norm's clipping."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        (group,) = config.param_groups  # validate_acco_config refuses several
-        super().__init__(
-            model_parts, OPTIMIZER_CLASSES[group.optimizer_name],
-            {**self._build_impl_kwargs(config), **group.optimizer_kwargs}, config.engine,
-        )  # fmt: skip
+        impl = self._build_impl_kwargs(config)  # fused / foreach: Adam's and AdamW's options
+        if len(config.param_groups) == 1:  # every parameter, one class
+            (group,) = config.param_groups
+            super().__init__(
+                model_parts, OPTIMIZER_CLASSES[group.optimizer_name],
+                {**impl, **group.optimizer_kwargs}, config.engine,
+            )  # fmt: skip
+            return
+        # Several groups, each its class (Muon on the matrices): the engine distributes them,
+        # so DistMuon's FlexShard plumbing (optimizer_factory_kwargs_by_name) is not used
+        groups = [
+            (group.pattern, WHOLE_PARAMETER_CLASSES[group.optimizer_name], dict(group.optimizer_kwargs))
+            if group.optimizer_name in WHOLE_PARAMETER_CLASSES else
+            (group.pattern, OPTIMIZER_CLASSES[group.optimizer_name],
+             {**impl, **group.optimizer_kwargs})
+            for group in config.param_groups
+        ]  # fmt: skip
+        super().__init__(model_parts, groups[0][1], {}, config.engine, param_groups=groups)
 
 
 def _bind_engine_after(

@@ -306,21 +306,122 @@ def test_acco_runs_on_spmd_types_and_partial_dtensor_and_refuses_full_dtensor() 
         validate_acco_config(config, world_size=2)
 
 
-def test_acco_refuses_several_or_partial_param_groups() -> None:
+def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_cannot() -> None:
+    """Several groups, each its class (Muon by torchtitan's name DistMuon, or Muon, for the
+    matrices; Adam or AdamW for the rest), ending with the catch-all; Muon where no rank holds a
+    whole matrix (FSDP, tensor or pipeline parallelism) or under torchft, an optimizer torchtitan
+    or the engine does not have, and groups that leave parameters out: refused by name before
+    anything is built."""
     from torchtitan.components.optimizer import ParamGroupConfig
 
     from acco_hooks.titan.v030 import validate_acco_config
 
     config = load_toml_config(CONFIGS / "debug_cpu_acco.toml")
-    (group,) = config.optimizer.param_groups
+    (rest,) = config.optimizer.param_groups
+    for name in ("DistMuon", "Muon"):
+        config.optimizer.param_groups = [ParamGroupConfig(pattern=MATRICES, optimizer_name=name,
+                                                          optimizer_kwargs=MUON), rest]  # fmt: skip
+        validate_acco_config(config, world_size=2)
     config.optimizer.param_groups = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="Adam"),
-                                     group]  # fmt: skip
-    with pytest.raises(ValueError, match=r"one 'Adam' or 'AdamW' optimizer over every parameter"):
+                                     rest]  # fmt: skip
+    validate_acco_config(config, world_size=2)
+    config.optimizer.param_groups = [ParamGroupConfig(pattern=r"\.bias$", optimizer_name="Lion"),
+                                     rest]  # fmt: skip
+    with pytest.raises(ValueError, match=r"\['Lion', 'AdamW'\].*each stepped by one of "
+                                         r"\['Adam', 'AdamW', 'DistMuon', 'Muon'\]"):
         validate_acco_config(config, world_size=2)
-    group.pattern = r"layers\."
-    config.optimizer.param_groups = [group]
-    with pytest.raises(ValueError, match=r"use the catch-all pattern '\.\*'"):
+    config.optimizer.param_groups = [ParamGroupConfig(pattern=MATRICES, optimizer_name="DistMuon",
+                                                      optimizer_kwargs=MUON), rest]  # fmt: skip
+    config.parallelism.data_parallel_shard_degree = 2
+    config.training.global_batch_size = 16  # 2 replicas of 2 FSDP ranks
+    with pytest.raises(ValueError, match=r"DistMuon steps each matrix whole on the data-parallel "
+                                         r"rank that owns it, and data_parallel_shard_degree = 2 "
+                                         r"split\(s\) every matrix"):
         validate_acco_config(config, world_size=2)
+    config.parallelism.data_parallel_shard_degree = 1
+    rest.pattern = r"layers\."
+    config.optimizer.param_groups = [rest]
+    with pytest.raises(ValueError, match=r"end the groups with the catch-all pattern '\.\*'"):
+        validate_acco_config(config, world_size=2)
+
+
+# Muon on the transformer blocks' matrices, AdamW (the shipped config's) on the embeddings, the
+# output projection and the norms: the standard recipe, as torchtitan's Kimi recipe writes it
+MATRICES = r"layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$"
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+_MUON_RECIPE = f'''
+"""A user's recipe module: the shipped debug configs with Muon on the matrices."""
+import torch
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from acco_hooks.titan.config_registry import debug_cpu_acco, debug_cpu_ddp, debug_cpu_titan_ddp
+
+
+def _with_muon(config, name):
+    (adamw,) = config.optimizer.param_groups
+    config.optimizer.param_groups = [
+        ParamGroupConfig(pattern=r"{MATRICES}", optimizer_name=name,
+                         optimizer_kwargs={MUON!r}),
+        adamw,
+    ]
+    config.training.steps = 4
+    return config
+
+
+def debug_cpu_acco_muon():
+    return _with_muon(debug_cpu_acco(), "DistMuon")
+
+
+def debug_cpu_ddp_muon():
+    return _with_muon(debug_cpu_ddp(), "DistMuon")
+
+
+def debug_cpu_ddp_adamw():  # the shipped recipe, AdamW on every parameter
+    config = debug_cpu_ddp()
+    config.training.steps = 4
+    return config
+
+
+# The oracle: torchtitan's own DDP trainer stepping torch's Muon over whole parameters (its
+# resolver has DistMuon, whose FlexShard layout does not run on a CPU, and not Muon)
+_resolve = OptimizersContainer._resolve_optimizer_factory
+OptimizersContainer._resolve_optimizer_factory = staticmethod(
+    lambda name: torch.optim.Muon if name == "Muon" else _resolve(name))
+
+
+def debug_cpu_titan_ddp_muon():
+    return _with_muon(debug_cpu_titan_ddp(), "Muon")
+'''
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the optimizer's groups, not the layout
+def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path) -> None:
+    """The debug model with DistMuon on its 42 matrices and AdamW on the rest, under [acco]:
+    the engine runs torch's Muon on whole matrices, each on the replica that owns it. In ``ddp``
+    mode on 2 replicas it prints the losses of torchtitan's own DDP trainer stepping torch's
+    Muon and AdamW over the same groups; ``acco`` trains."""
+    (tmp_path / "muon_recipe.py").write_text(_MUON_RECIPE)
+
+    def run(config: str, *extra: str) -> tuple[dict, str]:
+        log = tmp_path / f"{config}{'_'.join(extra)}.log"
+        losses = _forked_losses(2, ["train_titan.py", "--module", "muon_recipe", "--config",
+                                    config, *extra, "--dump-folder", str(tmp_path / config),
+                                    "--metrics.disable-color-printing",
+                                    *backend_overrides("-")], log, pythonpath=tmp_path)  # fmt: skip
+        return losses, log.read_text()
+
+    ours, output = run("debug_cpu_ddp_muon")
+    assert "Muon+AdamW" in output and "whole parameters in 1 group(s)" in output
+    theirs, _ = run("debug_cpu_titan_ddp_muon")
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    assert ours[1][0] == theirs[1][0]  # same initial weights and data
+    for step in (2, 3, 4):  # Newton-Schulz in bfloat16 turns float rounding into 1e-5 here
+        assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-4), step
+    for step in ours:  # the engine sums the squared norm in float64
+        assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
+    adamw, _ = run("debug_cpu_ddp_adamw")  # the comparison can fail: Muon changes the run
+    assert abs(float(adamw[4][0]) - float(ours[4][0])) > 1e-2
+    acco, _ = run("debug_cpu_acco_muon")
+    assert float(acco[4][0]) < float(acco[1][0])
 
 
 def _document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
