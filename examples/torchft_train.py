@@ -84,6 +84,9 @@ def parse_args() -> argparse.Namespace:
                    "(the group's ranks are replicas x shards; 0: plain ZeRO-1 data parallelism)")
     p.add_argument("--max-grad-norm", type=float, default=None)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--muon", action="store_true",
+                   help="torch.optim.Muon on the two matrices (whole parameters, each on the "
+                   "rank that owns it), AdamW on the biases")
     p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
     p.add_argument("--init-sync", action="store_true",
                    help="torchft's init_sync=True: every group takes the first group's "
@@ -258,6 +261,12 @@ def main() -> None:
         settings["replica_groups"] = len(args.start_together) or args.groups
     if args.fsdp:
         opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, **settings)
+    elif args.muon:
+        named = list(model.named_parameters())
+        opt = ACCOOptimizer([{"params": [(n, p) for n, p in named if p.ndim == 2],
+                              "optimizer_class": torch.optim.Muon, "lr": 0.02},
+                             {"params": [(n, p) for n, p in named if p.ndim != 2]}],
+                            torch.optim.AdamW, **settings)  # fmt: skip
     else:
         opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **settings)
     engine = opt.engine

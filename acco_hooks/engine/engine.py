@@ -272,7 +272,7 @@ class ACCOEngine:
             whole[gi] = layout.layout == "whole"
         _check_whole_parameters(
             [param_groups[gi]["names"][0] for gi in trained if whole[gi]],
-            [classes[gi] for gi in trained if whole[gi]], split_by, manager,
+            [classes[gi] for gi in trained if whole[gi]], split_by,
         )  # fmt: skip
 
         replicas = None
@@ -1297,28 +1297,17 @@ def _first_schedule(
 # ---------------------------------------------------------------- what the engine refuses
 
 
-def _check_whole_parameters(
-    first_names: list[str], classes: list[type], split_by: list[str], manager: Any
-) -> None:
+def _check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
     """Refuse, by name, what the whole-parameter layout does not do yet: a parameter that FSDP
     or tensor parallelism splits is not whole on any rank (its step would need the matrix
-    gathered inside that group first), and a torchft group hands its state over as a
-    checkpoint, which that layout does not save yet."""
-    if not first_names:
-        return
-    what = (f"{classes[0].__name__} steps whole parameters (the group of {first_names[0]})")
-    if split_by:
+    gathered inside that group first)."""
+    if first_names and split_by:
         raise ValueError(
-            f"acco_hooks: {what}, and {' and '.join(split_by)} split(s) each parameter over "
+            f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
+            f"{first_names[0]}), and {' and '.join(split_by)} split(s) each parameter over "
             "other ranks: no rank holds a whole one. Train it without FSDP or tensor and "
             "pipeline parallelism, or step that group with a per-element optimizer "
             "(torch.optim.AdamW)"
-        )
-    if manager is not None:
-        raise ValueError(
-            f"acco_hooks: {what}: under a torchft manager= a joining group takes a live group's "
-            "state as a checkpoint, which acco_hooks does not save for whole parameters yet. "
-            "Step every group with a per-element optimizer (torch.optim.AdamW) under torchft"
         )
 
 

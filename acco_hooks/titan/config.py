@@ -267,8 +267,8 @@ def validate_acco(
             f"optimizer.param_groups: {whole[0]} steps each matrix whole on the data-parallel "
             "rank that owns it, and "
             + (f"{' and '.join(split_by)} split(s) every matrix over other ranks"
-               if split_by else "[fault_tolerance] hands a joining group a live group's state, "
-               "which acco_hooks does not do for whole parameters yet")
+               if split_by else "[fault_tolerance] (torchft replica groups) is not tested with "
+               "whole parameters in the torchtitan trainer yet (ACCOOptimizer runs it)")
             + f": train the {whole[0]} recipe over data_parallel_replicate_degree alone"
             + ("" if split_by else " without [fault_tolerance]")
             + ", or step every group with 'AdamW'"

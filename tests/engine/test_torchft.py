@@ -56,7 +56,9 @@ def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) ->
     [(2, 2, "acco", ["--max-grad-norm", "0.5"]), (3, 1, "acco", []),
      (3, 2, "acco", []), (2, 2, "ddp", []),  # dpu: test_a_lost_group_..., until its kill
      # HSDP inside each group: 2 replicas x 2 FSDP shards, against HSDP over 4 x 2
-     (2, 4, "acco", ["--fsdp", "2", "--max-grad-norm", "0.5"])],
+     (2, 4, "acco", ["--fsdp", "2", "--max-grad-norm", "0.5"]),
+     # Muon on whole matrices: each group's 2 ranks own one each, the reference's 4 ranks 2
+     (2, 2, "acco", ["--muon"])],
 )  # fmt: skip
 def test_every_group_alive_equals_one_run_over_every_rank(
     tmp_path: Path, groups: int, group_size: int, mode: str, extra: list[str]
@@ -238,16 +240,21 @@ HEAL_ARGS = ["--rounds", "24", "--timeout", "10"]
 HOLD = ["--hold-round", "10", "--hold-for", "joining"]
 
 
-def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--muon"]], ids=["adamw", "muon"])
+def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(
+    tmp_path: Path, extra: list[str]
+) -> None:
+    """With Muon the joiner takes each matrix's momentum (by name) with the master shard."""
     late = {1: ["--wait-for", "round_10", "--announce", "joining"],
             0: ["--mark-round", "10", *HOLD]}  # fmt: skip
-    assert run_groups(2, 1, HEAL_ARGS, tmp_path, replica_args=late, start_together=False) == [0, 0]
+    args = [*HEAL_ARGS, *extra]
+    assert run_groups(2, 1, args, tmp_path, replica_args=late, start_together=False) == [0, 0]
     joined = _params(tmp_path, "g1_r0")["first_round"] - 1
     assert joined >= 10
     assert f"joined the job at round {joined}" in (tmp_path / "g1.log").read_text()
     _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
     away = ["--stop-group", "1", "--stop-round", "0", "--resume-round", str(joined + 1)]
-    assert run_reference(2, 1, [*HEAL_ARGS, *away], tmp_path) == 0
+    assert run_reference(2, 1, [*args, *away], tmp_path) == 0
     _assert_equal_to_reference(tmp_path, [0, 1], 1)
 
 

@@ -317,8 +317,7 @@ def test_every_muon_update_averages_all_its_gradients(settings: dict) -> None:
 
 def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
     """Before any process group exists: a Muon group that holds a bias; FSDP, which leaves no
-    rank a whole parameter; a torchft manager, whose joining group would take a state that
-    is not handed over for whole parameters yet."""
+    rank a whole parameter."""
     from acco_hooks import ACCOOptimizer
 
     model = nn.Linear(4, 3)
@@ -331,9 +330,6 @@ def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"Muon steps whole parameters \(the group of weight\), "
                                          r"and fsdp_process_group split\(s\) each parameter"):
         ACCOOptimizer(matrices, torch.optim.AdamW, fsdp_process_group=object())
-    with pytest.raises(ValueError, match=r"under a torchft manager= a joining group takes a "
-                                         r"live group's state"):
-        ACCOOptimizer(matrices, torch.optim.AdamW, manager=object())
 
 
 # ---------------------------------------------------------------- a torch optimizer's state, by name
