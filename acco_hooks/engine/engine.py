@@ -1070,7 +1070,9 @@ class ACCOEngine:
         torchft ``manager``, torchft's step follows the loaded round (``replicas``): every
         replica group must load the same checkpoint.
         """
-        pending = load_state(self, state)  # checked first: a state refused changes nothing
+        with warnings.catch_warnings():  # torch deprecates ShardedTensor's torch functions
+            warnings.filterwarnings("ignore", message="Please use DTensor instead")
+            pending = load_state(self, state)  # checked first: a state refused changes nothing
         self._in_flight = None
         if self._groups.replicas is not None:
             self._groups.replicas.resume_at(self.round_index)

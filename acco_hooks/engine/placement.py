@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -185,18 +186,24 @@ class ShardPlacement:
 
     def _sharded(self, flat: Tensor, gi: int) -> ShardedTensor:
         device, me = flat.device, dist.get_rank()
+        # A rank that holds nothing (whole parameters it does not own) holds an empty range at
+        # the end: DCP drops a ShardedTensor without local shards from a rank's plan, and a key
+        # missing on one rank makes its load take the checkpoint for the pre-2.4 format
+        end = self.part_numels[gi]
         local = [
             LocalShard(flat[start : start + n], ShardMetadata([off], [n], f"rank:{me}/{device}"))
-            for off, start, n in self.pieces[gi]
+            for off, start, n in self.pieces[gi] or [(end, 0, 0)]
         ]  # fmt: skip
         metadata = ShardedTensorMetadata(
             [ShardMetadata([off], [n], f"rank:{r}/{device}")
-             for r, pieces in self.layouts[gi] for off, n in pieces],
+             for r, pieces in self.layouts[gi] for off, n in pieces or [(end, 0)]],
             torch.Size([self.part_numels[gi]]),
             TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False),
         )  # fmt: skip
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata)
+        with warnings.catch_warnings():  # DTensor cannot hold several ranges on one rank
+            warnings.filterwarnings("ignore", message="Please use DTensor instead")
+            return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata)
 
     def matches(self, chunks: dict[str, Any]) -> bool:
         """Whether ``chunks`` hold exactly this rank's ranges (a state of this shape)."""
@@ -218,6 +225,8 @@ class ShardPlacement:
             source = chunks[key]
             if isinstance(source, ShardedTensor):
                 for shard in source.local_shards():
+                    if not shard.tensor.numel():  # the empty range of a rank that holds none
+                        continue
                     at = _find(self.pieces[gi], shard.metadata.shard_offsets[0])
                     if shard.tensor.data_ptr() != flat[at:].data_ptr():  # else loaded in place
                         flat[at : at + shard.tensor.numel()].copy_(shard.tensor)
@@ -298,7 +307,7 @@ def _zero_outside(flat: Tensor, pieces: list[tuple[int, int, int]]) -> None:
 
 def _pieces_of(tensor: ShardedTensor) -> Pieces:
     return tuple((s.metadata.shard_offsets[0], s.metadata.shard_sizes[0])
-                 for s in tensor.local_shards())  # fmt: skip
+                 for s in tensor.local_shards() if s.metadata.shard_sizes[0])  # fmt: skip
 
 
 def _find(pieces: list[tuple[int, int, int]], offset: int) -> int:

@@ -163,24 +163,32 @@ def round_counters(engine: ACCOEngine) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
+def _optimizer_state(engine: ACCOEngine, agree: bool = True) -> dict[str, Any]:
     """The shard optimizer's state, by what each group's class keeps (``shard_optimizer``),
     not by shape (a group's shard may have one element):
 
-    * ``per_element``: tensors of one value per parameter element (moments, momentum), laid
-      out as the master shard and saved as its chunks, whatever the group's layout;
+    * ``per_element``: a flat group's tensors of one value per parameter element (moments,
+      momentum), laid out as the master shard and saved as its chunks;
     * ``shared``: a flat group's per-parameter values (a step count), one per group, the same
       on every rank;
-    * ``owned``: a whole-parameter group's other state (Adafactor's row and column variances,
-      a step count), by parameter name, from the rank that owns the parameter;
+    * ``owned``: a whole-parameter group's state, each parameter's by its name, from the rank
+      that owns it (Muon's momentum, Adafactor's row and column variances, which some of its
+      parameters keep and others not), read on load by whichever rank owns it then;
     * ``rank_state``: keys the probe never saw, this rank's own.
 
     Before its first step, the state a first step creates, so that DCP has tensors to load
-    into (``stepped`` says it is not real)."""
+    into (``stepped`` says it is not real). ``stepped`` is one value that DCP saves from one
+    rank: on whole parameters a rank that owns none keeps no state, so with ``agree`` the ranks
+    agree on it (a collective on the engine's thread; a torchft handover, a per-rank state taken
+    while that thread waits, keeps its own)."""
     optimizer, buffers = engine.optimizer, engine._buffers
     saved = optimizer.state_dict()
     stepped = bool(saved["state"])
-    state = saved["state"] if stepped else first_step_state(
+    if agree and engine._groups.data is not None and any(g.layout.whole for g in buffers):
+        flag = torch.tensor([float(stepped)], dtype=torch.float64, device=engine.device)
+        engine._run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, engine._groups.data)
+        stepped = bool(flag.item())
+    state = saved["state"] if saved["state"] or stepped else first_step_state(
         optimizer, engine._state_layouts[0].optimizer_kwargs)  # fmt: skip
     index = state_index(optimizer)
     # per group: the state of each tensor the optimizer steps (one, the master, when flat)
@@ -190,20 +198,20 @@ def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
         vectors, values = [], []
         for g, layout, states in zip(buffers, engine._state_layouts, held):
             found = [s.get(name) for s in states]
-            whole = layout.layout == "whole"
-            if name in layout.per_element and whole:
-                vectors.append(_shard_vector(g, found))
-            elif name in layout.per_element and all(
+            if g.layout.whole:  # by name: each key only where a parameter keeps it
+                for pi, value in zip(g.layout.owned(engine.rank), found):
+                    if value is not None:
+                        owned.setdefault(g.names[pi], {})[name] = value
+                vectors.append(None)
+                values.append(None)
+                continue
+            if name in layout.per_element and all(
                 v is None or isinstance(v, Tensor) and v.shape == (g.shard_numel,) for v in found
             ):  # only the groups that keep it (SGD without momentum keeps no buffer)
                 vectors.append(found[0])
             else:
                 vectors.append(None)
-            if whole and name not in layout.per_element:
-                for pi, value in zip(g.layout.owned(engine.rank), found):
-                    if value is not None:
-                        owned.setdefault(g.names[pi], {})[name] = value
-            values.append(None if whole or vectors[-1] is not None else found[0])
+            values.append(None if vectors[-1] is not None else found[0])
         if any(v is not None for v in vectors):
             per_element[name] = engine._placement.chunks(vectors)
         if any(v is not None for v in values):
@@ -215,17 +223,6 @@ def _optimizer_state(engine: ACCOEngine) -> dict[str, Any]:
     return {"param_groups": saved["param_groups"], "stepped": stepped,
             "per_element": per_element, "shared": shared, "owned": owned,
             "rank_state": {_rank_key(): other} if other else {}}  # fmt: skip
-
-
-def _shard_vector(g: Any, values: list[Tensor | None]) -> Tensor:
-    """A whole-parameter group's per-element state as the master shard lays it out: each
-    owned parameter's value at its place, the padding zero."""
-    dtype = next((v.dtype for v in values if v is not None), torch.float32)
-    vector = torch.zeros(g.shard_numel, dtype=dtype, device=g.master.device)
-    for view, value in zip(g.shard_views(vector), values):
-        if value is not None:
-            view.copy_(value)
-    return vector
 
 
 def _kept_estimate_sum(engine: ACCOEngine) -> list[Tensor]:
@@ -322,9 +319,8 @@ def _load_optimizer_state(engine: ACCOEngine, saved: dict[str, Any], rank_key: s
                    for g, key in zip(engine._buffers, engine._placement.keys)]  # fmt: skip
         engine._placement.fill(vectors, chunks)
         for g, vector in zip(engine._buffers, vectors):
-            if vector is not None:  # flat: the vector itself; whole: each parameter's view
-                for p, view in zip(g.stepped, g.shard_views(vector)):
-                    state[index[id(p)]][name] = view
+            if vector is not None:  # a flat group's: the master's own layout
+                state[index[id(g.master)]][name] = vector
     for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
         for name, per_group in values.items():
             for g, value in zip(engine._buffers, per_group):
@@ -643,7 +639,8 @@ def handover_state(engine: ACCOEngine, counters: dict[str, Any]) -> dict[str, An
         "pending_job": None, "pending_wire": None,
         "master": chunks([g.master for g in engine._buffers]), "pending_shard": None,
         "carried": None if carried is None else chunks(carried),
-        "optimizer": _optimizer_state(engine), "partial_round": False, "rank_state": {},
+        "optimizer": _optimizer_state(engine, agree=False), "partial_round": False,
+        "rank_state": {},
     }  # fmt: skip
     return to_local_chunks({"state": state, "live": save_live_parameters(engine)})
 

@@ -35,6 +35,10 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "SGD": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9)),
     "Adagrad": (torch.optim.Adagrad, dict(lr=0.1)),  # a snapshot estimate (no functional Peek)
     "RequiredArgsSGD": (RequiredArgsSGD, dict(lr=5e-2, momentum=0.9)),
+    # whole parameters: Adafactor on every group; Muon on each group of matrices only, AdamW on
+    # the others (a grouped shard optimizer)
+    "Adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+    "Muon+AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
 }
 
 
@@ -95,6 +99,11 @@ def build(case: ResumeCase) -> tuple[Generic, Any]:
                     for item, g in zip(named, case.group_of) if g == gi], **dict(options)}
         for gi, options in enumerate(case.group_options)
     ]  # fmt: skip
+    if case.optimizer == "Muon+AdamW":
+        for group in groups:
+            tensors = [item if isinstance(item, torch.Tensor) else item[1] for item in group["params"]]
+            if all(t.ndim == 2 for t in tensors):
+                group["optimizer_class"] = torch.optim.Muon
     cls, kwargs = OPTIMIZERS[case.optimizer]
     opt = ACCOOptimizer(
         groups, cls, mode=case.mode, accumulation_steps=case.accumulation_steps,

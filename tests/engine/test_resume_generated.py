@@ -149,8 +149,25 @@ FROZEN_GROUP_SAVED_BEFORE_THE_FIRST_STEP = Plan(
 )
 
 
+# Whole parameters, besides the drawn ones: Muon on a group of three matrices (two ranks own
+# one, a third none on 3 ranks) and AdamW on the rest, saved between an estimate and its update
+# on 2 ranks, resumed on 3 and again on 4; Adafactor in dpu, saved by 3 ranks, resumed on 2.
+MUON_BETWEEN_ESTIMATE_AND_UPDATE = Plan(
+    ResumeCase(shapes=((3, 4), (2, 3), (4, 1), (5,)), group_of=(0, 0, 0, 1),
+               group_options=((("lr", 1e-2),), (("lr", 5e-3),)), optimizer="Muon+AdamW"),
+    total=12, saved_by=2, at=2, resumed_on=3, again=(8, 4),
+)
+ADAFACTOR_IN_DPU = Plan(
+    ResumeCase(shapes=((3, 4), (5,), (2, 3)), group_of=(0, 1, 0), optimizer="Adafactor",
+               group_options=((("lr", 1e-2),), (("lr", 5e-3),)), mode="dpu"),
+    total=6, saved_by=3, at=2, resumed_on=2, again=None,
+)
+
+
 @generated
 @example(plan=FROZEN_GROUP_SAVED_BEFORE_THE_FIRST_STEP)
+@example(plan=MUON_BETWEEN_ESTIMATE_AND_UPDATE)
+@example(plan=ADAFACTOR_IN_DPU)
 @given(plan=plans())
 def test_every_checkpoint_resumes_exactly_or_is_refused_by_name(plan, rank_pool, tmp_path_factory):
     folder = tmp_path_factory.mktemp("resume")
