@@ -84,6 +84,12 @@ def torch_run(name: str, world_size: int) -> dict[str, torch.Tensor]:
     cls, kwargs = RUNS[name]
     model = make_model()
     opt = cls([{**g, "params": [p for _, p in g["params"]]} for g in groups(model, name)], **kwargs)
+    return torch_training(model, [opt], world_size)
+
+
+def torch_training(model: nn.Module, optimizers: list, world_size: int) -> dict[str, torch.Tensor]:
+    """``optimizers`` (torch's own, over ``model``'s parameters) stepped on the average of every
+    rank's gradient of each micro-batch; the parameters at the end."""
     for step in range(STEPS):
         total = [torch.zeros_like(p) for p in model.parameters()]
         for rank in range(world_size):
@@ -93,7 +99,8 @@ def torch_run(name: str, world_size: int) -> dict[str, torch.Tensor]:
             torch._foreach_add_(total, [p.grad for p in model.parameters()])
         for p, t in zip(model.parameters(), total):
             p.grad = t / world_size
-        opt.step()
+        for optimizer in optimizers:
+            optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -102,16 +109,34 @@ def engine_run(rank: int, world_size: int, name: str, mode: str = "ddp", first: 
                load_from: str | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """The engine over the same groups, one micro-batch per round: micro-batches ``first`` ..
     ``last - 1``, saving with DCP after ``save_at`` of them, after loading ``load_from``."""
-    import torch.distributed.checkpoint as dcp
-
     from acco_hooks import ACCOOptimizer
 
     cls, kwargs = RUNS[name]
     model = make_model()
     opt = ACCOOptimizer(groups(model, name), cls, mode=mode, accumulation_steps=1, **kwargs)
-    if load_from is not None:
-        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    return train_and_checkpoint(model, opt, rank, world_size, first, last, save_at,
+                                *through_dcp(save_to, load_from))  # fmt: skip
+
+
+def through_dcp(save_to: str | None, load_from: str | None) -> tuple:
+    """The ``save`` and ``load`` of :func:`train_and_checkpoint` through DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    def load(state: dict) -> dict:
         dcp.load(state, checkpoint_id=load_from)
+        return state
+
+    return (lambda state: dcp.save(state, checkpoint_id=save_to),
+            None if load_from is None else load)
+
+
+def train_and_checkpoint(model: nn.Module, opt, rank: int, world_size: int, first: int,
+                         last: int, save_at: int = -1, save=None, load=None) -> dict:  # fmt: skip
+    """Load (``load(state)`` returns the model's and optimizer's state filled), train this
+    rank's share of micro-batches ``first`` .. ``last - 1`` one per round, ``save(state)`` after
+    ``save_at`` of them; the real parameters at the end."""
+    if load is not None:
+        state = load({"model": model.state_dict(), "optim": opt.state_dict()})
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
     for step in range(first, last):
@@ -119,8 +144,7 @@ def engine_run(rank: int, world_size: int, name: str, mode: str = "ddp", first: 
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         if step + 1 == save_at:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=save_to)  # fmt: skip
+            save({"model": model.state_dict(), "optim": opt.state_dict()})
     opt.flush()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.close()

@@ -19,11 +19,16 @@ from acco_hooks import declare_per_parameter_optimizer
 from tests.dist_utils import run_distributed
 from tests.engine.test_optimizers import (
     LARS,
+    STEPS,
     GlobalClippingSGD,
     LateTrustRatioSGD,
     MatrixDecayAdamW,
     MuPSGD,
     TrustRatioSGD,
+    batch,
+    through_dcp,
+    torch_training,
+    train_and_checkpoint,
 )
 from tests.scenario import (
     MUON,
@@ -110,17 +115,6 @@ DEFAULT = {  # the class a group that names none is stepped by, and its argument
     "late_trust_ratio": (WholeLateTrustRatioSGD, dict(lr=1e-2)),
 }
 DECLARED = ("lars", "trust_ratio", "mup", "matrix_decay", "late_trust_ratio")
-STEPS = 8
-GLOBAL_BATCH = 12  # samples per micro-batch: splits evenly over 1, 2, 3 and 4 ranks
-
-
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7919 * step)
-    x, y = torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
-    share = GLOBAL_BATCH // world_size
-    return x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-
-
 def torch_run(name: str, world_size: int) -> dict[str, torch.Tensor]:
     """The oracle: torch's own optimizers on the whole parameters, each step on the average of
     the ranks' gradients."""
@@ -132,18 +126,7 @@ def torch_run(name: str, world_size: int) -> dict[str, torch.Tensor]:
         optimizers = [torch.optim.Muon([matrices]), cls([plain[1]], **kwargs)]
     else:
         optimizers = [cls(plain, **kwargs)]
-    for step in range(STEPS):
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(world_size):
-            model.zero_grad()
-            x, y = batch(step, rank, world_size)
-            nn.functional.mse_loss(model(x), y).backward()
-            torch._foreach_add_(total, [p.grad for p in model.parameters()])
-        for p, t in zip(model.parameters(), total):
-            p.grad = t / world_size
-        for optimizer in optimizers:
-            optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return torch_training(model, optimizers, world_size)
 
 
 def engine_run(rank: int, world_size: int, name: str, mode: str = "ddp", first: int = 0,
@@ -152,29 +135,13 @@ def engine_run(rank: int, world_size: int, name: str, mode: str = "ddp", first: 
     """``ACCOOptimizer`` over the same groups, one micro-batch per round: micro-batches
     ``first`` .. ``last - 1``, saving with DCP after ``save_at`` of them, after loading
     ``load_from``."""
-    import torch.distributed.checkpoint as dcp
-
     from acco_hooks import ACCOOptimizer
 
     cls, kwargs = DEFAULT[name]
     model = make_model(model="deep")
     opt = ACCOOptimizer(groups(model, name), cls, mode=mode, accumulation_steps=1, **kwargs)
-    if load_from is not None:
-        state = {"model": model.state_dict(), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=load_from)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-    for step in range(first, last):
-        x, y = batch(step, rank, world_size)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        if step + 1 == save_at:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=save_to)  # fmt: skip
-    opt.flush()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.close()
-    return params
+    return train_and_checkpoint(model, opt, rank, world_size, first, last, save_at,
+                                *through_dcp(save_to, load_from))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", DECLARED)
@@ -233,20 +200,9 @@ def per_rank_file_run(rank: int, world_size: int, first: int, last: int, directo
     cls, kwargs = DEFAULT["muon"]
     opt = ACCOOptimizer(groups(model, "muon"), cls, mode="acco", accumulation_steps=1, **kwargs)
     path = f"{directory}/rank{rank}.pt"
-    if first:
-        state = checkpoint.load(path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-    for step in range(first, last):
-        x, y = batch(step, rank, world_size)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        if step + 1 == save_at:
-            checkpoint.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
-    opt.flush()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.close()
-    return params
+    return train_and_checkpoint(model, opt, rank, world_size, first, last, save_at,
+                                lambda state: checkpoint.save(state, path),
+                                (lambda _: checkpoint.load(path)) if first else None)  # fmt: skip
 
 
 def test_a_rank_that_owns_no_matrix_trains_and_resumes_from_its_own_file(rank_pool, tmp_path):
