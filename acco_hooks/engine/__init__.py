@@ -1,10 +1,11 @@
 """The ACCO engine: one class (``engine.ACCOEngine``), the settings every front-end takes from
-(``settings``), and what it stands on: the flat buffer layout (``buffers``), the communication
+(``settings``), and what it stands on: the rounds' bookkeeping (``rounds``), the buffers
+(``buffers``) and where each group's parameters lie in them (``layout``), the communication
 thread with its process groups and its per-round job (``communication``), the collectives
-(``collectives``), the estimate step (``peek``), the optimizers the flat shard can step
+(``collectives``), the estimate step (``peek``), the optimizers the shards can step
 (``shard_optimizer``), parameter ownership and what ``.grad`` holds meanwhile (``ownership``),
-a rank's saved state and its checks (``state``), the shards as checkpoint DTensors (``placement``) and the sum over torchft replica
-groups (``replicas``).
+a rank's saved state and its checks (``state``), the shards as checkpoint DTensors
+(``placement``) and the sum over torchft replica groups (``replicas``).
 
 Read ``engine.py`` first: its docstring draws the round timeline and follows one gradient.
 """

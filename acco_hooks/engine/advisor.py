@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from acco_hooks.engine.schedule import best_schedule, candidate_schedules
 
-__all__ = ["Advisor", "predicted_speedup"]
+__all__ = ["Advisor", "MicrobatchClock", "predicted_speedup"]
 
 logger = logging.getLogger("acco_hooks")
 
@@ -208,3 +210,48 @@ class Advisor:
                                            {d: a * comm for d, a in fractions.items()})  # fmt: skip
         return (f"acco advisor: mode='auto' would try {best.describe()}, priced at "
                 f"{best_speedup:.2f}x synchronous")
+
+
+class MicrobatchClock:
+    """Times each micro-batch's compute and each round, for the advisor (and ``auto``).
+
+    A micro-batch is timed from its mark (:meth:`mark`: ``ACCOEngine.start_microbatch``) to its
+    count (:meth:`stop`); unmarked, from the previous count. Once a front-end marks micro-batches,
+    an unmarked one (an empty micro-batch that pads a short step) is not timed. The process's
+    first micro-batch warms up: untimed.
+    """
+
+    __slots__ = ("round_started", "started", "overlapped", "marked", "marks")
+
+    def __init__(self) -> None:
+        self.round_started: float | None = None  # the last round end
+        self.started: float | None = None  # the micro-batch under way's start
+        self.overlapped = False  # a communication was in flight when it started
+        self.marked = False  # mark() started the micro-batch under way
+        self.marks = False  # the front-end marks each micro-batch's start
+
+    def mark(self, communicating: bool, wait: Callable[[], None]) -> None:
+        """The micro-batch's compute starts now; ``wait()`` first lets queued device work end."""
+        self.marks = True
+        if self.started is None:  # the first micro-batch: untimed
+            return
+        wait()
+        self.started, self.marked, self.overlapped = time.perf_counter(), True, communicating
+
+    def stop(self, wait: Callable[[], None]) -> tuple[float, bool] | None:
+        """The micro-batch is counted: its seconds and whether a communication overlapped it
+        (``None``: untimed)."""
+        if self.started is None or (self.marks and not self.marked):
+            return None
+        wait()
+        return time.perf_counter() - self.started, self.overlapped
+
+    def restart(self, communicating: bool) -> None:
+        """After a count: unmarked, the next micro-batch's compute starts now."""
+        self.started, self.marked, self.overlapped = time.perf_counter(), False, communicating
+
+    def round_ended(self) -> float | None:
+        """A round ended now: the seconds since the previous round end (``None``: the first)."""
+        now, previous = time.perf_counter(), self.round_started
+        self.round_started = now
+        return None if previous is None else now - previous

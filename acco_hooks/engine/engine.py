@@ -7,10 +7,11 @@ settings, feed it gradients and call :meth:`ACCOEngine.microbatch_done`. The con
 allowed values and its check), ``buffers`` (each group's padded vector and its memory), ``layout``
 (where a group's parameters lie in that vector: flat, or each whole on one rank),
 ``communication`` (the thread, its process groups and the job it runs each round),
-``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step the
-flat shard), ``ownership`` (one engine per parameter), ``state`` (what a rank's state is, how it
-is saved, checked and loaded), ``placement`` (where its shards sit in the model) and
-``replicas`` (the sum over torchft replica groups).
+``collectives``, ``peek`` (the estimate step), ``shard_optimizer`` (which optimizers can step
+the shards), ``ownership`` (one engine per parameter), ``rounds`` (which schedule the rounds
+follow, where they are and what the update under way weighs: :attr:`ACCOEngine.rounds`),
+``state`` (what a rank's state is, how it is saved, checked and loaded), ``placement`` (where
+its shards sit in the model) and ``replicas`` (the sum over torchft replica groups).
 
 The round timeline (``acco`` mode; G̃ is computed at the estimate θ̃, G at the real θ)::
 
@@ -52,10 +53,8 @@ number of data-parallel ranks; the format and its checks are ``state``'s) and cl
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -69,9 +68,8 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from acco_hooks.engine import ownership
-from acco_hooks.engine.advisor import Advisor
+from acco_hooks.engine.advisor import Advisor, MicrobatchClock
 from acco_hooks.engine.buffers import (
-    GroupBuffers,
     build_shard,
     is_dtensor,
     local_tensor,
@@ -96,25 +94,26 @@ from acco_hooks.engine.communication import (
 from acco_hooks.engine.layout import ShardLayout
 from acco_hooks.engine.peek import has_functional_peek
 from acco_hooks.engine.placement import ShardPlacement
-from acco_hooks.engine.replicas import GroupFellBehind, ReplicaGroups
-from acco_hooks.engine.schedule import (
-    AUTO_ESTIMATE_DTYPES,
-    AutoSchedule,
-    Schedule,
-    candidate_schedules,
+from acco_hooks.engine.replicas import GroupFellBehind, ReplicaGroups, describe_replica_group
+from acco_hooks.engine.rounds import RoundState, estimate_formats, name_some, wire_fraction
+from acco_hooks.engine.schedule import Schedule
+from acco_hooks.engine.settings import EngineSettings, Mode
+from acco_hooks.engine.shard_optimizer import (
+    ShardStateLayout,
+    check_optimizers,
+    check_whole_parameters,
 )
-from acco_hooks.engine.settings import EngineSettings, Mode, SettingError
-from acco_hooks.engine.shard_optimizer import ShardStateLayout, check_optimizers, state_index
 from acco_hooks.engine.state import (
+    StateParts,
     handover_state,
     load_handover,
     load_live_parameters,
+    load_optimizer_state_by_name,
     load_state,
-    round_counters,
     save_live_parameters,
     save_state,
 )
-from acco_hooks.engine.wire import WIRE_FORMATS, backend_can_send
+from acco_hooks.engine.wire import WIRE_FORMATS
 
 __all__ = ["ACCOEngine"]
 
@@ -207,22 +206,15 @@ class ACCOEngine:
         # torchft: the training loop's counters at the last round end, for a joining group,
         # and the round this group joined a running job in
         "_handover_counters", "joined_round",
-        # How an update's micro-batches run (a split into an estimate and an update round, or
-        # one synchronous round), which round comes next, and mode="auto"'s choice of schedule:
-        # the controller, the schedule every rank agreed on, when the current update started
-        "schedule", "_estimate_next", "_auto", "_agreed", "_update_started",
-        # Round bookkeeping (saved in checkpoints), and statistics of the last round for logging
-        "round_index", "num_updates", "updates_launched", "skipped_rounds", "_estimate_count",
-        "_update_weight", "_reweigh_carried", "_carry_next_update", "_weights_are_shares",
-        "_gradients_may_skip_ranks",
-        "_unit_weights", "_round_microbatches", "_local_count", "_local_unit", "_grad_arrived",
+        # The rounds: their schedule, counters and weights (saved in checkpoints, ``rounds``),
+        # when the current update started (mode="auto" times it), whether a gradient may miss
+        # a rank, the gradients taken in, and statistics of the last round for logging
+        "rounds", "_update_started", "_gradients_may_skip_ranks",
         "grads_received", "_grads_counted",
         "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
         "last_round_lr", "step_boundary",
-        # The advisor's clocks: when this round and this micro-batch started, and whether a
-        # communication was in flight when the micro-batch started
-        "advisor", "_round_started", "_microbatch_started", "_microbatch_overlapped",
-        "_microbatch_marked", "_marks_microbatches",
+        # The advisor, and the clock that times each micro-batch and round for it and for auto
+        "advisor", "_clock",
     )  # fmt: skip
 
     def __init__(
@@ -270,7 +262,7 @@ class ACCOEngine:
         whole = [False] * len(param_groups)
         for gi, layout in zip(trained, layouts):
             whole[gi] = layout.layout == "whole"
-        _check_whole_parameters(
+        check_whole_parameters(
             [param_groups[gi]["names"][0] for gi in trained if whole[gi]],
             [classes[gi] for gi in trained if whole[gi]], split_by,
         )  # fmt: skip
@@ -282,9 +274,9 @@ class ACCOEngine:
                              "leave replica_groups unset")  # fmt: skip
         if manager is not None:  # refused here too, before any process group exists
             replicas = ReplicaGroups(
-                manager, _replica_description(settings, classes, optimizer_kwargs,
-                                              param_groups, process_group, fsdp_process_group,
-                                              norm_process_group),
+                manager, describe_replica_group(settings, classes, optimizer_kwargs,
+                                                param_groups, process_group, fsdp_process_group,
+                                                norm_process_group),
                 group_size=dist.get_world_size() if dist.is_initialized() else 1,
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
                 until_ready=settings.accumulate_until_ready, timeout=settings.timeout,
@@ -314,7 +306,8 @@ class ACCOEngine:
                 )
             # The estimate formats it may send: the reduce dtype's carries ΣG̃ on the shard
             # side; a narrower one needs the wire buffers.
-            formats = _estimate_formats(settings, self._groups)
+            formats = estimate_formats(settings, self._groups.data,
+                                       replicas=self._groups.replicas is not None)
             narrow = [WIRE_FORMATS[f] for f in formats if f != settings.reduce_format]
             self._buffers, self.optimizer, self.lr_scheduler = build_shard(
                 param_groups, self.world_size, self.rank, self._groups.data_parallel_ranks,
@@ -339,30 +332,14 @@ class ACCOEngine:
         self._in_flight: RoundInFlight | None = None
         self._failure: ACCOCommunicationError | None = None
         self._live_outside: dict[str, Tensor] | None = None
-        self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
-        self._estimate_count = 0.0  # c̃: the global weight of the estimate round acco carries
-        # W: the global weight of one whole update (its estimate and update rounds) while every
-        # update weighed the same, in the units the carried ΣG̃ is in; None once two differed
-        # (the weights are data units: tokens), 0.0 before the first update finished
-        self._update_weight: float | None = 0.0
-        # Resumed between an estimate and its update with ΣG̃ in another world's units: what
-        # an update round weighed there, against which ΣG̃ and c̃ are reweighed (None: kept)
-        self._reweigh_carried: float | None = None
-        # Resumed between an estimate sent narrower and its update: the checkpoint held ΣG̃ as
-        # a carried half-batch, which the update adds although its schedule carries none
-        self._carry_next_update = False
-        # What the micro-batch weights count: shares of an update (a front-end says so), or
-        # units (tokens; 1: a mean), and whether every one so far, on every rank, weighed 1
-        self._weights_are_shares, self._unit_weights = weights_are_shares, True
+        fractions = {f: wire_fraction(self._buffers, settings, f) for f in formats}
+        self.rounds = RoundState(
+            settings, formats, fractions, [len(g.params) for g in self._buffers],
+            weights_are_shares, report=self._groups.norm is None or dist.get_rank() == 0,
+        )  # fmt: skip
+        self._update_started: float | None = None  # mode="auto" times each update
         self._gradients_may_skip_ranks = gradients_may_skip_ranks
         self.step_boundary = False
-        # this rank's micro-batches in the accumulators: how many, their weights' sum, and
-        # whether each weighed exactly 1
-        self._round_microbatches, self._local_count, self._local_unit = 0, 0.0, True
-        fractions = {f: _wire_fraction(self._buffers, settings, f) for f in formats}
-        self.schedule, self._auto = _first_schedule(settings, formats, fractions, self._groups)
-        self._estimate_next, self._agreed, self._update_started = True, None, None
-        self._grad_arrived = [[False] * len(g.params) for g in self._buffers]
         self.grads_received = 0  # parameter gradients taken in so far, for front-ends' checks
         self._grads_counted = 0  # grads_received when the last micro-batch was counted
         # measures K, C and the round time; predicts ACCO's per-token speedup
@@ -372,11 +349,7 @@ class ACCOEngine:
             * (2 if settings.mode is Mode.ACCO else 1),
             estimate_fractions=fractions or None,
         )  # fmt: skip
-        self._round_started: float | None = None
-        self._microbatch_started: float | None = None
-        self._microbatch_overlapped = False
-        self._microbatch_marked = False  # start_microbatch() marked the one under way
-        self._marks_microbatches = False  # the front-end marks each micro-batch's start
+        self._clock = MicrobatchClock()
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         # The learning rate (first parameter group) of the update the last round's gradients
@@ -413,10 +386,10 @@ class ACCOEngine:
     def _join_replica_groups(self, replicas: ReplicaGroups) -> None:
         """torchft: take the job's current step with the other replica groups before the first
         round, and a live group's state if they are training already (``replicas``)."""
-        self._handover_counters = round_counters(self)
+        self._handover_counters = self.rounds.state_dict()
         engine = weakref.ref(self)  # torchft's manager keeps the callbacks: not the engine
         replicas.attach(
-            lambda: handover_state(engine(), engine()._handover_counters),
+            lambda: engine()._handover(),
             lambda: repr([{k: v for k, v in group.items() if k != "params"}
                           for group in engine().optimizer.param_groups]),
             self.lr_scheduler,
@@ -440,11 +413,11 @@ class ACCOEngine:
             taken = torch.tensor([float(handover is not None)], device=self.device)
             self._run_on_thread(dist.all_reduce, taken, dist.ReduceOp.SUM, self._groups.norm)
             if taken.item() > 0 and handover is None:
-                handover = handover_state(self, self._handover_counters)
+                handover = self._handover()
         if handover is None:
             return
-        load_handover(self, handover)
-        self._handover_counters = round_counters(self)
+        load_handover(self._state_parts(), handover)
+        self._handover_counters = self.rounds.state_dict()
         if joined_round is None:  # init_sync at the start: one group's state, the same in all
             return
         self.joined_round = joined_round
@@ -457,6 +430,10 @@ class ACCOEngine:
         for _ in range(self.round_size):  # ends the round: its job takes the sum joined
             self.skip_microbatch()
 
+    def _handover(self) -> dict[str, Any]:
+        """torchft: what a group joining in the round under way takes (``state``)."""
+        return handover_state(self._state_parts(), self._handover_counters, self._live_outside)
+
     def _rejoin(self, behind: GroupFellBehind) -> None:
         """torchft: this group's sum of a round failed where the other groups committed it, and
         its retry took a later round's sum with a live group's state (``replicas``). The round
@@ -465,14 +442,13 @@ class ACCOEngine:
         it ends as rounds do, or now if the loop is at its end. The loop reads on from
         :attr:`microbatches_scheduled` then."""
         handover, joined_round = self._groups.replicas.take_rejoin()
-        counted = self._round_microbatches
+        counted = self.rounds.microbatches
         self._in_flight = None
-        load_handover(self, handover)
-        self._handover_counters = round_counters(self)
+        load_handover(self._state_parts(), handover)
+        self._handover_counters = self.rounds.state_dict()
         self.joined_round = joined_round
-        self._round_microbatches = counted
-        for arrived in self._grad_arrived:
-            arrived[:] = [True] * len(arrived)
+        self.rounds.microbatches = counted
+        self.rounds.all_arrived()
         if self._groups.replicas.logs:
             logger.warning(
                 "acco_hooks: round %d: this replica group's sum failed where the other groups "
@@ -534,7 +510,7 @@ class ACCOEngine:
         self._hook_handles += [p.register_post_accumulate_grad_hook(on_grad) for p in params]
         self._placeholders = placeholders
         if placeholders:  # a second backward before the count accumulates into an empty .grad
-            self._hook_handles += [p.register_hook(_clear_before_accumulating(p)) for p in params]
+            self._hook_handles += [p.register_hook(ownership.clear_before_accumulating(p)) for p in params]
 
     def leave_placeholders(self, params: Iterable[Tensor] | None = None) -> None:
         """Put a ``GradientInEngine`` in the ``.grad`` of ``params`` (default: every parameter
@@ -573,24 +549,48 @@ class ACCOEngine:
                 grad = grad.redistribute(grad.device_mesh, param.placements)
             grad = grad.to_local()
         self._buffers[gi].accumulator_views[pi].add_(grad)
-        self._grad_arrived[gi][pi] = True
+        self.rounds.grad_arrived[gi][pi] = True
         self.grads_received += 1
 
     # ------------------------------------------------------------ the round schedule
 
     @property
+    def round_index(self) -> int:
+        """Rounds ended so far: the index of the round being accumulated."""
+        return self.rounds.round_index
+
+    @property
+    def num_updates(self) -> int:
+        """Real updates applied to the master shard so far (skipped rounds not counted)."""
+        return self.rounds.num_updates
+
+    @property
+    def updates_launched(self) -> int:
+        """Updates whose micro-batches are all in: a trainer's steps so far."""
+        return self.rounds.updates_launched
+
+    @property
+    def skipped_rounds(self) -> int:
+        """Rounds whose averaged gradient was not finite (``nonfinite="skip"``)."""
+        return self.rounds.skipped_rounds
+
+    @property
+    def schedule(self) -> Schedule:
+        """How the update under way runs: one synchronous round, or an estimate and an update
+        round (in ``auto``, the schedule every rank agreed on last)."""
+        return self.rounds.schedule
+
+    @property
     def microbatches_in_round(self) -> int:
         """Micro-batches counted so far in the round being accumulated."""
-        return self._round_microbatches
+        return self.rounds.microbatches
 
     @property
     def round_size(self) -> int:
         """Micro-batches the round being accumulated runs (at least, with
         ``accumulate_until_ready``): ``accumulation_steps``; in ``acco`` an estimate round's
         ``estimate_microbatches``; in ``auto`` its schedule's share of the update."""
-        if self.schedule.synchronous or not self._estimate_next:
-            return self.schedule.update_microbatches
-        return self.schedule.estimate_microbatches
+        return self.rounds.round_size
 
     @property
     def microbatches_scheduled(self) -> int:
@@ -599,17 +599,13 @@ class ACCOEngine:
         stands: a torchft replica group that joined a running job (:attr:`joined_round`) reads
         on from here, which in ``auto`` is not a round count times a round size. A rank whose
         rounds ran longer (``accumulate_until_ready``) counted more than this."""
-        schedule = self.schedule  # in auto every candidate takes accumulation_steps per update
-        per_update = schedule.estimate_microbatches + schedule.update_microbatches
-        between = not schedule.synchronous and not self._estimate_next  # acco's estimate is in
-        return (self.updates_launched * per_update + self._round_microbatches
-                + (schedule.estimate_microbatches if between else 0))  # fmt: skip
+        return self.rounds.microbatches_scheduled
 
     @property
     def candidate_schedules(self) -> list[Schedule]:
         """The schedules this engine may run: ``auto``'s candidates (the synchronous one first,
         then each split and estimate format it may try); otherwise its one schedule."""
-        return list(self._auto.candidates) if self._auto is not None else [self.schedule]
+        return self.rounds.candidates
 
     @property
     def communication_in_flight(self) -> bool:
@@ -635,19 +631,13 @@ class ACCOEngine:
         compute stream is waited for at the mark and at the count: the time is then the
         device's, not that of queuing its kernels.
         """
-        self._marks_microbatches = True
-        if self._microbatch_started is None:  # the process's first micro-batch warms up: untimed
-            return
-        self._wait_for_compute()
-        self._microbatch_started = time.perf_counter()
-        self._microbatch_marked = True
-        self._microbatch_overlapped = self.communication_in_flight
+        self._clock.mark(self.communication_in_flight, self._wait_for_compute)
 
     def _wait_for_compute(self) -> None:
         """On a GPU, while micro-batches are timed: wait for the work queued on the compute
         stream (the communication stream's is not waited for)."""
-        timing = not self.advisor.figures or (
-            self._auto is not None and self._auto.takes_microbatch_times)
+        auto = self.rounds.auto
+        timing = not self.advisor.figures or (auto is not None and auto.takes_microbatch_times)
         if timing and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -680,158 +670,113 @@ class ACCOEngine:
         """
         if not weight >= 0:
             raise ValueError(f"acco_hooks: an empty micro-batch's weight must be >= 0, got {weight}")
-        for arrived in self._grad_arrived:
-            arrived[:] = [True] * len(arrived)
+        self.rounds.all_arrived()
         return self._count_microbatch(float(weight))
 
     def _count_microbatch(self, weight: float) -> bool:
         self._raise_if_failed()
         self.clear_placeholders()
         self._grads_counted = self.grads_received
-        timed = self._microbatch_started is not None and (
-            self._microbatch_marked or not self._marks_microbatches)
-        if timed:  # the advisor's K: this micro-batch's compute (start_microbatch)
-            self._wait_for_compute()
-            elapsed = time.perf_counter() - self._microbatch_started
-            self.advisor.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
-            if self._auto is not None:
-                self._auto.record_microbatch(elapsed, communicating=self._microbatch_overlapped)
+        timed = self._clock.stop(self._wait_for_compute)
+        if timed is not None:  # the advisor's K: this micro-batch's compute (start_microbatch)
+            self.advisor.record_microbatch(*timed)
+            if self.rounds.auto is not None:
+                self.rounds.auto.record_microbatch(*timed)
         self.step_boundary = False
         try:
             return self._count_or_end_round(weight)
-        finally:  # unmarked, the next micro-batch's compute starts now
-            self._microbatch_started = time.perf_counter()
-            self._microbatch_marked = False
-            self._microbatch_overlapped = self.communication_in_flight
+        finally:
+            self._clock.restart(self.communication_in_flight)
 
     def _count_or_end_round(self, weight: float) -> bool:
+        rounds = self.rounds
         if self._waits_for_own_round and self._in_flight is not None:
             # A step() interrupted while it waited for its own round: this call completes it.
             if self._finish_in_flight(apply=True):
-                self._at_update_end(self.schedule)
+                self._at_update_end(rounds.schedule)
             self.step_boundary = True
             return True
-        counted = (self._round_microbatches, self._local_count, self._local_unit)
-        self._round_microbatches += 1
-        self._local_count += weight
-        self._local_unit = self._local_unit and weight == 1.0
-        if self._round_microbatches < self.round_size:
+        counted = rounds.count(weight)
+        if rounds.microbatches < rounds.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
         if (self.settings.accumulate_until_ready and self.communication_in_flight
-                and (cap is None or self._round_microbatches < cap)):
+                and (cap is None or rounds.microbatches < cap)):
             return False  # the caller runs another micro-batch while the network works
-        round_index = self.round_index
+        round_index = rounds.round_index
         try:
             with record_function("acco::round_end"):
                 self._end_round()
         except BaseException:
-            if self.round_index == round_index and self._failure is None:
+            if rounds.round_index == round_index and self._failure is None:
                 # Interrupted before the round was launched (while waiting for the previous
                 # one): nothing was lost, the call can be repeated.
-                self._round_microbatches, self._local_count, self._local_unit = counted
+                rounds.uncount(counted)
             raise
         return True
 
     def _end_round(self) -> None:
-        _check_round_inputs(self._buffers, self._grad_arrived, self.round_index, self._frozen,
-                            each_rank=not self._gradients_may_skip_ranks)  # fmt: skip
+        rounds = self.rounds
+        rounds.check_inputs([g.names for g in self._buffers],
+                            [name for g in self._buffers for name in g.moved_params()],
+                            self._frozen, each_rank=not self._gradients_may_skip_ranks)  # fmt: skip
         start = time.perf_counter()
         self._finish_in_flight(apply=True)  # 1. the previous round's result becomes live
         self.last_wait_s = time.perf_counter() - start
         self.last_round_lr = float(self.optimizer.param_groups[0]["lr"])
         if self._handover_counters is not None:  # what a group joining in this round's sum gets
-            self._handover_counters = round_counters(self)
+            self._handover_counters = rounds.state_dict()
 
-        # 2. the payload; the accumulator restarts. acco's update round averages both halves:
-        #    its job adds the estimate round's reduce-scattered ΣG̃, kept on the shard side
-        #    ("carry"), and its count c̃. An estimate sent narrower (``wire``) is not carried:
-        #    the accumulator and the local count keep it, and the update round sends both
-        #    rounds' sum in the reduce dtype.
-        #    A resumed run between a narrow estimate and its update carries too: the checkpoint
-        #    made the kept gradients a carried half-batch.
-        schedule = self.schedule
-        overlapped = not schedule.synchronous
-        estimate = overlapped and self._estimate_next
-        keeps = estimate and self._estimate_kept
-        carry = (overlapped and not self._estimate_kept) or (
-            not estimate and self._carry_next_update
-        )
-        update_carries = carry and not estimate
-        plan = RoundPlan(
-            Job.ESTIMATE if estimate else Job.UPDATE, self._local_count, self.round_index,
-            unit_weights=self._local_unit,
-            wire=WIRE_FORMATS[schedule.estimate_dtype] if keeps else None,
-            carry=carry, keeps_accumulator=keeps,
-            carried_count=self._estimate_count if update_carries else 0.0,
-            reweigh_carried=self._reweigh_carried if update_carries else None,
-            proposal=None if self._auto is None or estimate
-            else self._auto.candidates.index(self._auto.target),
-            arrived=tuple(float(ok) for arrived in self._grad_arrived for ok in arrived)
-            if self._gradients_may_skip_ranks else None,
-        )  # fmt: skip
+        # 2. the payload (what it sends and adds: ``RoundState.plan_round``); the accumulators
+        #    restart, unless they keep a narrow estimate's gradients for the update round
+        schedule = rounds.schedule
+        plan = rounds.plan_round(arrivals=self._gradients_may_skip_ranks)
         for g in self._buffers:
             g.comm_input.copy_(g.accumulator)
             if not plan.keeps_accumulator:
                 g.accumulator.zero_()
-        if not plan.keeps_accumulator:
-            self._local_count, self._local_unit = 0.0, True
-        if not estimate:
-            self._reweigh_carried, self._carry_next_update = None, False
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
         future = self._worker.submit(
             communicate, plan, self._buffers, self._groups, self.optimizer, self.lr_scheduler,
             self.settings.max_grad_norm,
         )  # fmt: skip
-        self._in_flight = RoundInFlight(future, plan, self.round_index)
-
-        self.last_round_microbatches = self._round_microbatches
-        self._round_microbatches = 0
-        self.round_index += 1
-        for arrived in self._grad_arrived:
-            arrived[:] = [False] * len(arrived)
-        if not schedule.synchronous:
-            self._estimate_next = not estimate
+        self._in_flight = RoundInFlight(future, plan, plan.round_index)
+        self.last_round_microbatches = rounds.round_launched(plan)
         # its own result is the next parameters; a torchft group that took a live group's
         # state instead holds that update's counters already (``_rejoin``)
         taken = not self._waits_for_own_round or self._finish_in_flight(apply=True)
-        if not estimate and taken:
+        update = plan.job is Job.UPDATE
+        if update and taken:
             self._at_update_end(schedule)
-        self.step_boundary = self.settings.mode is not Mode.AUTO or not estimate
+        self.step_boundary = self.settings.mode is not Mode.AUTO or update
         # 4. return: the next round computes while the network works
-        now = time.perf_counter()
-        if self._round_started is not None:  # round end to round end, for the advisor
-            self.advisor.record_round(now - self._round_started, self.last_round_microbatches)
-        self._round_started = now
-
-    @property
-    def _estimate_kept(self) -> bool:
-        """The estimate round was sent narrower than the reduce dtype: the accumulators keep
-        its gradients (and the local counts its weight) for the update round to send."""
-        return self.schedule.estimate_dtype != self.settings.reduce_format
+        seconds = self._clock.round_ended()
+        if seconds is not None:  # round end to round end, for the advisor
+            self.advisor.record_round(seconds, self.last_round_microbatches)
 
     @property
     def _waits_for_own_round(self) -> bool:
         """Whether each round waits for its own communication (``ddp``; ``auto`` between its
         overlapped schedules)."""
-        return self.schedule.synchronous and self.settings.mode is not Mode.DPU
+        return self.rounds.schedule.synchronous and self.settings.mode is not Mode.DPU
 
     def _at_update_end(self, ran: Schedule) -> None:
         """An update's micro-batches are all in (its update launched, or applied when
         synchronous): a trainer's step ends here, and ``auto`` may change the schedule."""
-        self.updates_launched += 1
-        if self._auto is None:
+        rounds = self.rounds
+        rounds.updates_launched += 1
+        if rounds.auto is None:
             return
         now = time.perf_counter()
         if self._update_started is not None:
-            self._auto.record_update(ran, now - self._update_started)
-        agreed = self._agreed
-        if agreed is not None and agreed != self.schedule:
+            rounds.auto.record_update(ran, now - self._update_started)
+        agreed = rounds.agreed
+        if agreed is not None and agreed != rounds.schedule:
             # the update in flight is applied: the next round computes at θ (unless a torchft
             # group took a live group's state instead, which holds the schedule already)
             if agreed.synchronous and not self._finish_in_flight(apply=True):
                 return
-            self.schedule, self._estimate_next = agreed, True
+            rounds.schedule, rounds.estimate_next = agreed, True
         self._update_started = time.perf_counter()
 
     def _finish_in_flight(self, apply: bool) -> bool:
@@ -887,22 +832,11 @@ class ACCOEngine:
 
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
-        self._unit_weights = self._unit_weights and result.unit_weights
-        if flight.plan.job is Job.ESTIMATE:
-            self._estimate_count = result.global_count
-        elif flight.plan.reweigh_carried is not None:  # the first update in this world's units
-            self._update_weight = result.global_count
-        elif self._update_weight is not None:  # W: both rounds, the carried ΣG̃'s weight too
-            first = self._update_weight == 0.0
-            if first or math.isclose(result.global_count, self._update_weight, rel_tol=1e-9):
-                self._update_weight = result.global_count
-            else:
-                self._update_weight = None
-        self.num_updates += result.updated
+        self.rounds.take_result(result, flight.plan)
         self.advisor.record_comm(result.comm_s)
         if result.untrained:
             message = (
-                f"acco_hooks: no rank computed a gradient for {_some(list(result.untrained))} "
+                f"acco_hooks: no rank computed a gradient for {name_some(list(result.untrained))} "
                 f"in round {flight.round_index} (DDP's find_unused_parameters): plain DDP skips "
                 "such a parameter in that step, and the engine cannot leave part of its flat "
                 "shard out of a step. Nothing was stepped. Freeze parameters that are not "
@@ -911,13 +845,6 @@ class ACCOEngine:
             )
             self._failure = ACCOCommunicationError(message)
             raise RuntimeError(message)
-        if self._auto is not None:
-            wire = flight.plan.wire
-            self._auto.record_comm(
-                self.settings.reduce_format if wire is None else wire.name, result.comm_s
-            )
-            if result.schedule_choice is not None:
-                self._agreed = self._auto.candidates[result.schedule_choice]
         if not result.nonfinite:
             return
         what = flight.plan.job.value
@@ -931,7 +858,7 @@ class ACCOEngine:
                 f"values (nonfinite='raise'); the {what} was not applied and the optimizer "
                 "state is unchanged"
             )
-        self.skipped_rounds += 1
+        self.rounds.skipped_rounds += 1
         warnings.warn(
             f"acco_hooks: non-finite gradient (NaN/Inf) in round {flight.round_index}: every "
             f"rank skipped this {what}; the optimizer state and learning rate are unchanged "
@@ -1020,12 +947,12 @@ class ACCOEngine:
         where the saved one would have. Inside :meth:`real_weights` they are still the live
         parameters the block replaced.
         """
-        return save_live_parameters(self)
+        return save_live_parameters(self._state_parts(), self._live_outside)
 
     def load_live_state_dict(self, state: dict[str, Any]) -> None:
         """Put the live parameters of :meth:`live_state_dict` (filled by DCP, on any number of
         ranks) into the model: after the model's own ``load_state_dict`` and the engine's."""
-        load_live_parameters(self, state)
+        load_live_parameters(self._state_parts(), state)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: bit-exactly on the same ranks, resharded on others.
@@ -1060,7 +987,17 @@ class ACCOEngine:
                 its gradient is in the accumulators without its weight, and the resumed run
                 would count it again when it replays that micro-batch.
         """
-        return save_state(self)
+        uncounted = self.grads_received - self._grads_counted
+        if uncounted and not self.closed:
+            raise RuntimeError(
+                f"acco_hooks: state_dict() between backward() and step(): {uncounted} parameter "
+                "gradients are accumulated but their micro-batch is not counted yet, so a "
+                "resumed run that replays it would count it twice. Save after step() (or "
+                "before backward())"
+            )
+        self._finish_in_flight(apply=False)
+        return save_state(self._state_parts(), None if self._in_flight is None
+                          else self._in_flight.plan)  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output: of the same rank of a run of the same shape, or,
@@ -1070,9 +1007,10 @@ class ACCOEngine:
         torchft ``manager``, torchft's step follows the loaded round (``replicas``): every
         replica group must load the same checkpoint.
         """
+        self._finish_in_flight(apply=False)  # its result is kept, as state_dict() keeps it
         with warnings.catch_warnings():  # torch deprecates ShardedTensor's torch functions
             warnings.filterwarnings("ignore", message="Please use DTensor instead")
-            pending = load_state(self, state)  # checked first: a state refused changes nothing
+            pending = load_state(self._state_parts(), state)  # a state refused changes nothing
         self._in_flight = None
         if self._groups.replicas is not None:
             self._groups.replicas.resume_at(self.round_index)
@@ -1117,31 +1055,14 @@ class ACCOEngine:
                 "acco_hooks: load_optimizer_state_by_name() after training started would drop "
                 "the optimizer's progress; call it before the first step"
             )
-        shard_state = {}
-        index = state_index(self.optimizer)
-        for g, layout in zip(self._buffers, self._state_layouts):
-            keys = sorted(layout.per_element | layout.per_parameter)
-            missing = [f"{name}.{key}" for name in g.names for key in keys
-                       if key not in state.get(name, {})]  # fmt: skip
-            if missing:
-                raise KeyError(f"acco_hooks: load_optimizer_state_by_name: no {missing[0]} "
-                               f"(and {len(missing) - 1} more) in the state given")  # fmt: skip
-            if layout.layout == "whole":  # each owned parameter's own, in its shape
-                for param, pi in zip(g.stepped, g.layout.owned(self.rank)):
-                    shard_state[index[id(param)]] = {  # copies: torch steps them in place
-                        key: copy.deepcopy(local_tensor(value) if isinstance(value, Tensor)
-                                           else value)
-                        for key, value in state[g.names[pi]].items() if key in keys
-                    }  # fmt: skip
-                continue
-            shard_state[index[id(g.master)]] = {
-                **{key: g.shard_of([local_tensor(state[name][key]) for name in g.names],
-                                   self.rank).clone() for key in layout.per_element},
-                # a copy: torch's optimizers count their steps in place
-                **{key: copy.deepcopy(state[g.names[0]][key]) for key in layout.per_parameter},
-            }  # fmt: skip
-        groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
+        load_optimizer_state_by_name(self._state_parts(), state)
+
+    def _state_parts(self) -> StateParts:
+        """What this rank's state is made of, for ``state`` to save and load."""
+        return StateParts(
+            self.settings, self.rounds, self._buffers, self._placement, self.optimizer,
+            self.lr_scheduler, self._state_layouts, self._groups, self.device, self._run_on_thread,
+        )  # fmt: skip
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds, by the categories of the spec's memory table."""
@@ -1218,99 +1139,7 @@ class ACCOEngine:
         self.close(flush=exc_type is None, barrier=exc_type is None)
 
 
-# ---------------------------------------------------------------- the schedule
-
-
-def _replica_description(
-    settings: EngineSettings, classes: list[type], optimizer_kwargs: dict[str, Any],
-    param_groups: list[dict[str, Any]], process_group: Any, fsdp_process_group: Any,
-    norm_process_group: Any,
-) -> str:  # fmt: skip
-    """What every torchft replica group must build the same, as text (``replicas``); the
-    group's layout is its replicas, FSDP shards and the ranks of its whole model (tensor and
-    pipeline parallel parts)."""
-    def size(group: Any) -> int:  # a ProcessGroup or a 1-D DeviceMesh (None: the world)
-        return dist.get_world_size(group) if dist.is_initialized() else 1
-
-    group_size = (size(process_group),
-                  *(1 if group is None else size(group)
-                    for group in (fsdp_process_group, norm_process_group)))  # fmt: skip
-    layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
-              for g in param_groups]  # fmt: skip
-    options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]
-    return repr((settings, classes, sorted(optimizer_kwargs.items()),
-                 layout, options, group_size))  # fmt: skip
-
-
-def _estimate_formats(settings: EngineSettings, groups: Any) -> list[str]:
-    """The formats the engine may send an estimate round in, by name: none in ``ddp`` and
-    ``dpu``, ``estimate_dtype`` in ``acco``; in ``auto`` that one, or the reduce dtype and each
-    narrower one of ``AUTO_ESTIMATE_DTYPES`` the backend can send (none across torchft replica
-    groups, whose sum takes the reduce dtype only: ``replicas``)."""
-    if not settings.has_estimate_round:
-        return []
-    chosen = settings.estimate_format
-    if chosen == "float8_e4m3fn" and not backend_can_send(groups.data):
-        raise SettingError(
-            f"acco_hooks: estimate_dtype={settings.estimate_dtype!r} sends bytes with "
-            f"all_to_all_single, which the {dist.get_backend(groups.data)!r} backend of the "
-            "data-parallel group does not run here: use a gloo or NCCL process group, or "
-            "estimate_dtype='bfloat16'",
-            "estimate_dtype",
-        )
-    if settings.mode is Mode.ACCO or settings.estimate_dtype is not None:
-        return [chosen]
-    if groups.replicas is not None:
-        return [settings.reduce_format]
-    reduce = settings.reduce_torch_dtype
-    return [settings.reduce_format] + [
-        name for name in AUTO_ESTIMATE_DTYPES
-        if WIRE_FORMATS[name].dtype.itemsize < reduce.itemsize
-        and (name != "float8_e4m3fn" or backend_can_send(groups.data))
-    ]  # fmt: skip
-
-
-def _wire_fraction(buffers: list[GroupBuffers], settings: EngineSettings, name: str) -> float:
-    """α of an estimate format: its bytes on the wire, both ways, over the update's."""
-    if name == settings.reduce_format:
-        return 1.0
-    wire = WIRE_FORMATS[name]
-    update = sum(g.padded_numel * (settings.reduce_torch_dtype.itemsize + g.gather_dtype.itemsize)
-                 for g in buffers)  # fmt: skip
-    world_size = buffers[0].padded_numel // buffers[0].shard_numel
-    return sum(2 * world_size * wire.nbytes(g.shard_numel) for g in buffers) / update
-
-
-def _first_schedule(
-    settings: EngineSettings, formats: list[str], fractions: dict[str, float], groups: Any
-) -> tuple[Schedule, AutoSchedule | None]:
-    """The schedule of the first update, and in ``auto`` the controller that picks the next."""
-    steps = settings.accumulation_steps
-    if not formats:  # ddp, dpu (one round per update)
-        return Schedule(0, steps), None
-    if settings.mode is Mode.ACCO:
-        return Schedule(settings.estimate_microbatches or steps, steps, formats[0]), None
-    candidates = candidate_schedules(steps, formats, settings.estimate_microbatches)
-    first = groups.norm is None or dist.get_rank() == 0
-    auto = AutoSchedule(candidates, settings.reduce_format, fractions, report=first)
-    return candidates[0], auto
-
-
-# ---------------------------------------------------------------- what the engine refuses
-
-
-def _check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
-    """Refuse, by name, what the whole-parameter layout does not do yet: a parameter that FSDP
-    or tensor parallelism splits is not whole on any rank (its step would need the matrix
-    gathered inside that group first)."""
-    if first_names and split_by:
-        raise ValueError(
-            f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
-            f"{first_names[0]}), and {' and '.join(split_by)} split(s) each parameter over "
-            "other ranks: no rank holds a whole one. Train it without FSDP or tensor and "
-            "pipeline parallelism, or step that group with a per-element optimizer "
-            "(torch.optim.AdamW)"
-        )
+# ---------------------------------------------------------------- releasing
 
 
 def _release(worker: CommWorker, groups: EngineGroups) -> None:
@@ -1328,63 +1157,3 @@ def _release_if_fatal(groups: EngineGroups, exc: BaseException) -> bool:
         return False
     groups.release()
     return True
-
-
-def _check_round_inputs(
-    buffers: list[GroupBuffers], grad_arrived: list[list[bool]], round_index: int,
-    frozen: list[tuple[str, Tensor]], each_rank: bool = True,
-) -> None:  # fmt: skip
-    """Every parameter got a gradient (on this rank, with ``each_rank``; else the round's
-    communication checks over every rank), none was moved since the engine was built, and none
-    of those frozen then was unfrozen since (a torch optimizer would train it now)."""
-    unfrozen = [name for name, p in frozen if p.requires_grad]
-    if unfrozen:
-        raise RuntimeError(
-            f"acco_hooks: {_some(unfrozen)} had requires_grad=False when the optimizer was "
-            "built and requires grad now: the engine left it out and would never train it "
-            "(a torch optimizer given it would). Build the optimizer after unfreezing, or "
-            "give the unfrozen parameters to a new one"
-        )
-    moved = [name for g in buffers for name in g.moved_params()]
-    if moved:
-        raise RuntimeError(
-            f"acco_hooks: {_some(moved)} moved or changed dtype after the optimizer was "
-            "built (model.to(), a dtype cast, param.data = ...): the engine holds views of "
-            "the old memory and would train parameters the model no longer uses. Move or "
-            "cast the model first, then build the optimizer"
-        )
-    missing = [
-        g.names[pi]
-        for g, arrived in zip(buffers, grad_arrived)
-        for pi, ok in enumerate(arrived)
-        if not ok and each_rank
-    ]
-    if missing and len(missing) == sum(len(g.params) for g in buffers):
-        raise RuntimeError(
-            f"acco_hooks: no gradient reached any parameter during round {round_index}: "
-            "call loss.backward() before each step()"
-        )
-    if missing:
-        raise RuntimeError(
-            f"acco_hooks: no gradient reached {_some(missing)} during round "
-            f"{round_index}. Every trained parameter must get a gradient in every "
-            "round: run backward() before step(), and set requires_grad=False on parameters "
-            "that are not trained (or leave them out of the optimizer's params)"
-        )
-
-
-def _clear_before_accumulating(param: Tensor) -> Callable[[Tensor], None]:
-    """A tensor hook that empties ``param.grad`` of its placeholder before autograd accumulates
-    the next gradient into it (another backward before the micro-batch is counted)."""
-    param_ref = weakref.ref(param)  # the hook is kept by the parameter: no cycle through it
-
-    def clear(grad: Tensor) -> None:
-        param = param_ref()
-        if param is not None:
-            ownership.clear_placeholders([param])
-
-    return clear
-
-
-def _some(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -18,7 +18,7 @@ of torch is replaced; ``p.grad is None`` checks, ``model.zero_grad()`` and the n
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,8 +26,8 @@ from torch import Tensor
 
 from acco_hooks.engine.buffers import is_dtensor
 
-__all__ = ["GradientInEngine", "claim", "clear_placeholders", "leave_placeholder", "owner_of",
-           "release"]  # fmt: skip
+__all__ = ["GradientInEngine", "claim", "clear_before_accumulating", "clear_placeholders",
+           "leave_placeholder", "owner_of", "release"]  # fmt: skip
 
 # id(parameter) -> weak references to the parameter and to the engine that hooked it: keyed by
 # identity (a tensor's == is elementwise), keeping neither alive.
@@ -143,6 +143,19 @@ def clear_placeholders(params: Iterable[Tensor]) -> None:
     for param in params:
         if param.grad is not None and holds_placeholder(param):
             param.grad = None
+
+
+def clear_before_accumulating(param: Tensor) -> Callable[[Tensor], None]:
+    """A tensor hook that empties ``param.grad`` of its placeholder before autograd accumulates
+    the next gradient into it (another backward before the micro-batch is counted)."""
+    param_ref = weakref.ref(param)  # the hook is kept by the parameter: no cycle through it
+
+    def clear(grad: Tensor) -> None:
+        param = param_ref()
+        if param is not None:
+            clear_placeholders([param])
+
+    return clear
 
 
 def _tensors(args: Any, kwargs: Any) -> list[Any]:

@@ -104,7 +104,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from acco_hooks._versions import check_supported_versions
 
-__all__ = ["GroupFellBehind", "ReplicaGroups", "check_lighthouse_address"]
+__all__ = ["GroupFellBehind", "ReplicaGroups", "check_lighthouse_address", "describe_replica_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,27 @@ _BACKOFF_S = (0.1, 5.0)
 # a group at the job's start asks again while it waits for the others (``start_groups``)
 _LEAST_QUORUM_S = 1.0
 _START_POLL_S = 0.2
+
+
+def describe_replica_group(
+    settings: Any, classes: list[type], optimizer_kwargs: dict[str, Any],
+    param_groups: list[dict[str, Any]], process_group: Any, fsdp_process_group: Any,
+    norm_process_group: Any,
+) -> str:  # fmt: skip
+    """What every torchft replica group must build the same, as text (``replicas``); the
+    group's layout is its replicas, FSDP shards and the ranks of its whole model (tensor and
+    pipeline parallel parts)."""
+    def size(group: Any) -> int:  # a ProcessGroup or a 1-D DeviceMesh (None: the world)
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    group_size = (size(process_group),
+                  *(1 if group is None else size(group)
+                    for group in (fsdp_process_group, norm_process_group)))  # fmt: skip
+    layout = [[(name, tuple(p.shape), str(p.dtype)) for name, p in zip(g["names"], g["params"])]
+              for g in param_groups]  # fmt: skip
+    options = [{k: v for k, v in g.items() if k not in ("params", "names")} for g in param_groups]
+    return repr((settings, classes, sorted(optimizer_kwargs.items()),
+                 layout, options, group_size))  # fmt: skip
 
 
 class GroupFellBehind(Exception):

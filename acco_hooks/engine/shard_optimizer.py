@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["PER_ELEMENT", "PER_PARAMETER", "REFUSED", "GroupedOptimizer", "ShardStateLayout",
-           "build_shard_optimizer", "check_optimizer", "check_optimizers",
+           "build_shard_optimizer", "check_optimizer", "check_optimizers", "check_whole_parameters",
            "declare_per_element_optimizer", "declare_per_parameter_optimizer", "first_step_state",
            "state_index"]  # fmt: skip
 
@@ -350,6 +350,21 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return "GroupedOptimizer(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
+
+
+def check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
+    """Refuse, by name, what the whole-parameter layout does not do yet: a parameter that FSDP
+    or tensor parallelism splits (``split_by``: the engine's arguments that do) is not whole on
+    any rank (its step would need the matrix gathered inside that group first). ``first_names``
+    and ``classes``: of each group that steps whole parameters."""
+    if first_names and split_by:
+        raise ValueError(
+            f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
+            f"{first_names[0]}), and {' and '.join(split_by)} split(s) each parameter over "
+            "other ranks: no rank holds a whole one. Train it without FSDP or tensor and "
+            "pipeline parallelism, or step that group with a per-element optimizer "
+            "(torch.optim.AdamW)"
+        )
 
 
 def build_shard_optimizer(

@@ -8,8 +8,9 @@ round (``ACCOEngine.state_dict``):
   the fp32 master shard, the optimizer's per-element state, the shard of a finished result not
   yet applied (``pending_shard``) and, in ``acco``, the carried half-batch ΣG̃;
 * **the same on every rank**: the round counters, the schedule (``auto``'s choice and what it
-  measured), the LR scheduler, the optimizer's per-parameter values (a step count), and the
-  weights of the update under way (acco's c̃, W, and where a resharded resume reweighs ΣG̃);
+  measured) and the weights of the update under way (acco's c̃, W, and where a resharded resume
+  reweighs ΣG̃), all ``RoundState.state_dict``; the LR scheduler, and the optimizer's
+  per-parameter values (a step count);
 * **one rank's own**, under a key of that rank (``rank_state``): saved in the middle of a round,
   its accumulated gradients and their weight. Such a state resumes on the same ranks only.
 
@@ -17,7 +18,9 @@ Besides, the *live* parameters (those the next round computes at; in ``acco`` po
 are saved as master-shaped chunks (:func:`save_live_parameters`), for front-ends whose model
 checkpoint holds the real θ.
 
-A load first checks that the state fits this engine (:func:`check_loadable`), before anything
+Each function takes the engine's parts explicitly (:class:`StateParts`: its settings, its rounds'
+bookkeeping ``rounds.RoundState``, buffers, placement, optimizer, groups) and reads nothing else
+of the engine. A load first checks that the state fits (:func:`check_loadable`), before anything
 changes. Loaded onto another number of ranks, the carried ΣG̃ may be in the saved world's units;
 the last part of this module says what an update round weighed there, so that the next update
 averages both halves in this world's (``communication`` reweighs).
@@ -25,31 +28,40 @@ averages both halves in this world's (``communication`` reweighs).
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from acco_hooks.engine.buffers import GroupBuffers, local_tensor
 from acco_hooks.engine.communication import (
+    EngineGroups,
     Job,
     RoundPlan,
     all_gather_into,
     reduce_scatter_accumulators,
 )
-from acco_hooks.engine.placement import to_local_chunks
+from acco_hooks.engine.placement import ShardPlacement, to_local_chunks
+from acco_hooks.engine.rounds import RoundState
 from acco_hooks.engine.schedule import Schedule
-from acco_hooks.engine.shard_optimizer import GroupedOptimizer, first_step_state, state_index
+from acco_hooks.engine.settings import EngineSettings
+from acco_hooks.engine.shard_optimizer import (
+    GroupedOptimizer,
+    ShardStateLayout,
+    first_step_state,
+    state_index,
+)
 from acco_hooks.engine.wire import WIRE_FORMATS
 
-if TYPE_CHECKING:
-    from acco_hooks.engine.engine import ACCOEngine
-
 __all__ = [
-    "STATE_VERSION", "check_loadable", "handover_state", "load_handover", "load_live_parameters",
-    "load_state", "round_counters", "save_live_parameters", "save_state",
+    "STATE_VERSION", "StateParts", "check_loadable", "handover_state", "load_handover",
+    "load_live_parameters", "load_optimizer_state_by_name", "load_state", "save_live_parameters",
+    "save_state",
 ]  # fmt: skip
 
 # 7: a whole-parameter group's optimizer state other than per element is by parameter name
@@ -68,102 +80,88 @@ __all__ = [
 STATE_VERSION = 7
 
 
+class StateParts(NamedTuple):
+    """What a rank's state is made of, as its engine holds it: what this module saves and loads."""
+
+    settings: EngineSettings
+    rounds: RoundState
+    """The training loop's counters and this rank's round being accumulated."""
+    buffers: list[GroupBuffers]
+    """Per parameter group: the master shard, the accumulator, the pending result's shard."""
+    placement: ShardPlacement
+    """Where each shard's elements lie in the model: the DTensor chunks DCP saves."""
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    state_layouts: list[ShardStateLayout]
+    """Per group: which of its optimizer's state is per element, per parameter."""
+    groups: EngineGroups
+    device: torch.device
+    run_on_thread: Callable[..., Any]
+    """Runs a collective on the engine's communication thread (which owns its groups), waited for."""
+
+
 # ---------------------------------------------------------------- saving
 
 
-def save_state(engine: ACCOEngine) -> dict[str, Any]:
-    """The body of ``ACCOEngine.state_dict``, which documents it."""
-    uncounted = engine.grads_received - engine._grads_counted
-    if uncounted and not engine.closed:
-        raise RuntimeError(
-            f"acco_hooks: state_dict() between backward() and step(): {uncounted} parameter "
-            "gradients are accumulated but their micro-batch is not counted yet, so a "
-            "resumed run that replays it would count it twice. Save after step() (or "
-            "before backward())"
-        )
-    engine._finish_in_flight(apply=False)
-    flight = engine._in_flight
-    narrow = flight is not None and flight.plan.wire is not None
-    partial = bool(engine._round_microbatches)
-    # acco between its estimate round and its update round: ΣG̃ waits for the update
-    half = not engine.schedule.synchronous and not engine._estimate_next
+def save_state(parts: StateParts, pending: RoundPlan | None) -> dict[str, Any]:
+    """The body of ``ACCOEngine.state_dict``, which documents it. ``pending``: the plan of a
+    finished result not yet applied (``None``: there is none)."""
+    rounds, buffers, rank = parts.rounds, parts.buffers, parts.groups.rank
+    narrow = pending is not None and pending.wire is not None
+    partial = bool(rounds.microbatches)
     if narrow:  # the pending result is θ̃ − θ, decoded: each rank's range of it, as any shard
-        for g in engine._buffers:
-            g.gather_input.copy_(g.gathered[engine.rank * g.shard_numel :][: g.shard_numel])
+        for g in buffers:
+            g.gather_input.copy_(g.gathered[rank * g.shard_numel :][: g.shard_numel])
     carried = None
-    if engine.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
-        if half and not partial and engine._estimate_kept and not engine._carry_next_update:
-            carried = _kept_estimate_sum(engine)
+    if parts.settings.has_estimate_round:  # one key whatever the schedule: any run loads it
+        if (rounds.between_halves and not partial and rounds.estimate_kept
+                and not rounds.carry_next_update):  # fmt: skip
+            carried = _kept_estimate_sum(parts)
         else:
-            carried = [torch.zeros(g.shard_numel, device=engine.device) if g.carried is None
-                       else g.carried for g in engine._buffers]  # fmt: skip
-    chunks = engine._placement.chunks
+            carried = _carried(parts)
+    chunks = parts.placement.chunks
     return {
-        **_header(engine), **round_counters(engine),
-        "round_microbatches": engine._round_microbatches,
-        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
-        "pending_job": None if flight is None else flight.plan.job.value,
-        "pending_wire": flight.plan.wire.name if narrow else None,
+        **_header(parts), **rounds.state_dict(),
+        "round_microbatches": rounds.microbatches,
+        "lr_scheduler": None if parts.lr_scheduler is None else parts.lr_scheduler.state_dict(),
+        "pending_job": None if pending is None else pending.job.value,
+        "pending_wire": pending.wire.name if narrow else None,
         # per element, DTensors: every rank's part is saved, and any world loads it
-        "master": chunks([g.master for g in engine._buffers]),
-        "pending_shard": chunks([g.gather_input for g in engine._buffers]),
+        "master": chunks([g.master for g in buffers]),
+        "pending_shard": chunks([g.gather_input for g in buffers]),
         "carried": None if carried is None else chunks(carried),
-        "optimizer": _optimizer_state(engine),
+        "optimizer": _optimizer_state(parts),
         # Mid-round: model-sized, this rank's alone; a key no other rank writes
         "partial_round": partial,
         "rank_state": {_rank_key(): {
-            "accumulator": [g.accumulator for g in engine._buffers],
-            "local_count": engine._local_count, "local_unit_weights": engine._local_unit,
-            "grad_arrived": [list(a) for a in engine._grad_arrived],
+            "accumulator": [g.accumulator for g in buffers], **rounds.local_state_dict(),
         }} if partial else {},
     }  # fmt: skip
 
 
-def _header(engine: ACCOEngine) -> dict[str, Any]:
+def _carried(parts: StateParts) -> list[Tensor]:
+    """The carried ΣG̃ shards; zeros where an engine that never carries has none."""
+    return [torch.zeros(g.shard_numel, device=parts.device) if g.carried is None else g.carried
+            for g in parts.buffers]  # fmt: skip
+
+
+def _header(parts: StateParts) -> dict[str, Any]:
     """What a state must match to be loaded (``check_loadable``)."""
-    replicas = engine._groups.replicas
+    groups, place = parts.groups, parts.placement
     return {
-        "version": STATE_VERSION, "mode": engine.settings.mode.value,
-        "optimizer_class": _class_name(engine.optimizer), "world_size": engine.world_size,
-        "fsdp_world_size": engine.fsdp_world_size,
+        "version": STATE_VERSION, "mode": parts.settings.mode.value,
+        "optimizer_class": _class_name(parts.optimizer), "world_size": groups.world_size,
+        "fsdp_world_size": groups.fsdp_world_size,
         # torchft: the job's data-parallel ranks are world_size in each of these groups
-        "replica_groups": 1 if replicas is None else replicas.summed_groups,
+        "replica_groups": 1 if groups.replicas is None else groups.replicas.summed_groups,
         # by model part, as the shards: every pipeline stage's is saved
-        "params": dict(zip(engine._placement.keys, engine._placement.param_names)),
-        "param_shapes": dict(zip(engine._placement.keys, engine._placement.global_shapes)),
-        "accumulation_steps": engine.settings.accumulation_steps,
+        "params": dict(zip(place.keys, place.param_names)),
+        "param_shapes": dict(zip(place.keys, place.global_shapes)),
+        "accumulation_steps": parts.settings.accumulation_steps,
     }  # fmt: skip
 
 
-def round_counters(engine: ACCOEngine) -> dict[str, Any]:
-    """The training loop's side of the state, the same on every rank: where the rounds are and
-    what the update under way weighs. Plain values, a copy: read on the training loop's thread
-    (``handover_state`` serves a copy taken at a round end from another thread)."""
-    # acco between its estimate round and its update round: ΣG̃ waits for the update
-    half = not engine.schedule.synchronous and not engine._estimate_next
-    return {
-        "round_index": engine.round_index, "num_updates": engine.num_updates,
-        "skipped_rounds": engine.skipped_rounds,
-        "schedule": tuple(engine.schedule), "estimate_next": engine._estimate_next,
-        "updates_launched": engine.updates_launched,
-        "auto": None if engine._auto is None else {
-            **engine._auto.state_dict(),
-            "agreed": None if engine._agreed is None else tuple(engine._agreed),
-        },
-        # acco between its estimate round and its update: ΣG̃ is carried, and its weight;
-        # W, and, resumed from another world with ΣG̃ still in its units, what an update
-        # round weighed there (``_carried_reweigh``)
-        "estimate_count": engine._estimate_count if half else 0.0,
-        "unit_weights": engine._unit_weights, "weights_are_shares": engine._weights_are_shares,
-        "update_weight": engine._update_weight,
-        "carried_reweigh": engine._reweigh_carried if half else None,
-        # resumed between a narrow estimate and its update: ΣG̃ is carried, not kept in the
-        # accumulators (which hold the update round's gradients alone)
-        "carry_next_update": engine._carry_next_update,
-    }  # fmt: skip
-
-
-def _optimizer_state(engine: ACCOEngine, agree: bool = True) -> dict[str, Any]:
+def _optimizer_state(parts: StateParts, agree: bool = True) -> dict[str, Any]:
     """The shard optimizer's state, by what each group's class keeps (``shard_optimizer``),
     not by shape (a group's shard may have one element):
 
@@ -181,25 +179,26 @@ def _optimizer_state(engine: ACCOEngine, agree: bool = True) -> dict[str, Any]:
     rank: on whole parameters a rank that owns none keeps no state, so with ``agree`` the ranks
     agree on it (a collective on the engine's thread; a torchft handover, a per-rank state taken
     while that thread waits, keeps its own)."""
-    optimizer, buffers = engine.optimizer, engine._buffers
+    optimizer, buffers, layouts = parts.optimizer, parts.buffers, parts.state_layouts
     saved = optimizer.state_dict()
     stepped = bool(saved["state"])
-    if agree and engine._groups.data is not None and any(g.layout.whole for g in buffers):
-        flag = torch.tensor([float(stepped)], dtype=torch.float64, device=engine.device)
-        engine._run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, engine._groups.data)
+    data = parts.groups.data
+    if agree and data is not None and any(g.layout.whole for g in buffers):
+        flag = torch.tensor([float(stepped)], dtype=torch.float64, device=parts.device)
+        parts.run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, data)
         stepped = bool(flag.item())
     state = saved["state"] if saved["state"] or stepped else first_step_state(
-        optimizer, engine._state_layouts[0].optimizer_kwargs)  # fmt: skip
+        optimizer, layouts[0].optimizer_kwargs)  # fmt: skip
     index = state_index(optimizer)
     # per group: the state of each tensor the optimizer steps (one, the master, when flat)
     held = [[state.get(index[id(p)], {}) for p in g.stepped] for g in buffers]
     per_element, shared, owned, other = {}, {}, {}, {}
     for name in sorted({name for entry in state.values() for name in entry}):
         vectors, values = [], []
-        for g, layout, states in zip(buffers, engine._state_layouts, held):
+        for g, layout, states in zip(buffers, layouts, held):
             found = [s.get(name) for s in states]
             if g.layout.whole:  # by name: each key only where a parameter keeps it
-                for pi, value in zip(g.layout.owned(engine.rank), found):
+                for pi, value in zip(g.layout.owned(parts.groups.rank), found):
                     if value is not None:
                         owned.setdefault(g.names[pi], {})[name] = value
                 vectors.append(None)
@@ -213,9 +212,9 @@ def _optimizer_state(engine: ACCOEngine, agree: bool = True) -> dict[str, Any]:
                 vectors.append(None)
             values.append(None if vectors[-1] is not None else found[0])
         if any(v is not None for v in vectors):
-            per_element[name] = engine._placement.chunks(vectors)
+            per_element[name] = parts.placement.chunks(vectors)
         if any(v is not None for v in values):
-            if all(name in layout.per_parameter for layout, v in zip(engine._state_layouts, values)
+            if all(name in layout.per_parameter for layout, v in zip(layouts, values)
                    if v is not None):  # a step count: the same on every rank
                 shared[name] = values
             else:
@@ -225,74 +224,65 @@ def _optimizer_state(engine: ACCOEngine, agree: bool = True) -> dict[str, Any]:
             "rank_state": {_rank_key(): other} if other else {}}  # fmt: skip
 
 
-def _kept_estimate_sum(engine: ACCOEngine) -> list[Tensor]:
+def _kept_estimate_sum(parts: StateParts) -> list[Tensor]:
     """ΣG̃ of a narrow estimate round as the reduce dtype's carried half-batch: the
     accumulators reduce-scattered in fp32 (on the engine's thread, which owns its groups)."""
-    sums = [torch.empty(g.shard_numel, device=engine.device) for g in engine._buffers]
-    engine._run_on_thread(reduce_scatter_accumulators, sums, engine._buffers, engine._groups)
+    sums = [torch.empty(g.shard_numel, device=parts.device) for g in parts.buffers]
+    parts.run_on_thread(reduce_scatter_accumulators, sums, parts.buffers, parts.groups)
     return sums
 
 
 # ---------------------------------------------------------------- loading
 
 
-def load_state(engine: ACCOEngine, state: dict[str, Any]) -> RoundPlan | None:
-    """The body of ``ACCOEngine.load_state_dict``, which documents it. Returns the plan of
-    the saved run's finished, not yet applied result, whose shards are back in the
-    engine's buffers: the engine gathers them again (``None``: there was none)."""
+def load_state(parts: StateParts, state: dict[str, Any]) -> RoundPlan | None:
+    """The body of ``ACCOEngine.load_state_dict``, which documents it; the engine has waited
+    for its round in flight (kept, not applied). Returns the plan of the saved run's finished,
+    not yet applied result, whose shards are back in the buffers: the engine gathers them again
+    (``None``: there was none)."""
     rank_key = _rank_key()
-    check_loadable(state, engine, rank_key)
-    engine._finish_in_flight(apply=False)
+    check_loadable(state, parts, rank_key)  # first: a state refused changes nothing
     own = state["rank_state"].get(rank_key) if state["partial_round"] else None
-    place = engine._placement
-    place.fill([g.master for g in engine._buffers], state["master"])
+    place, buffers = parts.placement, parts.buffers
+    place.fill([g.master for g in buffers], state["master"])
     if state["pending_shard"] is not None:
-        place.fill([g.gather_input for g in engine._buffers], state["pending_shard"])
+        place.fill([g.gather_input for g in buffers], state["pending_shard"])
     # Between an estimate and its update, ΣG̃ is the carried half-batch, also where the
     # estimate was sent narrower (the saving run kept it in its accumulators): the update
     # adds it, and an engine that never carries gets the buffer for it now.
-    engine._carry_next_update = bool(state["estimate_count"]) and (
+    carry_next_update = bool(state["estimate_count"]) and (
         own is None or (state["version"] >= 5 and state["carry_next_update"])
     )  # fmt: skip
-    if engine._carry_next_update:
-        for g in engine._buffers:
+    if carry_next_update:
+        for g in buffers:
             if g.carried is None:
-                g.carried = torch.zeros(g.shard_numel, device=engine.device)
-    if state["carried"] is not None and engine._buffers[0].carried is not None:
-        place.fill([g.carried for g in engine._buffers], state["carried"])
+                g.carried = torch.zeros(g.shard_numel, device=parts.device)
+    if state["carried"] is not None and buffers[0].carried is not None:
+        place.fill([g.carried for g in buffers], state["carried"])
     with torch.no_grad():
-        for gi, g in enumerate(engine._buffers):
+        for gi, g in enumerate(buffers):
             g.accumulator.zero_()
             if own is not None:
                 g.accumulator.copy_(own["accumulator"][gi])
-    _load_optimizer_state(engine, state["optimizer"], rank_key)
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.round_index, engine.num_updates = state["round_index"], state["num_updates"]
-    engine.skipped_rounds = state["skipped_rounds"]
-    engine._round_microbatches = state["round_microbatches"]
-    if own is not None:
-        engine._local_count = own["local_count"]
-        engine._local_unit = state["version"] < 5 or own["local_unit_weights"]
-        engine._grad_arrived = [list(a) for a in own["grad_arrived"]]
-    else:
-        engine._local_count, engine._local_unit = 0.0, True
-        engine._grad_arrived = [[False] * len(g.params) for g in engine._buffers]
-    engine._estimate_count = state["estimate_count"]
-    engine._unit_weights = _saved_unit_weights(state)
-    engine._reweigh_carried = _carried_reweigh(state, engine)
-    engine._update_weight = _update_weight_after_load(state, engine, engine._reweigh_carried)
-    engine._estimate_next = state["estimate_next"]
-    engine.updates_launched = state["updates_launched"]
+    _load_optimizer_state(parts, state["optimizer"], rank_key)
+    if parts.lr_scheduler is not None:
+        parts.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    # the saved counters in this run's units: older versions and another world translated
+    reweigh = _carried_reweigh(state, parts)
+    counters = {
+        **state, "unit_weights": _saved_unit_weights(state), "carried_reweigh": reweigh,
+        "update_weight": _update_weight_after_load(state, parts, reweigh),
+        "carry_next_update": carry_next_update,
+    }  # fmt: skip
+    local = None if own is None else {
+        **own, "local_unit_weights": state["version"] < 5 or own["local_unit_weights"],
+    }  # fmt: skip
     # Resharded onto ranks that take another number of micro-batches per update (the same
     # global batch), the next update starts on this engine's own schedule.
-    same_rounds = state["accumulation_steps"] == engine.settings.accumulation_steps
-    if same_rounds:
-        engine.schedule = Schedule(*state["schedule"])
-    if same_rounds and engine._auto is not None and state["auto"] is not None:
-        engine._auto.load_state_dict(state["auto"])
-        agreed = state["auto"]["agreed"]
-        engine._agreed = None if agreed is None else Schedule(*agreed)
+    parts.rounds.load_state_dict(
+        counters, state["round_microbatches"], local,
+        keep_schedule=state["accumulation_steps"] != parts.settings.accumulation_steps,
+    )  # fmt: skip
     if state["pending_job"] is None:
         return None
     wire = state["pending_wire"]
@@ -301,8 +291,8 @@ def load_state(engine: ACCOEngine, state: dict[str, Any]) -> RoundPlan | None:
     )
 
 
-def _load_optimizer_state(engine: ACCOEngine, saved: dict[str, Any], rank_key: str) -> None:
-    optimizer = engine.optimizer
+def _load_optimizer_state(parts: StateParts, saved: dict[str, Any], rank_key: str) -> None:
+    optimizer, buffers, place = parts.optimizer, parts.buffers, parts.placement
     # The saved hyperparameters, over this engine's own tensors: on another number of ranks a
     # whole-parameter group's rank owns other parameters, and another number of them
     own = optimizer.state_dict()["param_groups"]
@@ -312,35 +302,64 @@ def _load_optimizer_state(engine: ACCOEngine, saved: dict[str, Any], rank_key: s
         optimizer.load_state_dict({"state": {}, "param_groups": groups})
         return
     index = state_index(optimizer)
-    state: dict[int, dict[str, Any]] = {index[id(p)]: {} for g in engine._buffers for p in g.stepped}
+    state: dict[int, dict[str, Any]] = {index[id(p)]: {} for g in buffers for p in g.stepped}
     for name, chunks in saved["per_element"].items():
-        vectors = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=engine.device)
+        vectors = [torch.empty(g.shard_numel, dtype=_local_dtype(chunks, key), device=parts.device)
                    if key in chunks else None
-                   for g, key in zip(engine._buffers, engine._placement.keys)]  # fmt: skip
-        engine._placement.fill(vectors, chunks)
-        for g, vector in zip(engine._buffers, vectors):
+                   for g, key in zip(buffers, place.keys)]  # fmt: skip
+        place.fill(vectors, chunks)
+        for g, vector in zip(buffers, vectors):
             if vector is not None:  # a flat group's: the master's own layout
                 state[index[id(g.master)]][name] = vector
     for values in (saved["shared"], saved["rank_state"].get(rank_key, {})):
         for name, per_group in values.items():
-            for g, value in zip(engine._buffers, per_group):
+            for g, value in zip(buffers, per_group):
                 if value is not None:
                     state[index[id(g.master)]][name] = value
     owned = saved.get("owned", {})  # whole parameters: each one's own, by name
-    for g in engine._buffers:
+    for g in buffers:
         if g.layout.whole:
-            for p, pi in zip(g.stepped, g.layout.owned(engine.rank)):
+            for p, pi in zip(g.stepped, g.layout.owned(parts.groups.rank)):
                 state[index[id(p)]].update(owned.get(g.names[pi], {}))
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_optimizer_state_by_name(parts: StateParts, state: dict[str, dict[str, Any]]) -> None:
+    """The body of ``ACCOEngine.load_optimizer_state_by_name``, which documents it."""
+    shard_state, rank = {}, parts.groups.rank
+    index = state_index(parts.optimizer)
+    for g, layout in zip(parts.buffers, parts.state_layouts):
+        keys = sorted(layout.per_element | layout.per_parameter)
+        missing = [f"{name}.{key}" for name in g.names for key in keys
+                   if key not in state.get(name, {})]  # fmt: skip
+        if missing:
+            raise KeyError(f"acco_hooks: load_optimizer_state_by_name: no {missing[0]} "
+                           f"(and {len(missing) - 1} more) in the state given")  # fmt: skip
+        if layout.layout == "whole":  # each owned parameter's own, in its shape
+            for param, pi in zip(g.stepped, g.layout.owned(rank)):
+                shard_state[index[id(param)]] = {  # copies: torch steps them in place
+                    key: copy.deepcopy(local_tensor(value) if isinstance(value, Tensor) else value)
+                    for key, value in state[g.names[pi]].items() if key in keys
+                }  # fmt: skip
+            continue
+        shard_state[index[id(g.master)]] = {
+            **{key: g.shard_of([local_tensor(state[name][key]) for name in g.names], rank).clone()
+               for key in layout.per_element},
+            # a copy: torch's optimizers count their steps in place
+            **{key: copy.deepcopy(state[g.names[0]][key]) for key in layout.per_parameter},
+        }  # fmt: skip
+    groups = parts.optimizer.state_dict()["param_groups"]
+    parts.optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
 
 
 # ---------------------------------------------------------------- checked before a load
 
 
-def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> None:
-    """Raise ``ValueError`` naming the first difference between a checkpoint and ``engine``
-    that forbids loading it, before anything is loaded."""
-    mode, steps = engine.settings.mode, engine.settings.accumulation_steps
+def check_loadable(state: dict[str, Any], parts: StateParts, rank_key: str) -> None:
+    """Raise ``ValueError`` naming the first difference between a checkpoint and the engine
+    of ``parts`` that forbids loading it, before anything is loaded."""
+    settings, groups = parts.settings, parts.groups
+    mode, steps = settings.mode, settings.accumulation_steps
     version = state.get("version")
     if version not in (3, 4, 5, 6, STATE_VERSION) or (version == 3 and (
         (state["partial_round"] and state["estimate_count"]) or state["pending_wire"]
@@ -354,7 +373,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             "boundary (version 2 kept flat shards that only a run of the same shape could "
             "load). Resume it with the acco_hooks that wrote it"
         )
-    saved_class, own_class = state.get("optimizer_class"), _class_name(engine.optimizer)
+    saved_class, own_class = state.get("optimizer_class"), _class_name(parts.optimizer)
     if saved_class is not None and saved_class != own_class:  # version 3 did not say
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint's shard optimizer is {saved_class}, "
@@ -368,7 +387,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             f"mode={state['mode']!r} to resume"
         )
     same_ranks = (_saved_ranks(state), state["fsdp_world_size"]) == (
-        _job_ranks(engine), engine.fsdp_world_size
+        _job_ranks(parts), groups.fsdp_world_size
     )  # fmt: skip
     if state["accumulation_steps"] != steps and same_ranks:
         raise ValueError(
@@ -378,20 +397,20 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             f"the optimizer with accumulation_steps={state['accumulation_steps']} to resume"
         )
     saved = Schedule(*state["schedule"])
-    if state["accumulation_steps"] == steps and saved not in engine.candidate_schedules:
+    if state["accumulation_steps"] == steps and saved not in parts.rounds.candidates:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved running "
             f"{saved.describe()}, which this engine's estimate_microbatches="
-            f"{engine.settings.estimate_microbatches!r} and estimate_dtype="
-            f"{engine.settings.estimate_dtype!r} do not run: build the optimizer with the "
+            f"{settings.estimate_microbatches!r} and estimate_dtype="
+            f"{settings.estimate_dtype!r} do not run: build the optimizer with the "
             "saved run's estimate settings to resume"
         )
-    place = engine._placement
-    if state["fsdp_world_size"] != engine.fsdp_world_size and not place.reshards_fsdp:
+    place = parts.placement
+    if state["fsdp_world_size"] != groups.fsdp_world_size and not place.reshards_fsdp:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved with the model sharded "
             f"{state['fsdp_world_size']} ways by FSDP inside each replica, this run shards it "
-            f"{engine.fsdp_world_size} ways, and in a way that keeps one vector per FSDP rank "
+            f"{groups.fsdp_world_size} ways, and in a way that keeps one vector per FSDP rank "
             "(a parameter FSDP did not split along dim 0): resume with an FSDP "
             f"(data_parallel_shard) degree of {state['fsdp_world_size']}"
         )
@@ -406,10 +425,10 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             "acco_hooks: load_state_dict: the checkpoint's parameter groups, names or shapes "
             "differ from this optimizer's; build it over the same parameters in the same order"
             + (" (or it was saved with another FSDP degree by a run that kept one vector per "
-               "FSDP rank)" if state["fsdp_world_size"] != engine.fsdp_world_size else "")
+               "FSDP rank)" if state["fsdp_world_size"] != groups.fsdp_world_size else "")
         )
     _warn_if_matched_by_position(place.param_names, place.global_shapes)
-    has_lr_scheduler = engine.lr_scheduler is not None
+    has_lr_scheduler = parts.lr_scheduler is not None
     if has_lr_scheduler != (state["lr_scheduler"] is not None):
         raise ValueError(
             "acco_hooks: load_state_dict: the checkpoint "
@@ -419,7 +438,7 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
             + "; pass the same lr_scheduler argument as the saved run"
         )
     saved_shape = (state["world_size"], state["fsdp_world_size"])
-    shape = (engine.world_size, engine.fsdp_world_size)
+    shape = (groups.world_size, groups.fsdp_world_size)
     what = (f"{saved_shape[0]} data-parallel ranks"
             + (f" × FSDP {saved_shape[1]}" if saved_shape[1] > 1 else ""))  # fmt: skip
     resume = (f"resume with {saved_shape[0]} data-parallel ranks"
@@ -439,8 +458,8 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
     if not place.matches(state["master"]):
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint holds another rank's part of the "
-            f"optimizer state (it was saved by {what}; this is rank {engine.rank} of "
-            f"{engine.world_size}): a per-rank file loads on the rank that wrote it, in a run "
+            f"optimizer state (it was saved by {what}; this is rank {groups.rank} of "
+            f"{groups.world_size}): a per-rank file loads on the rank that wrote it, in a run "
             f"of the same shape. To resume on other ranks, save with torch.distributed."
             "checkpoint (dcp.save of opt.state_dict()) and dcp.load into this optimizer's "
             "state_dict() before load_state_dict"
@@ -451,8 +470,8 @@ def check_loadable(state: dict[str, Any], engine: ACCOEngine, rank_key: str) -> 
     if others:
         raise ValueError(
             f"acco_hooks: load_state_dict: the checkpoint was saved by {what}, this run has "
-            f"{engine.world_size}"
-            + (f" × FSDP {engine.fsdp_world_size}" if engine.fsdp_world_size > 1 else "")
+            f"{groups.world_size}"
+            + (f" × FSDP {groups.fsdp_world_size}" if groups.fsdp_world_size > 1 else "")
             + f"; the optimizer keeps state {sorted(set(others))} that is not one value per "
             f"parameter element, which cannot be resharded: {resume}"
         )
@@ -487,14 +506,14 @@ def _warn_if_matched_by_position(names: list[list[str]], shapes: list[list[tuple
 # ---------------------------------------------------------------- resharded: the carried ΣG̃'s units
 
 
-def _resharded(state: dict[str, Any], engine: ACCOEngine) -> bool:
+def _resharded(state: dict[str, Any], parts: StateParts) -> bool:
     """Whether ``state`` was saved by a run of another shape (the job's data-parallel ranks,
     FSDP degree, round size). A live torchft group's handover is this job's own state."""
     if state.get("handed_over"):
         return False
     saved = (_saved_ranks(state), state["fsdp_world_size"], state["accumulation_steps"])
-    return saved != (_job_ranks(engine), engine.fsdp_world_size,
-                     engine.settings.accumulation_steps)  # fmt: skip
+    return saved != (_job_ranks(parts), parts.groups.fsdp_world_size,
+                     parts.settings.accumulation_steps)  # fmt: skip
 
 
 def _saved_ranks(state: dict[str, Any]) -> int:
@@ -502,13 +521,13 @@ def _saved_ranks(state: dict[str, Any]) -> int:
     return state["world_size"] * state.get("replica_groups", 1)
 
 
-def _job_ranks(engine: ACCOEngine) -> int:
+def _job_ranks(parts: StateParts) -> int:
     """This job's data-parallel ranks; under torchft, over the groups that started with it."""
-    replicas = engine._groups.replicas
-    return engine.world_size * (1 if replicas is None else replicas.groups)
+    replicas = parts.groups.replicas
+    return parts.groups.world_size * (1 if replicas is None else replicas.groups)
 
 
-def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
+def _carried_reweigh(state: dict[str, Any], parts: StateParts) -> float | None:
     """Resumed between acco's estimate round and its update in other units than the saved
     ΣG̃'s: what an update round weighed in them, against which ΣG̃ and c̃ are reweighed
     (``communicate``); ``None`` to keep them. A state saved right after such a load, before
@@ -518,7 +537,7 @@ def _carried_reweigh(state: dict[str, Any], engine: ACCOEngine) -> float | None:
         return None
     if state["version"] >= 5 and state["carried_reweigh"] is not None:
         return state["carried_reweigh"]
-    return _saved_update_round_weight(state) if _resharded(state, engine) else None
+    return _saved_update_round_weight(state) if _resharded(state, parts) else None
 
 
 def _saved_update_round_weight(state: dict[str, Any]) -> float | None:
@@ -567,7 +586,7 @@ def _saved_unit_weights(state: dict[str, Any]) -> bool:
 
 
 def _update_weight_after_load(
-    state: dict[str, Any], engine: ACCOEngine, reweigh: float | None
+    state: dict[str, Any], parts: StateParts, reweigh: float | None
 ) -> float | None:
     """The loaded engine's W: the saved one while it is in the units the engine's carried ΣG̃
     is in (the same shape, or a reweigh pending); else measured anew (0.0) on this world,
@@ -575,7 +594,7 @@ def _update_weight_after_load(
     if state["version"] < 5:  # 4's was an update round's, 3 kept none
         return None if state.get("update_weight", 0.0) is None else 0.0
     weight = state["update_weight"]
-    if weight is None or reweigh is not None or not _resharded(state, engine):
+    if weight is None or reweigh is not None or not _resharded(state, parts):
         return weight
     return 0.0
 
@@ -583,38 +602,40 @@ def _update_weight_after_load(
 # ---------------------------------------------------------------- the live parameters
 
 
-def save_live_parameters(engine: ACCOEngine) -> dict[str, Any]:
-    """The body of ``ACCOEngine.live_state_dict``, which documents it."""
-    live = engine._live_outside
+def save_live_parameters(parts: StateParts, live: dict[str, Tensor] | None) -> dict[str, Any]:
+    """The body of ``ACCOEngine.live_state_dict``, which documents it. ``live``: the live
+    parameters by name where the model holds others (inside ``real_weights``)."""
     shards = []
-    for g in engine._buffers:
-        shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=engine.device)
+    for g in parts.buffers:
+        shard = torch.zeros(g.shard_numel, dtype=g.gather_dtype, device=parts.device)
         tensors = g.locals if live is None else [live[n] for n in g.names]
-        for piece in g.layout.pieces(engine.rank):  # the parts of the parameters in this shard
+        for piece in g.layout.pieces(parts.groups.rank):  # the parameters' parts in this shard
             shard[piece.at_shard : piece.at_shard + piece.numel] = (
                 tensors[piece.index].reshape(-1)[piece.at_tensor : piece.at_tensor + piece.numel]
             )
         shards.append(shard)
-    return engine._placement.chunks(shards)
+    return parts.placement.chunks(shards)
 
 
-def load_live_parameters(engine: ACCOEngine, state: dict[str, Any]) -> None:
+def load_live_parameters(parts: StateParts, state: dict[str, Any]) -> None:
     """The body of ``ACCOEngine.load_live_state_dict``, which documents it."""
-    shards = [torch.empty(g.shard_numel, dtype=g.gather_dtype, device=engine.device)
-              for g in engine._buffers]  # fmt: skip
-    engine._placement.fill(shards, state)
-    gathered = [torch.empty(g.padded_numel, dtype=g.gather_dtype, device=engine.device)
-                for g in engine._buffers]  # fmt: skip
-    engine._run_on_thread(all_gather_into, gathered, shards, engine._groups)
+    shards = [torch.empty(g.shard_numel, dtype=g.gather_dtype, device=parts.device)
+              for g in parts.buffers]  # fmt: skip
+    parts.placement.fill(shards, state)
+    gathered = [torch.empty(g.padded_numel, dtype=g.gather_dtype, device=parts.device)
+                for g in parts.buffers]  # fmt: skip
+    parts.run_on_thread(all_gather_into, gathered, shards, parts.groups)
     with torch.no_grad():
-        for g, vector in zip(engine._buffers, gathered):
+        for g, vector in zip(parts.buffers, gathered):
             torch._foreach_copy_(g.locals, g.views(vector))
 
 
 # ---------------------------------------------------------------- handed to a joining group
 
 
-def handover_state(engine: ACCOEngine, counters: dict[str, Any]) -> dict[str, Any]:
+def handover_state(
+    parts: StateParts, counters: dict[str, Any], live: dict[str, Tensor] | None
+) -> dict[str, Any]:
     """What a replica group that joins a torchft job takes from a live one (``replicas``):
     this rank's state at the end of the round whose communication is waiting for the joiner,
     as a per-rank state (``LocalChunk`` s, no process group in it) with the live parameters.
@@ -622,33 +643,30 @@ def handover_state(engine: ACCOEngine, counters: dict[str, Any]) -> dict[str, An
     Called on torchft's thread while the engine's communication thread waits for the quorum,
     before it sums the round: the shard side (master, optimizer, carried ΣG̃, LR scheduler) is
     still as the previous round left it, and ``counters`` are the training loop's
-    (:func:`round_counters`) taken at that round's end, before its communication started.
+    (``RoundState.state_dict``) taken at that round's end, before its communication started.
     The joiner loads it, sends nothing for that round and takes the round's sum as every group
     does: from then on its state is theirs (``load_handover``).
     """
-    carried = None
-    if engine.settings.has_estimate_round:
-        carried = [torch.zeros(g.shard_numel, device=engine.device) if g.carried is None
-                   else g.carried for g in engine._buffers]  # fmt: skip
-    chunks = engine._placement.chunks
+    carried = _carried(parts) if parts.settings.has_estimate_round else None
+    chunks = parts.placement.chunks
     state = {
-        **_header(engine), **counters, "round_microbatches": 0,
+        **_header(parts), **counters, "round_microbatches": 0,
         # the job's own state, in its own units, whatever this group's count of groups says
         "handed_over": True,
-        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "lr_scheduler": None if parts.lr_scheduler is None else parts.lr_scheduler.state_dict(),
         "pending_job": None, "pending_wire": None,
-        "master": chunks([g.master for g in engine._buffers]), "pending_shard": None,
+        "master": chunks([g.master for g in parts.buffers]), "pending_shard": None,
         "carried": None if carried is None else chunks(carried),
-        "optimizer": _optimizer_state(engine, agree=False), "partial_round": False,
+        "optimizer": _optimizer_state(parts, agree=False), "partial_round": False,
         "rank_state": {},
     }  # fmt: skip
-    return to_local_chunks({"state": state, "live": save_live_parameters(engine)})
+    return to_local_chunks({"state": state, "live": save_live_parameters(parts, live)})
 
 
-def load_handover(engine: ACCOEngine, handover: dict[str, Any]) -> None:
+def load_handover(parts: StateParts, handover: dict[str, Any]) -> None:
     """Take a live group's :func:`handover_state` (checked as a checkpoint is first)."""
-    load_state(engine, handover["state"])
-    load_live_parameters(engine, handover["live"])
+    load_state(parts, handover["state"])
+    load_live_parameters(parts, handover["live"])
 
 
 # ---------------------------------------------------------------- helpers
