@@ -405,15 +405,12 @@ class ACCOEngine:
             return total.item()
 
         handover, joined_round = replicas.join(skipped, agree)
-        if self._groups.norm is not None:
-            # torchft heals rank by rank: with init_sync, rank r takes the state of the group
-            # its rank picks, and may be the one to give it. The group loads together, every
-            # part of its model (FSDP shards, tensor and pipeline parallel parts: the norm
-            # group spans them), and a rank handed nothing takes its own state.
-            taken = torch.tensor([float(handover is not None)], device=self.device)
-            self._run_on_thread(dist.all_reduce, taken, dist.ReduceOp.SUM, self._groups.norm)
-            if taken.item() > 0 and handover is None:
-                handover = self._handover()
+        # torchft heals rank by rank: with init_sync, rank r takes the state of the group its
+        # rank picks, and may be the one to give it. The group loads together, every part of
+        # its model (FSDP shards, tensor and pipeline parallel parts: the norm group spans
+        # them), and a rank handed nothing takes its own state.
+        if agree(float(handover is not None)) > 0 and handover is None:
+            handover = self._handover()
         if handover is None:
             return
         load_handover(self._state_parts(), handover)
