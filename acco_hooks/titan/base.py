@@ -44,7 +44,7 @@ from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
 from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.dataloader import ReshardableLoaderState
-from acco_hooks.titan.titan_checkpoint import states_to_load
+from acco_hooks.titan.titan_checkpoint import LIVE_KEY, STATE_KEY, states_to_load
 
 # isort: split
 from torchtitan.components.loss import IGNORE_INDEX
@@ -64,11 +64,6 @@ OPTIMIZER_CLASSES = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 # it runs: DistMuon computes torch's Muon (its momentum, Newton-Schulz iteration and learning
 # rate adjustment), distributed by the engine instead of by FlexShard
 WHOLE_PARAMETER_CLASSES = {"DistMuon": torch.optim.Muon, "Muon": torch.optim.Muon}
-
-# The engine's state in torchtitan's checkpoint, under its "optimizer" entry, and the live
-# parameters (θ̃ where the model holds them; the checkpoint's "model" holds θ)
-STATE_KEY = "acco_engine"
-LIVE_KEY = "acco_live"
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 

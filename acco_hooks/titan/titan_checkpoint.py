@@ -43,7 +43,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from acco_hooks.engine import ACCOEngine
 from acco_hooks.titan.dataloader import ReshardableLoaderState
 
-__all__ = ["TitanLoaderState", "TitanOptimizerState", "states_to_load"]
+__all__ = ["LIVE_KEY", "STATE_KEY", "TitanLoaderState", "TitanOptimizerState", "states_to_load"]
+
+# The engine's state in torchtitan's checkpoint, under its "optimizer" entry, and the live
+# parameters (θ̃ where the model holds them; the checkpoint's "model" holds θ)
+STATE_KEY = "acco_engine"
+LIVE_KEY = "acco_live"
 
 # torchtitan's per-parameter Adam state and the hyperparameters its resume takes from the
 # checkpoint (torch's Optimizer.load_state_dict replaces a group's options with the saved ones);
@@ -163,8 +168,6 @@ def states_to_load(
         ValueError: in one line, what the checkpoint is and the settings that load it, where
             it cannot continue this run.
     """
-    from acco_hooks.titan.base import STATE_KEY
-
     optimizer, loader = states.get("optimizer"), states.get("dataloader")
     translatable = optimizer is not None or isinstance(loader, ReshardableLoaderState)
     if not translatable or not os.path.isdir(str(checkpoint_id)):
