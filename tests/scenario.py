@@ -83,40 +83,64 @@ def make_model(dtype: torch.dtype = torch.float32, model: str = "tiny") -> nn.Mo
 MUON = dict(lr=5e-2, momentum=0.9, weight_decay=0.01, adjust_lr_fn="match_rms_adamw")
 
 
-def param_groups(model: nn.Module, two_groups: bool, muon: bool = False) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (the usual LLM recipe) or one group; with ``muon``, the
-    matrices stepped by ``torch.optim.Muon`` (its group names the class, as acco_hooks takes
-    it) and the rest by the run's optimizer."""
+class WarmupTrustRatioSGD(torch.optim.SGD):
+    """A LARS-style class as many ports write it: each matrix's step scaled by its trust ratio
+    ‖θ‖ / ‖g‖, the learning rate warmed up over the first ``warmup`` steps, which it counts on
+    the instance (``self.calls``, not in ``state``), and an ``lr`` it requires."""
+
+    def __init__(self, params: Any, lr: float, warmup: int = 8) -> None:
+        super().__init__(params, lr=lr)
+        self.warmup, self.calls = warmup, 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.calls += 1
+        warm = min(1.0, self.calls / self.warmup)
+        for group in self.param_groups:
+            for p in group["params"]:
+                ratio = p.norm() / p.grad.norm().clamp(min=1e-12)
+                p.add_(p.grad, alpha=-group["lr"] * warm * float(ratio))
+
+
+# The matrices' own class (their group names it), by recipe, and its group's options
+MATRICES: dict[str, tuple[type, dict[str, Any]]] = {
+    "muon": (torch.optim.Muon, MUON),
+    "warmup": (WarmupTrustRatioSGD, dict(lr=2e-2)),
+}
+
+
+def param_groups(model: nn.Module, two_groups: bool, recipe: str = "adamw") -> list[dict[str, Any]]:
+    """Weight decay on matrices only (the usual LLM recipe) or one group; with a recipe of
+    :data:`MATRICES` ("muon"), the matrices stepped by its class (their group names it, as
+    acco_hooks takes it) and the rest by the run's optimizer."""
     named = list(model.named_parameters())
     if not two_groups:
         return [{"params": named}]
-    matrices = {"optimizer_class": torch.optim.Muon, **MUON} if muon else {}
+    matrices = {}
+    if recipe in MATRICES:
+        cls, options = MATRICES[recipe]
+        matrices = {"optimizer_class": cls, **options}
     return [
         {"params": [(n, p) for n, p in named if p.ndim == 2], **matrices},
         {"params": [(n, p) for n, p in named if p.ndim != 2], "weight_decay": 0.0},
     ]
 
 
-class MuonAndAdamW:
-    """The reference's optimizer for ``optimizer="muon"``: torch's Muon over the matrices and
-    AdamW over the rest, two plain torch optimizers stepped one after the other."""
+class MatricesAndAdamW:
+    """The reference's optimizer for a recipe of :data:`MATRICES`: the class the matrices'
+    group names over the matrices (built with the group's learning rate, which a class may
+    require) and AdamW over the rest, two plain torch optimizers stepped one after the other."""
 
     def __init__(self, groups: list[dict[str, Any]], **adamw: Any) -> None:
         (matrices, rest) = groups
-        matrices = {k: v for k, v in matrices.items() if k != "optimizer_class"}
-        self.parts = [torch.optim.Muon([matrices]), torch.optim.AdamW([rest], **adamw)]
+        matrices = dict(matrices)
+        cls = matrices.pop("optimizer_class")
+        self.parts = [cls([matrices], lr=matrices["lr"]), torch.optim.AdamW([rest], **adamw)]
         self.param_groups = [g for part in self.parts for g in part.param_groups]
 
     def step(self) -> None:
         for part in self.parts:
             part.step()
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [part.state_dict() for part in self.parts]
-
-    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
-        for part, state in zip(self.parts, states):
-            part.load_state_dict(state)
 
 
 def microbatch_loss(model: nn.Module, rank: int, round_index: int, micro: int) -> torch.Tensor:
@@ -164,6 +188,8 @@ OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
     # Muon on the matrices (MUON), this AdamW on the rest
     "muon": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    # WarmupTrustRatioSGD on the matrices, this AdamW on the rest
+    "warmup": (torch.optim.AdamW, dict(lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1)),
 }
 
 
@@ -177,10 +203,10 @@ def reference_run(cfg: Config) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
-    muon = cfg.optimizer == "muon"
     groups = [{**g, "params": [p for _, p in g["params"]]}
-              for g in param_groups(model, cfg.two_groups, muon)]  # fmt: skip
-    opt = MuonAndAdamW(groups, **kwargs) if muon else opt_class(groups, **kwargs)
+              for g in param_groups(model, cfg.two_groups, cfg.optimizer)]  # fmt: skip
+    opt = (MatricesAndAdamW(groups, **kwargs) if cfg.optimizer in MATRICES
+           else opt_class(groups, **kwargs))  # fmt: skip
     sched = make_scheduler(opt) if cfg.scheduler else None
 
     def set_params(values: list[torch.Tensor]) -> None:
@@ -211,14 +237,20 @@ def reference_run(cfg: Config) -> dict[str, Any]:
             p.grad = g / count
         if cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        saved = copy.deepcopy(opt.state_dict()) if estimate else None
+        if estimate:  # Peek: a copy of the optimizer steps; the optimizer itself stays as it was
+            parts = opt.parts if isinstance(opt, MatricesAndAdamW) else [opt]
+            memo: dict[int, Any] = {}  # one copy of each parameter, in the groups and the state
+            for part in parts:
+                copied = object.__new__(type(part))  # every attribute, not torch's __getstate__'s
+                copied.__dict__.update(copy.deepcopy(vars(part), memo))
+                for p in (p for g in part.param_groups for p in g["params"]):
+                    memo[id(p)].grad = p.grad.clone()
+                type(copied).step(copied)  # not an LR scheduler's wrapper of the original's
+            return [memo[id(p)].detach().clone() for p in params]
         opt.step()
-        new = [p.detach().clone() for p in params]
-        if estimate:  # Peek: the state (and so the LR) is put back as it was
-            opt.load_state_dict(saved)
-        elif sched is not None:
+        if sched is not None:
             sched.step()
-        return new
+        return [p.detach().clone() for p in params]
 
     theta = [p.detach().clone() for p in params]
     live, in_flight = theta, None
@@ -248,12 +280,13 @@ def reference_run(cfg: Config) -> dict[str, Any]:
 
 def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     """One rank of the same training with ``ACCOOptimizer`` (run under ``run_distributed``)."""
-    from acco_hooks import ACCOOptimizer
+    from acco_hooks import ACCOOptimizer, declare_per_parameter_optimizer
 
+    declare_per_parameter_optimizer(WarmupTrustRatioSGD)  # its author's declaration
     model = make_model(cfg.dtype, cfg.model).to(cfg.device)
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = ACCOOptimizer(
-        param_groups(model, cfg.two_groups, cfg.optimizer == "muon"),
+        param_groups(model, cfg.two_groups, cfg.optimizer),
         opt_class,
         mode=cfg.mode,
         accumulation_steps=cfg.micro[rank],

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from acco_hooks.engine.layout import ShardLayout, flat_layout, whole_parameter_layout
-from acco_hooks.engine.shard_optimizer import build_shard_optimizer
+from acco_hooks.engine.shard_optimizer import GroupedOptimizer, build_shard_optimizer
 
 __all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
            "normalize_param_groups"]  # fmt: skip
@@ -240,9 +240,9 @@ def build_shard(
     param_groups: list[dict[str, Any]], world_size: int, rank: int,
     data_parallel_ranks: tuple[int, ...], *, reduce_dtype: torch.dtype, carry: bool,
     wire_bytes: Callable[[int], int] | None,
-    optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any],
+    classes: list[type], class_kwargs: dict[type, dict[str, Any]],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
-    classes: list[type] | None = None, whole: list[bool] | None = None,
+    whole: list[bool] | None = None,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
     """Lay each parameter group out in its buffers; build the shard optimizer (and its
     scheduler) over this rank's fp32 master shard.
@@ -257,8 +257,9 @@ def build_shard(
             dtype (its ΣG̃, which the update round adds).
         wire_bytes: the bytes of ``n`` values in the widest narrower estimate format, or
             ``None`` when no estimate travels narrower (no wire buffers).
-        optimizer_class, optimizer_kwargs, lr_scheduler: the shard optimizer and its scheduler.
-        classes: each group's optimizer class (default: ``optimizer_class`` for every group).
+        classes, class_kwargs: each group's optimizer class, and each class's keyword
+            arguments (``shard_optimizer.constructor_kwargs``).
+        lr_scheduler: builds the shard optimizer's scheduler.
         whole: per group, whether it lies on the whole-parameter layout (default: flat).
 
     Returns:
@@ -278,17 +279,41 @@ def build_shard(
          "params": next(stepped) if g["params"] else []}
         for g in param_groups
     ]  # fmt: skip
-    optimizer = build_shard_optimizer(optimizer_class, classes or [optimizer_class] * len(
-        param_groups), shard_groups, optimizer_kwargs)  # fmt: skip
-    scheduler = None if lr_scheduler is None else lr_scheduler(optimizer)
-    if scheduler is not None:
-        _check_scheduler(scheduler)
+    optimizer = build_shard_optimizer(classes, shard_groups, class_kwargs)
+    scheduler = None if lr_scheduler is None else _build_scheduler(lr_scheduler, optimizer)
     return buffers, optimizer, scheduler
 
 
 def _layout(params: list[Tensor], world_size: int, whole: bool) -> ShardLayout:
     numels = [local_tensor(p).numel() for p in params]
     return (whole_parameter_layout if whole else flat_layout)(numels, world_size)
+
+
+def _build_scheduler(
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any], optimizer: torch.optim.Optimizer
+) -> Any:
+    """``lr_scheduler(optimizer)``, refused by name where the engine cannot step it, or where it
+    fails on the groups of several classes."""
+    try:
+        scheduler = lr_scheduler(optimizer)
+    except (ValueError, KeyError, TypeError) as error:
+        if not isinstance(optimizer, GroupedOptimizer):
+            raise
+        keeps = [f"{type(part).__name__} keeps "
+                 + " and ".join(repr(k) for k in ("momentum", "betas") if k in part.defaults)
+                 for part in optimizer.optimizers if {"momentum", "betas"} & part.defaults.keys()]
+        raise ValueError(
+            f"acco_hooks: lr_scheduler= failed on the shard optimizer "
+            f"({type(error).__name__}: {error}). Its parameter groups are stepped by "
+            f"{' and '.join(type(part).__name__ for part in optimizer.optimizers)}: each keeps its "
+            "own class's options, and optimizer.defaults holds only those every class has"
+            + (f" ({'; '.join(keeps)})" if keeps else "") + ". OneCycleLR and CyclicLR with "
+            "cycle_momentum=True cycle one momentum option in every group: build them with "
+            "cycle_momentum=False (the learning rate still cycles in every group), or step "
+            "every group with classes that keep the same momentum option"
+        ) from error
+    _check_scheduler(scheduler)
+    return scheduler
 
 
 def _check_scheduler(scheduler: Any) -> None:

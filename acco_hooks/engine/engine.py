@@ -102,6 +102,7 @@ from acco_hooks.engine.shard_optimizer import (
     ShardStateLayout,
     check_optimizers,
     check_whole_parameters,
+    constructor_kwargs,
 )
 from acco_hooks.engine.state import (
     StateParts,
@@ -249,13 +250,20 @@ class ACCOEngine:
         classes = [g.pop("optimizer_class", optimizer_class) for g in param_groups]
         trained = [gi for gi, g in enumerate(param_groups) if g["params"]]  # others: all frozen
         self.device = param_groups[trained[0]]["params"][0].device
+        options = [{k: v for k, v in g.items() if k not in ("params", "names")}
+                   for g in param_groups]  # fmt: skip
+        # torch's rule: the keyword arguments are optimizer_class's defaults
+        class_kwargs = constructor_kwargs(
+            optimizer_class, optimizer_kwargs, classes, options,
+            [g["names"][0] if g["names"] else f"group {gi}" for gi, g in enumerate(param_groups)],
+        )  # fmt: skip
         # Refused here, before any process group exists, unless its step is per element (a
         # flat shard) or per parameter (whole parameters, each on one rank)
         layouts = check_optimizers(
-            optimizer_class, [classes[gi] for gi in trained],
-            [{k: v for k, v in param_groups[gi].items() if k not in ("params", "names")}
-             for gi in trained], optimizer_kwargs, self.device,
+            [classes[gi] for gi in trained], [options[gi] for gi in trained], class_kwargs,
+            self.device,
             [[tuple(local_tensor(p).shape) for p in param_groups[gi]["params"]] for gi in trained],
+            settings.mode if settings.has_estimate_round else None,
         )  # fmt: skip
         # per group that has parameters (as ``_buffers``): its layout and how its state is saved
         self._state_layouts: list[ShardStateLayout] = layouts
@@ -314,8 +322,8 @@ class ACCOEngine:
                 reduce_dtype=settings.reduce_torch_dtype,
                 carry=settings.reduce_format in formats,
                 wire_bytes=(lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
-                optimizer_class=optimizer_class, optimizer_kwargs=optimizer_kwargs,
-                lr_scheduler=lr_scheduler, classes=classes, whole=whole,
+                classes=classes, class_kwargs=class_kwargs, lr_scheduler=lr_scheduler,
+                whole=whole,
             )  # fmt: skip
             groups = self._groups
             self._placement = ShardPlacement(

@@ -8,7 +8,8 @@ For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` the step is recomputed functiona
 chunk, straight into the all-gather input: no copy of the optimizer state is made (the paper's
 code clones the fp32 shard and both Adam moments every other round). The arithmetic follows
 torch's single-tensor implementations operation for operation. Any other optimizer class falls
-back to snapshot -> ``step()`` -> restore, which costs a copy of its state.
+back to snapshot -> ``step()`` -> restore (``shard_optimizer.step_and_restore``), which costs a
+copy of its state.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
-from acco_hooks.engine.shard_optimizer import GroupedOptimizer
+from acco_hooks.engine.shard_optimizer import GroupedOptimizer, step_and_restore
 
 __all__ = ["CHUNK_NUMEL", "peek", "has_functional_peek"]
 
@@ -59,7 +60,7 @@ def peek(
                  chunk_numel=chunk_numel)  # fmt: skip
         return
     if not has_functional_peek(optimizer):
-        _peek_by_snapshot(optimizer, params, outputs)
+        step_and_restore(optimizer, outputs)
         return
     out_iter = iter(outputs)
     for group in optimizer.param_groups:
@@ -130,33 +131,3 @@ def _sgd_chunk(group: dict, state: dict, view, param: Tensor, grad: Tensor) -> T
             buf = view(buf).mul(momentum).add_(grad, alpha=1 - dampening)
         grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
     return param.add(grad, alpha=-lr)
-
-
-def _peek_by_snapshot(optimizer: torch.optim.Optimizer, params: list[Tensor], outputs) -> None:
-    """Fallback for optimizers we do not mirror: step for real, then put everything back."""
-    saved_params = [p.detach().clone() for p in params]
-    saved_state = {
-        p: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in optimizer.state[p].items()}
-        for p in params
-        if p in optimizer.state
-    }
-    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.step()
-    for p, out, saved in zip(params, outputs, saved_params):
-        out.copy_(p)
-        p.copy_(saved)
-    for p in params:
-        if p not in saved_state:
-            optimizer.state.pop(p, None)  # state created lazily by this step: drop it
-            continue
-        state = optimizer.state[p]
-        for key in list(state):
-            if key not in saved_state[p]:
-                del state[key]
-        for key, value in saved_state[p].items():
-            if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
-                state[key].copy_(value)
-            else:
-                state[key] = value
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        group.update(saved)

@@ -41,6 +41,7 @@ equal on every rank (a step count), saved once.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import math
@@ -52,8 +53,8 @@ from torch import Tensor
 
 __all__ = ["PER_ELEMENT", "PER_PARAMETER", "REFUSED", "GroupedOptimizer", "ShardStateLayout",
            "build_shard_optimizer", "check_optimizer", "check_optimizers", "check_whole_parameters",
-           "declare_per_element_optimizer", "declare_per_parameter_optimizer", "first_step_state",
-           "state_index"]  # fmt: skip
+           "constructor_kwargs", "declare_per_element_optimizer", "declare_per_parameter_optimizer",
+           "first_step_state", "state_index", "step_and_restore"]  # fmt: skip
 
 # torch.optim classes whose step is per element: the engine runs them exactly (tests/engine/
 # test_optimizers.py holds each one to torch's own step on 1 to 4 ranks). A class torch lacks
@@ -213,16 +214,21 @@ def check_optimizer(
     optimizer_class: Any, group_options: Iterable[dict[str, Any]],
     optimizer_kwargs: dict[str, Any], device: torch.device,
     group_shapes: Sequence[Sequence[tuple[int, ...]]] | None = None,
+    estimate_mode: str | None = None,
 ) -> ShardStateLayout:  # fmt: skip
     """Refuse an optimizer the flat shard cannot run exactly; return how its state is saved.
 
     Args:
         optimizer_class: what the user gave as the shard optimizer.
         group_options: each parameter group's options (its dict without ``params``).
-        optimizer_kwargs: the optimizer's keyword arguments.
+        optimizer_kwargs: the keyword arguments the class is built with
+            (:func:`constructor_kwargs`).
         device: where the shard lives (the probe runs there, with the run's own options).
         group_shapes: each group's parameter shapes, which a declared class is probed at
             (``None``: one 1-D vector per group, where no parameter is known yet).
+        estimate_mode: the run's mode when it has estimate rounds (``"acco"``, ``"auto"``):
+            the probe then also steps the estimate's way (:func:`step_and_restore`) and
+            refuses a class whose step leaves a trace that cannot be put back.
 
     Raises:
         TypeError: not a torch optimizer class, or one the flat shard cannot run, with why.
@@ -253,7 +259,7 @@ def check_optimizer(
             _probe_shapes(group) for group in group_shapes
         ]  # fmt: skip
         return _probe(optimizer_class, options, optimizer_kwargs, device, shapes, known,
-                      whole=True)  # fmt: skip
+                      estimate_mode, whole=True)  # fmt: skip
     known = optimizer_class in PER_ELEMENT
     if not known and optimizer_class not in _DECLARED:
         raise TypeError(
@@ -273,22 +279,87 @@ def check_optimizer(
     shapes = [[(11,)] for _ in options] if known or group_shapes is None else [
         _probe_shapes(group) for group in group_shapes
     ]  # fmt: skip
-    return _probe(optimizer_class, options, optimizer_kwargs, device, shapes, known)
+    return _probe(optimizer_class, options, optimizer_kwargs, device, shapes, known,
+                  estimate_mode)
+
+
+def constructor_kwargs(
+    optimizer_class: Any, optimizer_kwargs: dict[str, Any], classes: Sequence[Any],
+    group_options: Sequence[dict[str, Any]], group_names: Sequence[str],
+) -> dict[Any, dict[str, Any]]:  # fmt: skip
+    """The keyword arguments each class of a run is built with: torch's own rule.
+
+    In torch a parameter group takes, for every option it does not set, the defaults of the
+    optimizer that steps it, which are that optimizer's keyword arguments. So the keyword
+    arguments given beside ``optimizer_class`` are ``optimizer_class``'s: every group it steps,
+    naming it or naming no class, inherits them. A group that names another class is stepped by
+    an instance of that class built with none, and takes that class's own defaults. A class
+    whose ``__init__`` requires an argument (many LARS ports require ``lr``) is built with the
+    value of its first group, which every group stepped by it must then set (each group keeps
+    its own value, as in torch).
+
+    Args:
+        optimizer_class, optimizer_kwargs: the run's optimizer and its keyword arguments.
+        classes, group_options, group_names: each group's class, options (without ``params``)
+            and first parameter's name (what a refusal names).
+
+    Returns:
+        Per class, in the groups' order, its keyword arguments.
+
+    Raises:
+        TypeError: a required argument that neither the keyword arguments nor every group of
+            the class give.
+    """
+    out: dict[Any, dict[str, Any]] = {}
+    for cls in dict.fromkeys(classes):
+        kwargs = dict(optimizer_kwargs) if cls is optimizer_class else {}
+        stepped = [gi for gi, c in enumerate(classes) if c is cls]
+        for argument in _required_arguments(cls):
+            if argument in kwargs:
+                continue
+            without = [gi for gi in stepped if argument not in group_options[gi]]
+            if without:
+                name = _name(cls)
+                raise TypeError(
+                    f"acco_hooks: {name}.__init__ requires {argument!r}, and the group of "
+                    f"{group_names[without[0]]} is stepped by {name} without one: "
+                    + (f"pass {argument}= beside the optimizer class (the keyword arguments are "
+                       f"{name}'s defaults, which every group it steps inherits), or set "
+                       f"{argument!r} in every group it steps" if cls is optimizer_class else
+                       f"set {argument!r} in every group that names optimizer_class={name} (a "
+                       "group that names another class than the optimizer's takes that class's "
+                       "own defaults, not the keyword arguments)")
+                )  # fmt: skip
+            kwargs[argument] = group_options[stepped[0]][argument]
+        out[cls] = kwargs
+    return out
+
+
+def _required_arguments(cls: Any) -> list[str]:
+    """The arguments of ``cls.__init__`` after ``params`` that have no default."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return []  # check_optimizer refuses it
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]
+    except (TypeError, ValueError):  # no signature to read: torch's own error then
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters
+            if p.kind in kinds and p.default is inspect.Parameter.empty]  # fmt: skip
 
 
 def check_optimizers(
-    optimizer_class: Any, classes: Sequence[Any], group_options: Sequence[dict[str, Any]],
-    optimizer_kwargs: dict[str, Any], device: torch.device,
-    group_shapes: Sequence[Sequence[tuple[int, ...]]],
+    classes: Sequence[Any], group_options: Sequence[dict[str, Any]],
+    class_kwargs: dict[Any, dict[str, Any]], device: torch.device,
+    group_shapes: Sequence[Sequence[tuple[int, ...]]], estimate_mode: str | None = None,
 ) -> list[ShardStateLayout]:  # fmt: skip
     """:func:`check_optimizer` for parameter groups that may name their own class.
 
     Args:
-        optimizer_class: the class a group that names none is stepped by.
-        classes: each group's class (``optimizer_class`` where it names none).
+        classes: each group's class (the run's optimizer class where it names none).
         group_options, group_shapes: each group's options and parameter shapes.
-        optimizer_kwargs: ``optimizer_class``'s keyword arguments; a group that names another
-            class takes its options from the group alone.
+        class_kwargs: each class's keyword arguments (:func:`constructor_kwargs`).
+        device, estimate_mode: as :func:`check_optimizer`'s.
 
     Returns:
         Each group's :class:`ShardStateLayout`, at its index.
@@ -297,9 +368,8 @@ def check_optimizers(
     for cls in dict.fromkeys(classes):
         indices = [i for i, c in enumerate(classes) if c is cls]
         layout = check_optimizer(
-            cls, [group_options[i] for i in indices],
-            optimizer_kwargs if cls is optimizer_class else {}, device,
-            [group_shapes[i] for i in indices],
+            cls, [group_options[i] for i in indices], class_kwargs[cls], device,
+            [group_shapes[i] for i in indices], estimate_mode,
         )  # fmt: skip
         for i in indices:
             out[i] = layout
@@ -313,6 +383,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
     Its ``param_groups`` are the classes' own group dicts, in the run's group order, so that an
     LR scheduler built over it (``lr_scheduler=``) sets each class's learning rate; its
     ``state`` is the one dict every class keeps its state in; :meth:`step` steps each class.
+    Its ``defaults`` are the options every class has (values of the first class): a scheduler
+    that looks for one there (OneCycleLR's and CyclicLR's ``momentum`` or ``betas``) finds it
+    only where every group keeps it.
 
     Args:
         optimizers: one instance per class, over the groups that name it.
@@ -326,7 +399,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
     ) -> None:  # fmt: skip
         self.optimizers, self.part_kwargs = optimizers, part_kwargs
         self.order = order
-        super().__init__([optimizers[o].param_groups[i] for o, i in order], {})
+        shared = {key: value for key, value in optimizers[0].defaults.items()
+                  if all(key in other.defaults for other in optimizers[1:])}  # fmt: skip
+        super().__init__([optimizers[o].param_groups[i] for o, i in order], shared)
         self._share()
 
     def _share(self) -> None:
@@ -368,17 +443,18 @@ def check_whole_parameters(first_names: list[str], classes: list[type], split_by
 
 
 def build_shard_optimizer(
-    optimizer_class: type[torch.optim.Optimizer], classes: Sequence[type],
-    shard_groups: list[dict[str, Any]], optimizer_kwargs: dict[str, Any],
+    classes: Sequence[type], shard_groups: list[dict[str, Any]],
+    class_kwargs: dict[type, dict[str, Any]],
 ) -> torch.optim.Optimizer:  # fmt: skip
-    """The shard optimizer over ``shard_groups`` (every group, at its index): one instance of
-    ``optimizer_class`` when every group is stepped by it, else a :class:`GroupedOptimizer`."""
-    if all(cls is optimizer_class for cls in classes):
-        return optimizer_class(shard_groups, **optimizer_kwargs)
+    """The shard optimizer over ``shard_groups`` (every group, at its index, stepped by its
+    class in ``classes``, built with ``class_kwargs``, :func:`constructor_kwargs`): one
+    instance when one class steps every group, else a :class:`GroupedOptimizer`."""
     kinds = list(dict.fromkeys(classes))
+    if len(kinds) == 1:
+        return kinds[0](shard_groups, **class_kwargs[kinds[0]])
     order = [(kinds.index(cls), sum(c is cls for c in classes[:k]))
              for k, cls in enumerate(classes)]  # fmt: skip
-    part_kwargs = [optimizer_kwargs if cls is optimizer_class else {} for cls in kinds]
+    part_kwargs = [class_kwargs[cls] for cls in kinds]
     optimizers = [cls([g for g, c in zip(shard_groups, classes) if c is cls], **kwargs)
                   for cls, kwargs in zip(kinds, part_kwargs)]  # fmt: skip
     return GroupedOptimizer(optimizers, order, part_kwargs)
@@ -394,13 +470,17 @@ def _probe_shapes(shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
 def _probe(
     optimizer_class: type[torch.optim.Optimizer], options: list[dict[str, Any]],
     optimizer_kwargs: dict[str, Any], device: torch.device,
-    shapes: list[list[tuple[int, ...]]], known: bool, whole: bool = False,
+    shapes: list[list[tuple[int, ...]]], known: bool, estimate_mode: str | None = None,
+    whole: bool = False,
 ) -> ShardStateLayout:  # fmt: skip
     """Step the groups whole and in two pieces (module docstring); refuse what differs.
 
     Flat: each group's vector cut inside a parameter, into pieces of different lengths, as two
     ranks' flat shards. ``whole``: each group's parameters dealt to the two pieces in turn, in
-    their shapes, as two ranks own them on the whole-parameter layout."""
+    their shapes, as two ranks own them on the whole-parameter layout. With ``estimate_mode``
+    the pieces also take an estimate step before each real one, as the engine's estimate rounds
+    do (:func:`step_and_restore`): it must leave the instance as it found it and equal the real
+    step that follows on the same gradient."""
     name = _name(optimizer_class)
     generator = torch.Generator().manual_seed(0)
 
@@ -458,9 +538,36 @@ def _probe(
                     (flat,) = joined([w.grad for w in group], two, gi)
                     two[0][0].grad = flat[: two[0][0].numel()].clone()
                     two[1][0].grad = flat[two[0][0].numel() :].clone()
+            estimates = [] if estimate_mode is None else [_estimate(opt) for opt in piece_opts]
             whole_opt.step()
             for opt in piece_opts:
                 opt.step()
+            for opt, (estimated, began, changed) in zip(piece_opts, estimates):
+                if changed:
+                    raise _EstimateRefusal(
+                        f"its step changes {', '.join(map(repr, changed))} of the optimizer "
+                        "in place, outside optimizer.state and its groups' options, which the "
+                        "estimate step does not put back"
+                    )  # fmt: skip
+                params = [p for group in opt.param_groups for p in group["params"]]
+                if not all(_close(e, p.detach() - b) for e, p, b in zip(estimated, params, began)):
+                    raise _EstimateRefusal(
+                        "its estimate step gave another update than the real step that followed "
+                        "on the same gradient: the step reads something it changes outside "
+                        "optimizer.state, its groups' options and its own attributes (a global, "
+                        "a closure's variable), which the estimate step does not put back"
+                    )  # fmt: skip
+    except _EstimateRefusal as refusal:
+        raise TypeError(
+            f"acco_hooks: {name} cannot take the estimate step of mode {estimate_mode!r}: {refusal}. "
+            "That mode steps the optimizer once more for each estimate θ̃ (a real step on a "
+            "snapshot, whose every trace is then put back: the parameters, optimizer.state, the "
+            "groups' options and the attributes a step rebinds, such as self.calls += 1), and "
+            "a trace left behind would count every estimate as a step. Keep what a step "
+            "counts or accumulates in optimizer.state[p] (as torch's step counts) or rebind "
+            "the attribute instead of changing it in place; or choose mode 'dpu' or 'ddp', "
+            "which have no estimate step"
+        ) from None
     except Exception as error:  # reported as the reason it is refused
         what = "its parameters dealt to two instances" if whole else "a flat 1-D piece of"
         raise TypeError(
@@ -522,6 +629,119 @@ def _probe(
                             dict(optimizer_kwargs))  # fmt: skip
 
 
+class _EstimateRefusal(Exception):
+    """What the probe's estimate steps found (:func:`_probe`)."""
+
+
+def _estimate(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[Tensor], list[str]]:
+    """One estimate step of the probe: the update it estimated, the parameters it started from,
+    and the attributes of the optimizer it left changed (the gradients are put back too: a
+    step may clip them in place)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    starts = [p.detach().clone() for p in params]
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    before = {key: _copy(value) for key, value in _own_attributes(optimizer).items()}
+    outputs = [torch.empty_like(p) for p in params]
+    step_and_restore(optimizer, outputs)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    after = _own_attributes(optimizer)
+    changed = sorted(key for key in before.keys() | after.keys()
+                     if key not in before or key not in after
+                     or not _equal(before[key], after[key]))  # fmt: skip
+    return [o - s for o, s in zip(outputs, starts)], starts, changed
+
+
+def step_and_restore(optimizer: torch.optim.Optimizer, outputs: Sequence[Tensor]) -> None:
+    """Write the parameters ``optimizer.step()`` would make into ``outputs`` and leave no trace:
+    ACCO's estimate θ̃ for a class whose step the engine does not recompute (``peek``).
+
+    Steps for real, then puts back the parameters, ``state`` (its tensors in place; what the
+    step created, dropped), the groups' options, and the optimizer's own attributes that the
+    step bound anew or created (a count kept as ``self.calls += 1``). An attribute the step
+    changes in place (a list it appends to, a tensor it adds to) cannot be put back so: the
+    probe refuses that class by name where a run has estimate rounds (:func:`check_optimizer`).
+
+    Args:
+        optimizer: its params hold θ and their ``.grad`` holds g.
+        outputs: one tensor per parameter, in ``param_groups`` order: receives ``Opt(θ, g)``.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_params = [p.detach().clone() for p in params]
+    saved_state = {
+        p: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in optimizer.state[p].items()}
+        for p in params
+        if p in optimizer.state
+    }
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    saved_attributes = _own_attributes(optimizer)
+    optimizer.step()
+    with torch.no_grad():
+        for p, out, saved in zip(params, outputs, saved_params):
+            out.copy_(p)
+            p.copy_(saved)
+    for p in params:
+        if p not in saved_state:
+            optimizer.state.pop(p, None)  # state created lazily by this step: drop it
+            continue
+        state = optimizer.state[p]
+        for key in list(state):
+            if key not in saved_state[p]:
+                del state[key]
+        for key, value in saved_state[p].items():
+            if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
+                state[key].copy_(value)
+            else:
+                state[key] = value
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        for key in [k for k in group if k != "params" and k not in saved]:
+            del group[key]
+        group.update(saved)
+    now = _own_attributes(optimizer)
+    for key in now.keys() - saved_attributes.keys():
+        delattr(optimizer, key)
+    for key, value in saved_attributes.items():
+        if now.get(key) is not value:
+            setattr(optimizer, key, value)
+
+
+def _own_attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The instance's attributes but its state and groups (which the estimate puts back by
+    their contents)."""
+    return {k: v for k, v in vars(optimizer).items() if k not in ("state", "param_groups")}
+
+
+def _copy(value: Any) -> Any:
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - compared by identity then: an in-place change is unseen
+        return _Uncopyable(value)
+
+
+class _Uncopyable(NamedTuple):
+    value: Any
+
+
+def _equal(before: Any, after: Any) -> bool:
+    """Whether ``after`` holds what ``before`` (a deep copy) held; one that could not be copied
+    is not known to, and counts as changed."""
+    if isinstance(before, _Uncopyable):
+        return False
+    if isinstance(before, Tensor) or isinstance(after, Tensor):
+        return (isinstance(before, Tensor) and isinstance(after, Tensor)
+                and before.shape == after.shape and before.dtype == after.dtype
+                and bool(torch.equal(before.cpu(), after.detach().cpu())))  # fmt: skip
+    if isinstance(before, dict) and isinstance(after, dict):
+        return before.keys() == after.keys() and all(_equal(before[k], after[k]) for k in before)
+    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
+        return (type(before) is type(after) and len(before) == len(after)
+                and all(_equal(a, b) for a, b in zip(before, after)))  # fmt: skip
+    try:
+        return bool(before == after)
+    except Exception:  # noqa: BLE001 - no equality to ask: not known to be equal
+        return False
+
+
 def state_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """``id(tensor)`` -> the tensor's index in ``optimizer.state_dict()["state"]`` (torch
     numbers the parameters over the groups, in order)."""
@@ -562,7 +782,9 @@ def _close(actual: Tensor, expected: Tensor) -> bool:
 
 def _gap(actual: Tensor, expected: Tensor) -> float:
     """The largest difference, relative to the largest magnitude of ``expected``."""
-    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+    if not expected.numel():
+        return 0.0
+    scale = float(expected.detach().abs().max())
     gap = float((actual.detach().double() - expected.detach().double()).abs().max())
     return gap / scale if scale > 0 else gap
 

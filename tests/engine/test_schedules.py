@@ -38,7 +38,7 @@ from acco_hooks.engine.schedule import (
     schedule_seconds,
 )
 from tests.dist_utils import run_distributed
-from tests.scenario import OPTIMIZERS, MuonAndAdamW, make_model, microbatch_loss, param_groups
+from tests.scenario import OPTIMIZERS, MatricesAndAdamW, make_model, microbatch_loss, param_groups
 
 # The last commit before the schedules existed: its engine is today's ``acco`` as it was.
 BEFORE_SCHEDULES = "567055e"
@@ -137,7 +137,7 @@ def recorded_run(rank: int, world_size: int, settings: dict, updates: int,
     torch.manual_seed(0)
     model = make_model(model="deep" if recipe == "muon" else "tiny")
     opt_class, kwargs = OPTIMIZERS[recipe]
-    opt = ACCOOptimizer(param_groups(model, True, recipe == "muon"), opt_class, **settings,
+    opt = ACCOOptimizer(param_groups(model, True, recipe), opt_class, **settings,
                         **kwargs)  # fmt: skip
     engine = opt.engine
     if load_from is not None and through_dcp:
@@ -190,8 +190,8 @@ def replay(results: list[dict], updates: int) -> list[torch.Tensor]:
     params = list(model.parameters())
     opt_class, kwargs = OPTIMIZERS["muon" if muon else "adamw"]
     groups = [{**g, "params": [p for _, p in g["params"]]}
-              for g in param_groups(model, True, muon)]  # fmt: skip
-    opt = MuonAndAdamW(groups, **kwargs) if muon else opt_class(groups, **kwargs)
+              for g in param_groups(model, True, "muon" if muon else "adamw")]  # fmt: skip
+    opt = MatricesAndAdamW(groups, **kwargs) if muon else opt_class(groups, **kwargs)
     theta = [p.detach().clone() for p in params]
     for update in range(updates):
         total, count = [torch.zeros_like(p) for p in params], 0

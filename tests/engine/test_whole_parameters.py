@@ -337,3 +337,177 @@ def test_a_torch_optimizers_state_by_name_continues_on_the_owners(rank_pool) -> 
         assert relative_error(ours, torchs) <= TOLERANCE
     ours, torchs = rank_pool.run(f"{__name__}:torch_then_engine", 3, False)[0]
     assert relative_error(ours, torchs) > 1e-4  # without it, Muon's momentum starts at zero
+
+
+# ---------------------------------------------------------------- which options a group takes
+
+
+def test_a_group_takes_the_defaults_of_the_class_that_steps_it() -> None:
+    """torch's rule: the keyword arguments are the optimizer class's defaults. The vectors'
+    group names that class (AdamW) and inherits lr and weight_decay from them; the matrices'
+    group names Muon and takes Muon's own defaults, not AdamW's keyword arguments."""
+    from acco_hooks import ACCOOptimizer
+
+    model, reference = make_model(model="deep"), make_model(model="deep")
+    named = list(model.named_parameters())
+    opt = ACCOOptimizer(
+        [{"params": [(n, p) for n, p in named if p.ndim == 2], "optimizer_class": torch.optim.Muon},
+         {"params": [(n, p) for n, p in named if p.ndim != 2],
+          "optimizer_class": torch.optim.AdamW}],
+        torch.optim.AdamW, mode="ddp", accumulation_steps=1, lr=3e-2, weight_decay=0.3,
+    )  # fmt: skip
+    muon, adamw = opt.param_groups
+    defaults = torch.optim.Muon([torch.zeros(2, 2)]).defaults
+    assert (muon["lr"], muon["weight_decay"]) == (defaults["lr"], defaults["weight_decay"])
+    assert (adamw["lr"], adamw["weight_decay"]) == (3e-2, 0.3)
+    plain = list(reference.parameters())
+    torch_opts = [torch.optim.Muon([p for p in plain if p.ndim == 2]),
+                  torch.optim.AdamW([p for p in plain if p.ndim != 2], lr=3e-2, weight_decay=0.3)]
+    expected = torch_training(reference, torch_opts, 1)
+    ours = train_and_checkpoint(model, opt, 0, 1, 0, STEPS)
+    assert relative_error(ours, expected) <= TOLERANCE
+
+
+def test_a_required_argument_comes_from_the_groups_or_is_refused_by_name() -> None:
+    """A class whose ``__init__`` requires ``lr`` (many LARS ports) is built with its groups'
+    own, which each keeps; a group that names it without one is refused, naming the group."""
+    from acco_hooks import ACCOOptimizer
+    from tests.scenario import WarmupTrustRatioSGD
+
+    declare_per_parameter_optimizer(WarmupTrustRatioSGD)
+    model = make_model(model="deep")
+    named = list(model.named_parameters())
+    matrices = [(n, p) for n, p in named if p.ndim == 2]
+    rest = [(n, p) for n, p in named if p.ndim != 2]
+    opt = ACCOOptimizer([{"params": matrices[:2], "optimizer_class": WarmupTrustRatioSGD,
+                          "lr": 0.1},
+                         {"params": matrices[2:], "optimizer_class": WarmupTrustRatioSGD,
+                          "lr": 0.2},
+                         {"params": rest}], torch.optim.AdamW, lr=1e-2)  # fmt: skip
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2, 1e-2]
+    opt.close()
+    with pytest.raises(TypeError, match=r"WarmupTrustRatioSGD.__init__ requires 'lr', and the "
+                                        r"group of layers\.2\.weight is stepped by .* without one: "
+                                        r"set 'lr' in every group that names optimizer_class="):
+        ACCOOptimizer([{"params": matrices[:2], "optimizer_class": WarmupTrustRatioSGD,
+                        "lr": 0.1},
+                       {"params": matrices[2:], "optimizer_class": WarmupTrustRatioSGD},
+                       {"params": rest}], torch.optim.AdamW, lr=1e-2)  # fmt: skip
+    with pytest.raises(TypeError, match=r"requires 'lr', and the group of layers\.0\.weight is "
+                                        r"stepped by .* pass lr= beside the optimizer class"):
+        ACCOOptimizer(matrices, WarmupTrustRatioSGD)
+
+
+# ---------------------------------------------------------------- the estimate leaves no trace
+
+
+@pytest.mark.parametrize("mode", ["ddp", "acco"])
+def test_a_step_count_kept_on_the_instance_matches_the_reference(mode: str) -> None:
+    """WarmupTrustRatioSGD counts its steps in ``self.calls``: the estimate puts the count back,
+    so that its warm-up counts real updates only (unrestored, it read 12 after 6 updates)."""
+    cfg = Config(mode=mode, world_size=2, micro=[1, 2], rounds=12, optimizer="warmup",
+                 model="deep")  # fmt: skip
+    results = run_distributed("tests.scenario:engine_run", 2, cfg)
+    reference = reference_run(cfg)
+    for result in results:
+        assert relative_error(result["params"], reference["params"]) <= TOLERANCE
+        assert result["num_updates"] == expected_updates(cfg)
+
+
+class InPlaceCountSGD(torch.optim.SGD):
+    """A warm-up whose count lives in a tensor on the instance, added to in place."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr)
+        self.seen = torch.zeros(())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.seen.add_(1)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * min(1.0, float(self.seen) / 4))
+
+
+class ClassClockSGD(torch.optim.SGD):
+    """A warm-up counted on the class, which no instance holds."""
+
+    calls = [0]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        type(self).calls[0] += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * min(1.0, type(self).calls[0] / 100))
+
+
+@pytest.mark.parametrize("cls, trace", [
+    (InPlaceCountSGD, r"its step changes 'seen' of the optimizer in place"),
+    (ClassClockSGD, r"its estimate step gave another update than the real step"),
+])  # fmt: skip
+def test_a_step_that_leaves_a_trace_the_estimate_cannot_put_back_is_refused(cls, trace) -> None:
+    """In the modes with an estimate round, by name, before any process group exists. The
+    others have no estimate step: they run the count on the instance (the clock on the class,
+    which every rank's instance would share, differs between two instances there too)."""
+    from acco_hooks import ACCOOptimizer
+
+    declare_per_parameter_optimizer(cls)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    for mode in ("acco", "auto"):
+        with pytest.raises(TypeError, match=rf"{cls.__qualname__} cannot take the estimate step "
+                                            rf"of mode '{mode}': {trace}.*choose mode 'dpu' or 'ddp'"):
+            ACCOOptimizer(model.named_parameters(), cls, mode=mode, accumulation_steps=2)
+    if cls is InPlaceCountSGD:
+        for mode in ("ddp", "dpu"):
+            ACCOOptimizer(model.named_parameters(), cls, mode=mode).close()
+
+
+# ---------------------------------------------------------------- schedulers over several classes
+
+
+def test_a_momentum_cycling_scheduler_over_classes_that_keep_different_momenta() -> None:
+    """OneCycleLR and CyclicLR cycle one momentum option in every group: Muon's groups keep
+    'momentum' and AdamW's 'betas', refused by name; without cycling momentum they cycle the
+    learning rate of every group as torch's own; Muon and SGD share 'momentum', which cycles."""
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model(model="deep")
+    named = list(model.named_parameters())
+    matrices = [(n, p) for n, p in named if p.ndim == 2]
+    rest = [(n, p) for n, p in named if p.ndim != 2]
+
+    def one_cycle(cycle_momentum: bool):
+        return lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=0.1, total_steps=STEPS, cycle_momentum=cycle_momentum)
+
+    def cyclic(o):
+        return torch.optim.lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=2)
+
+    for schedule in (one_cycle(True), cyclic):
+        with pytest.raises(ValueError, match=r"lr_scheduler= failed on the shard optimizer "
+                                             r"\(ValueError: optimizer must support momentum.*"
+                                             r"Muon keeps 'momentum'; AdamW keeps 'betas'.*"
+                                             r"build them with cycle_momentum=False"):
+            ACCOOptimizer([{"params": matrices, "optimizer_class": torch.optim.Muon},
+                           {"params": rest}], torch.optim.AdamW, lr_scheduler=schedule)
+    for default_class, kwargs, cycle_momentum, keys in (
+        (torch.optim.AdamW, dict(lr=1e-2), False, ("lr",)),
+        (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), True, ("lr", "momentum")),
+    ):
+        opt = ACCOOptimizer([{"params": matrices, "optimizer_class": torch.optim.Muon},
+                             {"params": rest}], default_class, mode="ddp", accumulation_steps=1,
+                            lr_scheduler=one_cycle(cycle_momentum), **kwargs)  # fmt: skip
+        plain = torch.optim.SGD([{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)]}],
+                                lr=1e-2, momentum=0.9)
+        oracle = one_cycle(cycle_momentum)(plain)
+        for step in range(STEPS - 1):
+            x, y = batch(step, 0, 1)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.flush()
+            plain.step()
+            oracle.step()
+            for ours, torchs in zip(opt.param_groups, plain.param_groups):
+                assert all(ours[k] == pytest.approx(torchs[k]) for k in keys), (step, ours)
+        opt.close()
