@@ -44,9 +44,11 @@ def main() -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     from acco_hooks.elastic import exit_for_restart
+    from acco_hooks.titan.titan_checkpoint import CheckpointRefusal
     from scaffolding.process_exit import finish
 
     init_logger()
+    logger.addFilter(_without_default_noise)
     rank = int(os.environ.get("RANK", "0"))
     logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)  # until the config is read
     try:
@@ -75,6 +77,8 @@ def main() -> None:
             trainer.close(barrier=False)
         elif trainer is not None:
             trainer.close()
+        if isinstance(error, CheckpointRefusal):  # every rank refuses it alike: one line
+            _refuse_config(error, rank)
         if isinstance(error, Exception):  # a lost peer under torchrun's agent: one line
             exit_for_restart(error, resume_from=_newest_checkpoint(trainer))
         raise
@@ -90,6 +94,16 @@ def main() -> None:
     finish(finalize=False)
 
 
+def _without_default_noise(record: logging.LogRecord) -> bool:
+    """Drop torchtitan's warning about an option nobody set: its checkpoint config defaults to
+    ``initial_load_model_only = True`` and warns, in each of the 3 or 4 configs a run builds,
+    that it has no effect without an ``initial_load_path`` (kept when the command sets it)."""
+    return not (
+        record.getMessage().startswith("initial_load_model_only=True has no effect")
+        and not any("initial_load_model_only" in arg for arg in sys.argv)
+    )
+
+
 def _newest_checkpoint(trainer) -> str | None:
     """The newest step torchtitan will resume from (DCP writes its ``.metadata`` last)."""
     folder = getattr(getattr(trainer, "checkpointer", None), "folder", None)
@@ -102,8 +116,14 @@ def _newest_checkpoint(trainer) -> str | None:
 
 
 def _refuse_config(error: ValueError, rank: int) -> NoReturn:
-    """A bad configuration: one line per job, from rank 0 (every rank reads the same config
-    and fails alike), and exit status 2 on every rank, as a command-line error."""
+    """A bad configuration, or a checkpoint it cannot continue: one line per job, from rank 0
+    (every rank reads the same config and fails alike), and exit status 2 on every rank, as a
+    command-line error."""
+    # An error raised through torchtitan's train() (a checkpoint refused as it loads) was
+    # recorded by torchrun's @record for its summary: its traceback would repeat the line
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and os.path.isfile(error_file):
+        os.remove(error_file)
     if rank == 0:
         print(f"train_titan: {error}", file=sys.stderr, flush=True)
     else:

@@ -29,7 +29,7 @@ torchtitan has no CPU device option: ``torchtitan/tools/utils.py`` picks ``"cuda
    evaluated densely (:func:`dense_mask_attention`): torch has no FlexAttention backward on
    CPU. Same attention pattern, another kernel.
 5. takes out the 2 s that rank 0 sleeps at the end of torchtitan's ``train()`` "for other ranks
-   to complete" (its module's only ``time.sleep``; its log line stays): every rank of
+   to complete" (its module's only ``time.sleep``), and the log line that announces it: every rank of
    ``train_titan.py`` goes on to close the trainer and destroy its groups, which waits for the
    others where it must. The checkout launches torchtitan about 170 times in CI, on CPU.
 
@@ -242,7 +242,7 @@ def _a100_peak_flops(device_name: str) -> float:
 
 def _without_end_of_training_sleep(trainer_module: types.ModuleType) -> None:
     """Give torchtitan's trainer module a ``time`` whose ``sleep`` returns at once; every other
-    name is the real module's (idempotent)."""
+    name is the real module's; and drop the log line that announces the sleep (idempotent)."""
     if getattr(trainer_module.time, _MARK, False):
         return
     names = {k: v for k, v in vars(time).items() if not k.startswith("__")}
@@ -250,6 +250,9 @@ def _without_end_of_training_sleep(trainer_module: types.ModuleType) -> None:
     no_sleep.sleep = lambda seconds: None
     setattr(no_sleep, _MARK, True)
     trainer_module.time = no_sleep
+    trainer_module.logger.addFilter(
+        lambda record: not record.getMessage().startswith("Sleeping 2 seconds for other ranks")
+    )
 
 
 def is_installed() -> bool:

@@ -15,6 +15,8 @@ before torchtitan is asked to build anything; it imports nothing heavy and chang
 torchtitan.
 """
 
+import sys
+
 import torch
 
 try:
@@ -48,3 +50,22 @@ def require_release(release: str, module: str) -> None:
         f"{module} is the torchtitan {release} adapter, but torchtitan {TITAN_VERSION} is "
         f"installed: use {use}, or train_titan.py (any release)"
     )
+
+
+def flag(key: str) -> str:
+    """The command-line flag that sets torchtitan option ``key`` (its TOML name,
+    ``section.option``, as the shipped configs and 0.2.2 spell it) in this process's command.
+
+    With a TOML config (``--job.config_file``, either release) it is ``--section.option``. Under
+    torchtitan 0.3.0's own ``--module M --config NAME`` it is 0.3.0's field, in tyro's spelling:
+    ``job.dump_folder`` -> ``--dump-folder``, ``training.dataset_path`` ->
+    ``--dataloader.dataset-path``, ``checkpoint.load_step`` -> ``--checkpoint.load-step``. What
+    a refusal tells the user to pass is spelled so, and works where they type it.
+    """
+    if not (TITAN_030 and any(a == "--module" or a.startswith("--module=") for a in sys.argv)):
+        return f"--{key}"
+    from acco_hooks.titan.toml_compat import KEYS
+
+    known = KEYS.get(key)
+    target = known.target if known is not None and known.target is not None else key
+    return "--" + target.replace("_", "-")

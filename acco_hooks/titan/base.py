@@ -42,9 +42,14 @@ from torch.distributed.tensor import DTensor
 from acco_hooks._frontend import label_tokens
 from acco_hooks.engine import ACCOEngine, EngineSettings, real_updates
 from acco_hooks.fsdp import fsdp_modules, set_gradient_sync_for_next_microbatch
-from acco_hooks.titan import TITAN_030
+from acco_hooks.titan import TITAN_030, flag
 from acco_hooks.titan.dataloader import ReshardableLoaderState
-from acco_hooks.titan.titan_checkpoint import LIVE_KEY, STATE_KEY, states_to_load
+from acco_hooks.titan.titan_checkpoint import (
+    LIVE_KEY,
+    STATE_KEY,
+    CheckpointRefusal,
+    states_to_load,
+)
 
 # isort: split
 from torchtitan.components.loss import IGNORE_INDEX
@@ -272,15 +277,16 @@ def refuse_other_model_layout(error: BaseException, parallel_dims: Any) -> None:
     """
     found = _DCP_KEY_MISMATCH.search(str(error))
     if found is None and f"Missing key in checkpoint state_dict: optimizer.{LIVE_KEY}" in str(error):
-        raise ValueError(
+        raise CheckpointRefusal(
             "ACCO: this checkpoint was saved by an acco_hooks that kept the live parameters "
             "(θ̃) in its model entry instead of beside it (engine state version 4): resume it "
-            "with that acco_hooks, or start from its weights alone (--checkpoint."
-            "initial_load_path with --checkpoint.initial_load_model_only)"
+            f"with that acco_hooks, or start from its weights alone "
+            f"({flag('checkpoint.initial_load_path')} with "
+            f"{flag('checkpoint.initial_load_model_only')})"
         ) from None
     if found is None:
         return
-    raise ValueError(
+    raise CheckpointRefusal(
         f"ACCO: this checkpoint was saved with another tensor or pipeline parallel layout than "
         f"this run's (tensor_parallel_degree = {parallel_dims.tp}, pipeline_parallel_degree = "
         f"{parallel_dims.pp}), or by another model: its ACCO engine state has no "

@@ -26,6 +26,8 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from acco_hooks.titan import flag
+
 __all__ = ["ReshardableLoaderState"]
 
 
@@ -88,7 +90,7 @@ class ReshardableLoaderState:
                 "streamed dataset keeps an opaque one per rank; loader workers, num_workers > 0, "
                 "keep theirs apart), so where each rank goes on cannot be derived. Resume with "
                 f"{saved_world} data-parallel ranks, or train on a local (map-style) dataset "
-                "(--training.dataset_path) with num_workers = 0"
+                f"({flag('training.dataset_path')}) with num_workers = 0"
             )
         consumed = sum(p["sample_idx"] for p in positions)
         fresh["dataset_state"] = {**fresh["dataset_state"], "sample_idx": consumed // world,

@@ -23,7 +23,10 @@ entries differ:
 What a checkpoint holds is read from its DCP metadata before anything is loaded
 (:func:`states_to_load`). ``[acco] mode = "acco"`` makes one update every two steps: a
 torchtitan checkpoint's step count and LR schedule (one update a step) do not continue there,
-and such a load is refused with the settings that continue it.
+and such a load is refused with the settings that continue it. So is an ACCO checkpoint whose
+engine state this run cannot read (other parameter groups, another tensor or pipeline parallel
+layout), naming what differs, and a finished run's model-only last step: each a
+:class:`CheckpointRefusal`, which the launcher prints in one line, as a bad config.
 
 The temporary moments are the rank's model parts at full size, in float32, for the time of the
 load (as torchtitan's own optimizer holds them, unsharded where it does not shard).
@@ -31,6 +34,7 @@ load (as torchtitan's own optimizer holds them, unsharded where it does not shar
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -41,9 +45,11 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from acco_hooks.engine import ACCOEngine
+from acco_hooks.titan import flag
 from acco_hooks.titan.dataloader import ReshardableLoaderState
 
-__all__ = ["LIVE_KEY", "STATE_KEY", "TitanLoaderState", "TitanOptimizerState", "states_to_load"]
+__all__ = ["LIVE_KEY", "STATE_KEY", "CheckpointRefusal", "TitanLoaderState", "TitanOptimizerState",
+           "states_to_load"]  # fmt: skip
 
 # The engine's state in torchtitan's checkpoint, under its "optimizer" entry, and the live
 # parameters (θ̃ where the model holds them; the checkpoint's "model" holds θ)
@@ -55,6 +61,19 @@ LIVE_KEY = "acco_live"
 # foreach / fused / capturable say how a step runs, not what it computes
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+class CheckpointRefusal(ValueError):
+    """A checkpoint this run cannot continue, refused before any tensor is read from it, with
+    what to run instead: every rank refuses it alike, and ``train_titan.py`` prints it in one
+    line and exits with status 2, as a bad config."""
+
+
+def start_from_weights(checkpoint_id: Any) -> str:
+    """How to start a run from a checkpoint's weights alone."""
+    return (f"start from its weights alone with {flag('checkpoint.initial_load_path')} "
+            f"{checkpoint_id} and {flag('checkpoint.initial_load_model_only')}, in a new "
+            f"{flag('job.dump_folder')}")  # fmt: skip
 
 
 class TitanOptimizerState:
@@ -97,8 +116,8 @@ class TitanOptimizerState:
                     f"ACCO: this checkpoint of torchtitan's own trainer has parameters with "
                     f"different {option} ({', '.join(sorted(distinct))}): several optimizer "
                     "parameter groups, and the ACCO engine runs one. Continue it from its "
-                    "weights alone (--checkpoint.initial_load_path with "
-                    "--checkpoint.initial_load_model_only)"
+                    f"weights alone ({flag('checkpoint.initial_load_path')} with "
+                    f"{flag('checkpoint.initial_load_model_only')})"
                 )
             options[option] = next(iter(values.values()))
         self.engine.load_optimizer_state_by_name({
@@ -131,6 +150,58 @@ class TitanLoaderState:
         by_rank = {r: state[f"dp_rank_{r}"] for r in self.saved_ranks}
         self.loader.load_state_dict({"world_size": state["world_size"],
                                      "states": pickle.dumps(by_rank)})  # fmt: skip
+
+
+def _refuse_other_groups(metadata: dict[str, Any], engine: ACCOEngine, checkpoint_id: Any) -> None:
+    """Refuse, naming what differs, an ACCO checkpoint that lacks the engine state of one of
+    this rank's parameter groups or holds it in another size, before DCP refuses it with a raw
+    missing key or size mismatch.
+
+    The engine keys each group's state by the group's first parameter and, under tensor or
+    pipeline parallelism, the coordinates of this rank's part (``@tp=1``). Without those
+    coordinates on either side the layouts are the same (one part), so other keys or sizes
+    mean other parameter groups: another optimizer recipe (a Muon group) or another model.
+    The same groups in other coordinates mean another layout. Under pipeline parallelism a
+    checkpoint holds every stage's groups; this rank needs its own."""
+    prefix = f"optimizer.{STATE_KEY}.master."
+    theirs = {key[len(prefix):]: tuple(getattr(value, "size", ()))
+              for key, value in metadata.items() if key.startswith(prefix)}  # fmt: skip
+    mine = {key: tuple(_global_size(chunk)) for key, chunk in engine.state_dict()["master"].items()}
+    differ = sorted(key for key, size in mine.items() if theirs.get(key) != size)
+    if not differ:
+        return
+
+    def groups(sizes: dict[str, tuple]) -> str:
+        return ", ".join(f"{key} ({math.prod(size):,} elements)" for key, size in sorted(sizes.items()))
+
+    def names(keys: Any) -> set[str]:  # without the tensor and pipeline coordinates
+        return {key.split("@")[0] for key in keys}
+
+    if not names(mine) <= names(theirs) or not any("@" in key for key in [*theirs, *mine]):
+        what = (
+            "other parameter groups than this run's: its engine state holds the groups "
+            f"beginning with {groups(theirs)}, this run's begin with {groups(mine)} (each "
+            "group's state is keyed by its first parameter). Another optimizer recipe "
+            "(optimizer.param_groups, a Muon group) or another model saved it: resume it with "
+            "the recipe it was saved with"
+        )
+    else:
+        what = (
+            f"another tensor or pipeline parallel layout than this run's: this rank's part "
+            f"{differ[0]} ({math.prod(mine[differ[0]]):,} elements) is not among its parts "
+            f"({groups(theirs)}). The engine state reshards across data-parallel replicas and "
+            "FSDP degrees only: resume with the tensor_parallel_degree and "
+            "pipeline_parallel_degree it was saved with"
+        )
+    raise CheckpointRefusal(
+        f"ACCO: {checkpoint_id} was saved with {what}, or {start_from_weights(checkpoint_id)}"
+    )
+
+
+def _global_size(chunk: Any) -> Any:
+    """The size of the whole vector a rank's chunk of engine state is part of."""
+    metadata = getattr(chunk, "metadata", None)  # a ShardedTensor's, without its deprecated ops
+    return metadata().size if callable(metadata) else chunk.shape
 
 
 def _earlier_steps(checkpoint_id: str) -> list[int]:
@@ -172,32 +243,31 @@ def states_to_load(
     translatable = optimizer is not None or isinstance(loader, ReshardableLoaderState)
     if not translatable or not os.path.isdir(str(checkpoint_id)):
         return states
-    saved = set(FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
+    metadata = FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata
+    saved = set(metadata)
     if any(key.startswith(f"optimizer.{STATE_KEY}.") for key in saved):
+        if optimizer is not None:
+            _refuse_other_groups(metadata, engine, checkpoint_id)
         return states  # ACCO's own
     if not any(key.startswith("train_state.") for key in saved):
         if optimizer is None:
             return states
         earlier = _earlier_steps(str(checkpoint_id))
-        finished = (
-            f"the last step of a finished run, saved model only (checkpoint.last_save_model_only)"
-            f": train again in a new --job.dump_folder, resume from its last full checkpoint "
-            f"with --checkpoint.load_step {earlier[-1]}, or "
-            if earlier else ""
-        )
-        raise ValueError(
-            f"ACCO: {checkpoint_id} holds a model only (no optimizer, data position or step), "
-            f"{finished}start from it with --checkpoint.initial_load_path {checkpoint_id} and "
-            "--checkpoint.initial_load_model_only, from an empty checkpoint.folder"
+        raise CheckpointRefusal(
+            f"ACCO: {checkpoint_id} holds a model only (no optimizer, data position or step)"
+            + (", the last step of a finished run (torchtitan saves it model only: "
+               "checkpoint.last_save_model_only)" if earlier else "")
+            + f": train again in a new {flag('job.dump_folder')}"
+            + (f", resume from the run's last full checkpoint with "
+               f"{flag('checkpoint.load_step')} {earlier[-1]}" if earlier else "")
+            + f", or {start_from_weights(checkpoint_id)}"
         )
     if mode == "acco":
-        raise ValueError(
+        raise CheckpointRefusal(
             f"ACCO: {checkpoint_id} is a checkpoint of torchtitan's own trainer, which counts "
             "one optimizer update per step; [acco] mode = 'acco' makes one every two steps, "
             "so its step count and LR schedule do not continue there. Continue it with "
-            "--acco.mode ddp or auto (one update per step), or start acco from its weights "
-            f"with --checkpoint.initial_load_path {checkpoint_id} and "
-            "--checkpoint.initial_load_model_only, from an empty checkpoint.folder"
+            f"--acco.mode ddp or auto (one update per step), or {start_from_weights(checkpoint_id)}"
         )
     states = dict(states)
     if optimizer is not None:

@@ -24,6 +24,7 @@ if not TITAN_030:
     pytest.skip("torchtitan 0.3.0 only (CI runs it in its 0.3.0 venv)", allow_module_level=True)
 
 from acco_hooks.titan.toml_compat import TomlConfigError, load_toml_config
+from examples.titan_muon_recipe import MATRICES, MUON
 
 pytestmark = pytest.mark.titan
 ROOT = pathlib.Path(__file__).parents[2]
@@ -105,6 +106,12 @@ def test_native_entry_point_and_recipe_modules_train_as_the_toml_command(tmp_pat
     assert sorted(native) == sorted(toml) == [1, 2, 3, 4]
     assert native == toml
     assert float(native[4][0]) < float(native[1][0])
+    # torchtitan's default initial_load_model_only warns in every config it builds, and the CPU
+    # shim's removed sleep would still be announced: neither reaches the user
+    output = (tmp_path / "native.log").read_text()
+    assert "Training completed" in output
+    assert "has no effect without an initial_load_path" not in output, output[-3000:]
+    assert "Sleeping 2 seconds" not in output, output[-3000:]
     for recipe in ("shipped_config_changed", "torchtitan_baseline_with_acco"):
         losses = _forked_losses(2, ["train_titan.py", "--module", "my_recipes", "--config",
                                     recipe, "--dump-folder", str(tmp_path / recipe),
@@ -345,38 +352,16 @@ def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_can
         validate_acco_config(config, world_size=2)
 
 
-# Muon on the transformer blocks' matrices, AdamW (the shipped config's) on the embeddings, the
-# output projection and the norms: the standard recipe, as torchtitan's Kimi recipe writes it
-MATRICES = r"layers\.\d+\.(attention\.w[qkvo]|feed_forward\.w[123])\.weight$"
-MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
-_MUON_RECIPE = f'''
-"""A user's recipe module: the shipped debug configs with Muon on the matrices."""
-import torch
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-from acco_hooks.titan.config_registry import debug_cpu_acco, debug_cpu_ddp, debug_cpu_titan_ddp
-
-
-def _with_muon(config, name):
-    (adamw,) = config.optimizer.param_groups
-    config.optimizer.param_groups = [
-        ParamGroupConfig(pattern=r"{MATRICES}", optimizer_name=name,
-                         optimizer_kwargs={MUON!r}),
-        adamw,
-    ]
-    config.training.steps = 4
-    return config
-
-
-def debug_cpu_acco_muon():
-    return _with_muon(debug_cpu_acco(), "DistMuon")
-
-
-def debug_cpu_ddp_muon():
-    return _with_muon(debug_cpu_ddp(), "DistMuon")
+# What only the tests run of the shipped Muon recipe module (examples/titan_muon_recipe.py:
+# Muon on the transformer blocks' matrices, AdamW on the rest)
+_MUON_RECIPE = '''
+"""The shipped Muon recipe's configs, resized for the tests."""
+from acco_hooks.titan.config_registry import debug_cpu_ddp
+from examples.titan_muon_recipe import debug_cpu_acco_muon
 
 
 def debug_cpu_acco_muon_checkpointed():  # saved whole every 3 steps, on any number of replicas
-    config = _with_muon(debug_cpu_acco(), "DistMuon")
+    config = debug_cpu_acco_muon()
     config.training.steps = 6
     config.parallelism.data_parallel_replicate_degree = -1
     checkpoint = config.checkpoint
@@ -386,20 +371,7 @@ def debug_cpu_acco_muon_checkpointed():  # saved whole every 3 steps, on any num
 
 
 def debug_cpu_ddp_adamw():  # the shipped recipe, AdamW on every parameter
-    config = debug_cpu_ddp()
-    config.training.steps = 4
-    return config
-
-
-# The oracle: torchtitan's own DDP trainer stepping torch's Muon over whole parameters (its
-# resolver has DistMuon, whose FlexShard layout does not run on a CPU, and not Muon)
-_resolve = OptimizersContainer._resolve_optimizer_factory
-OptimizersContainer._resolve_optimizer_factory = staticmethod(
-    lambda name: torch.optim.Muon if name == "Muon" else _resolve(name))
-
-
-def debug_cpu_titan_ddp_muon():
-    return _with_muon(debug_cpu_titan_ddp(), "Muon")
+    return debug_cpu_ddp()
 '''
 
 
@@ -411,11 +383,11 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
     Muon and AdamW over the same groups; ``acco`` trains."""
     (tmp_path / "muon_recipe.py").write_text(_MUON_RECIPE)
 
-    def run(config: str, *extra: str) -> tuple[dict, str]:
-        log = tmp_path / f"{config}{'_'.join(extra)}.log"
-        losses = _forked_losses(2, ["train_titan.py", "--module", "muon_recipe", "--config",
-                                    config, *extra, "--dump-folder", str(tmp_path / config),
-                                    "--metrics.disable-color-printing",
+    def run(config: str, module: str = "examples.titan_muon_recipe") -> tuple[dict, str]:
+        log = tmp_path / f"{config}.log"
+        losses = _forked_losses(2, ["train_titan.py", "--module", module, "--config", config,
+                                    "--training.steps", "4", "--dump-folder",
+                                    str(tmp_path / config), "--metrics.disable-color-printing",
                                     *backend_overrides("-")], log, pythonpath=tmp_path)  # fmt: skip
         return losses, log.read_text()
 
@@ -428,7 +400,7 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
         assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-4), step
     for step in ours:  # the engine sums the squared norm in float64
         assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
-    adamw, _ = run("debug_cpu_ddp_adamw")  # the comparison can fail: Muon changes the run
+    adamw, _ = run("debug_cpu_ddp_adamw", "muon_recipe")  # the comparison can fail: Muon changes the run
     assert abs(float(adamw[4][0]) - float(ours[4][0])) > 1e-2
     acco, _ = run("debug_cpu_acco_muon")
     assert float(acco[4][0]) < float(acco[1][0])
@@ -470,6 +442,61 @@ def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_p
     # straight run is at step 6 (measured: 7.94 both), on other samples
     assert float(on_one[6][0]) < float(straight[1][0]) - 0.15, (straight, on_one)
     assert abs(sum(after) - sum(straight_after)) / len(after) < 0.05, (straight, on_one)
+
+
+@pytest.mark.spmd_backends("spmd_types")  # a refusal before any tensor is read
+def test_a_checkpoint_of_the_muon_recipe_is_refused_by_the_adamw_one_in_one_line(tmp_path) -> None:
+    """The Muon recipe's checkpoint, resumed by the shipped AdamW config in the same dump folder,
+    through torchrun as a user runs it: one line, from rank 0, that names the groups each run
+    has (not a tensor or pipeline parallel layout, which are the same), with the flags spelled
+    as --module takes them; no traceback of it, no step."""
+    (tmp_path / "muon_recipe.py").write_text(_MUON_RECIPE)
+    dump = tmp_path / "run"
+    _forked_losses(2, ["train_titan.py", "--module", "muon_recipe", "--config",
+                       "debug_cpu_acco_muon_checkpointed", "--training.steps", "3",
+                       "--dump-folder", str(dump), *backend_overrides("-")],
+                   tmp_path / "muon.log", pythonpath=tmp_path)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train_titan.py", "--module", "acco_hooks.titan", "--config", "debug_cpu_acco",
+           "--training.steps", "4", "--checkpoint.enable", "--dump-folder", str(dump),
+           *backend_overrides("-")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env())
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    refusal = [line for line in output.splitlines() if "was saved with" in line]
+    assert len(refusal) == 1 and refusal[0].startswith("train_titan: ACCO: "), output[-4000:]
+    assert re.search(r"saved with other parameter groups than this run's: its engine state "
+                     r"holds the groups beginning with layers\..*, tok_embeddings\.weight .*this "
+                     r"run's begin with tok_embeddings\.weight \(6,163,712 elements\)", refusal[0])
+    assert "--checkpoint.initial-load-path" in refusal[0] and "--dump-folder" in refusal[0]
+    assert "CheckpointRefusal" not in output and "step:" not in output, output[-4000:]
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the command line, not the layout
+def test_a_refusal_spells_each_flag_as_the_command_it_refuses_takes_it(monkeypatch) -> None:
+    """What a refusal tells the user to pass: the TOML's ``--section.option`` with a TOML
+    config, 0.3.0's own field under ``--module``; each spelling is one torchtitan's parser
+    takes there (tyro refuses ``--job.dump_folder`` under ``--module``)."""
+    from torchtitan.config import ConfigManager
+
+    from acco_hooks.titan import flag
+    from scaffolding import stdlib_data
+
+    keys = {"job.dump_folder": "/tmp/x", "training.dataset_path": "/tmp/x",
+            "checkpoint.load_step": "3", "checkpoint.initial_load_path": "/tmp/x",
+            "checkpoint.initial_load_model_only": None}  # fmt: skip
+    assert [flag(key) for key in keys] == [f"--{key}" for key in keys]
+    entry = ["train_titan.py", "--module", "acco_hooks.titan", "--config", "debug_cpu_acco"]
+    monkeypatch.setattr(sys, "argv", entry)
+    spelled = [flag(key) for key in keys]
+    assert spelled == ["--dump-folder", "--dataloader.dataset-path", "--checkpoint.load-step",
+                       "--checkpoint.initial-load-path",
+                       "--checkpoint.initial-load-model-only"]  # fmt: skip
+    stdlib_data.register_stdlib_datasets()
+    for spelling, value in zip(spelled, keys.values()):
+        ConfigManager().parse_args([*entry[1:], spelling, *([value] if value else [])])
+    with pytest.raises(SystemExit):  # what the refusals said before
+        ConfigManager().parse_args([*entry[1:], "--job.dump_folder", "/tmp/x"])
 
 
 def _document_causal_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -284,11 +284,13 @@ def test_a_model_only_checkpoint_where_a_full_one_loads_says_which_setting_loads
     more steps: torchtitan loads it whole, and without this it read as another layout's. The
     last step of a finished run (the same command run again in its dump folder) names the
     full checkpoint before it, to resume from."""
-    from acco_hooks.titan.titan_checkpoint import states_to_load
+    from acco_hooks.titan.titan_checkpoint import CheckpointRefusal, states_to_load
 
-    with pytest.raises(ValueError, match=r"holds a model only \(no optimizer, data position or "
-                                         r"step\), start from it with --checkpoint.initial_load_"
-                                         r"path .* and --checkpoint.initial_load_model_only"):
+    with pytest.raises(CheckpointRefusal, match=r"holds a model only \(no optimizer, data "
+                                                r"position or step\): train again in a new "
+                                                r"--job.dump_folder, or start from its weights "
+                                                r"alone with --checkpoint.initial_load_path .* and "
+                                                r"--checkpoint.initial_load_model_only"):
         states_to_load({"optimizer": object()}, seed_checkpoint, None, [], "ddp")
     model_only = {"tok_embeddings.weight": object()}  # what torchtitan loads of a seed
     assert states_to_load(model_only, seed_checkpoint, None, [], "ddp") is model_only
@@ -299,7 +301,8 @@ def test_a_model_only_checkpoint_where_a_full_one_loads_says_which_setting_loads
         (folder / f"step-{step}").mkdir()
         if complete:
             (folder / f"step-{step}" / ".metadata").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"the last step of a finished run, saved model only "
-                                         r".*a new --job.dump_folder, resume from its last full "
-                                         r"checkpoint with --checkpoint.load_step 4, or start"):
+    with pytest.raises(CheckpointRefusal, match=r"the last step of a finished run .*a new "
+                                                r"--job.dump_folder, resume from the run's last "
+                                                r"full checkpoint with --checkpoint.load_step 4, "
+                                                r"or start"):
         states_to_load({"optimizer": object()}, folder / "step-8", None, [], "ddp")
