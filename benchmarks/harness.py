@@ -40,11 +40,17 @@ LOCAL_BATCH, SEQ_LEN = 4, 128  # the timing runs' micro-batch: 4 sequences of 12
 
 
 def machine() -> str:
-    """The CPU, its core count and the kernel: what a timing depends on."""
+    """The CPU, its core count, its widest vector instructions and the kernel: what a timing
+    depends on. The vector width matters most to bfloat16 matrix products (Muon's
+    Newton–Schulz): a CPU without AVX-512 computes them about 40-100 times slower."""
     lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                platform.processor())  # fmt: skip
-    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}"
+    flags = set(next((line.split(":", 1)[1].split() for line in lines
+                      if line.startswith("flags")), []))  # fmt: skip
+    vector = ("AVX-512 with bfloat16" if "avx512_bf16" in flags else "AVX-512"
+              if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    return f"{os.cpu_count()} cores ({cpu}, {vector}), {platform.system()} {platform.release()}"
 
 
 def header() -> dict[str, str]:

@@ -38,3 +38,13 @@ def test_the_padding_table_is_the_layouts() -> None:
     # at 64 ranks a shard averages 109M elements and the longest holds two 58.7M matrices
     assert table["llama3_8b"][64] == 1 / 14
     assert table["debugmodel"][2] == 0.0 and table["debugmodel"][128] > 0.5  # 42 matrices
+
+
+def test_the_step_benchmark_times_each_step_and_leaves_the_matrices_muon_steps() -> None:
+    """benchmarks.muon_step times torch's Muon itself: one time per step, and the matrices it
+    steps are the debug model's 42 hidden ones."""
+    from benchmarks.muon_step import DEBUG_MATRICES, step_seconds
+
+    assert len(DEBUG_MATRICES) == 42 and sum(a * b for a, b in DEBUG_MATRICES) == 5_111_808
+    times = step_seconds([(8, 8), (6, 4)], repeats=3)
+    assert len(times) == 3 and all(t > 0 for t in times)

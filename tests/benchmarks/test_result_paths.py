@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # benchmark module -> the name of its result file; each has parse_args(argv)
 PARSERS = {"memory_8b": "memory_8b", "torchft_recovery": "torchft_recovery",
            "hsdp_sync": "hsdp_sync", "memory": "memory", "shard_step": "shard_step",
-           "scaling_model": "scaling", "round_overhead": "round_overhead"}  # fmt: skip
+           "scaling_model": "scaling", "round_overhead": "round_overhead",
+           "muon_step": "muon_step"}  # fmt: skip
 
 
 def test_a_result_file_goes_under_outputs_not_docs() -> None:
