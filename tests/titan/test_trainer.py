@@ -92,7 +92,9 @@ FAST = ("--optimizer.lr", "3e-3", "--training.seq_len", "64", "--training.local_
 # and PP in the PP resume and non-finite tests (each launch costs CI tens of seconds)
 @pytest.mark.spmd_backends()
 def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
-    """dp2, dp2 x tp2 and dp2 x pp2 from the same weights: the same losses and gradient norms.
+    """dp2, dp2 x tp2, dp2 x pp2 and the shipped 3-D debug config (dp2 x tp2 x pp2) from the
+    same weights (the seed checkpoint docs/torchtitan.md describes): the same losses and
+    gradient norms.
 
     The gradient norm checks that clipping sees the whole model: summed over the tp and pp
     ranks, with tp-replicated parameters counted once.
@@ -102,18 +104,20 @@ def test_acco_composes_with_tp_and_pp(seed_checkpoint, tmp_path) -> None:
               "--checkpoint.enable", "--checkpoint.load_only",
               "--checkpoint.initial_load_path", str(seed_checkpoint))  # fmt: skip
     layouts = {
-        "dp2": (2, ()),
-        "dp2xtp2": (4, ("--parallelism.tensor_parallel_degree", "2")),
-        "dp2xpp2": (4, ("--parallelism.pipeline_parallel_degree", "2",
-                        "--parallelism.pipeline_parallel_microbatch_size", "1")),
+        "dp2": (2, "debug_cpu_acco.toml", ()),
+        "dp2xtp2": (4, "debug_cpu_acco.toml", ("--parallelism.tensor_parallel_degree", "2")),
+        "dp2xpp2": (4, "debug_cpu_acco.toml", ("--parallelism.pipeline_parallel_degree", "2",
+                                               "--parallelism.pipeline_parallel_microbatch_size",
+                                               "1")),
+        "dp2xtp2xpp2": (8, "debug_cpu_acco_3d.toml", ()),
     }  # fmt: skip
     losses, norms = {}, {}
-    for name, (nproc, layout) in layouts.items():
+    for name, (nproc, config, layout) in layouts.items():
         norms[name] = {}
-        losses[name] = run_titan(nproc, "debug_cpu_acco.toml", *common, *layout,
+        losses[name] = run_titan(nproc, config, *common, *layout,
                                  dump=tmp_path / name, grad_norms=norms[name])  # fmt: skip
         assert_learns(losses[name], steps)
-    for name in ("dp2xtp2", "dp2xpp2"):
+    for name in ("dp2xtp2", "dp2xpp2", "dp2xtp2xpp2"):
         for step in range(1, steps + 1):
             assert float(losses[name][step]) == pytest.approx(float(losses["dp2"][step]), abs=2e-3)
             if norms["dp2"][step] > 0:
