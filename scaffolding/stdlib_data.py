@@ -31,8 +31,10 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,8 +247,17 @@ def ensure_stdlib_assets(
 
     dataset.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dataset.with_name(dataset.name + ".lock"))):
+        building = not ((dataset / _MARKER).is_file() and (tokenizer / _MARKER).is_file())
+        if building:  # once per checkout: a first run would otherwise sit silent for a minute
+            start = time.perf_counter()
+            print(f"stdlib_data: building the embedded corpus (the standard library's source) "
+                  f"and its tokenizer in {dataset.parent}/, once for every later run",
+                  file=sys.stderr, flush=True)  # fmt: skip
         build_stdlib_dataset(dataset)
         train_stdlib_tokenizer(dataset, tokenizer, vocab_size)
+        if building:
+            print(f"stdlib_data: built in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
 
 def prepare_if_stdlib(

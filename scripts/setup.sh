@@ -11,10 +11,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# pip's notes about this machine's package mirrors are noise; anything else is shown.
+# pip's notes about this machine's package mirrors are noise; anything else is shown. pip runs
+# quietly: each step says what it installs and, when done, how long it took.
 pip_install() {
-    local log
+    local log start
     log=$(mktemp)
+    start=$SECONDS
     if ! "$PYTHON" -m pip install -q "$@" >"$log" 2>&1; then
         cat "$log"
         echo "setup: pip install $* failed (see above)" >&2
@@ -22,6 +24,7 @@ pip_install() {
     fi
     grep -v -e "^WARNING: Location" -e "^WARNING: Running pip as" "$log" || true
     rm -f "$log"
+    echo "setup:   done in $((SECONDS - start)) s"
 }
 
 titan=${ACCO_TITAN:-0.2.2}
@@ -37,11 +40,16 @@ if ! "$PYTHON" -c "
 import sys, torch
 have = torch.__version__.split('+')[0].split('.')[:2]
 sys.exit(have != '$torch_pin'.split('.')[:2])" 2>/dev/null; then
-    echo "setup: installing torch==$torch_pin"
+    case $torch_pin in
+        2.13.*) size="a CPU wheel of about 200 MB" ;;
+        *) size="a CUDA build of about 6 GB with its CUDA libraries: several minutes" ;;
+    esac
+    echo "setup: installing torch==$torch_pin ($size)"
     pip_install "torch==$torch_pin"
 fi
 echo "setup: installing torchtitan==$titan_pin"
 pip_install "torchtitan==$titan_pin"
-echo "setup: installing acco_hooks[test] and its dependencies"
+echo "setup: installing acco_hooks[test] and its dependencies (transformers, datasets, torchft," \
+    "matplotlib, ...: a few minutes on a fresh machine)"
 pip_install -e ".[test]"
 "$PYTHON" -c "import acco_hooks, torch; print(f'setup: acco_hooks {acco_hooks.__version__}, torch {torch.__version__}')"
