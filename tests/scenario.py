@@ -171,6 +171,9 @@ class Config:
     # Per-rank number of micro-batches actually run (uneven inputs): later ones contribute
     # nothing, neither gradient nor count. None: every rank runs every micro-batch.
     limit: list[int] | None = None
+    # Per round, per rank: the micro-batches it ran (accumulate_until_ready, recorded from a
+    # run and replayed here). None: micro[rank] in every round.
+    counts: list[list[int]] | None = None
     # Rounds whose micro-batches give rank 1 a NaN loss; the engine skips their update, and the
     # reference (ddp mode only) leaves the parameters unchanged in those rounds.
     nan_rounds: frozenset[int] = frozenset()
@@ -220,7 +223,8 @@ def reference_run(cfg: Config) -> dict[str, Any]:
         total = [torch.zeros_like(p) for p in params]
         count = 0.0
         for rank in range(cfg.world_size):
-            for micro in range(cfg.micro[rank]):
+            run = cfg.counts[round_index][rank] if cfg.counts else cfg.micro[rank]
+            for micro in range(run):
                 if cfg.limit and round_index * cfg.micro[rank] + micro >= cfg.limit[rank]:
                     continue
                 model.zero_grad()

@@ -31,8 +31,9 @@ The front-ends and the settings each takes (the others come from the front-end's
 
 Rules of composition (each value valid alone, the combination not):
 
-* ``accumulate_until_ready=True`` is refused where the ranks of one model replica compute
-  together (FSDP inside a replica, tensor or pipeline parallelism);
+* ``accumulate_until_ready=True`` is refused where ranks of one model replica do not take
+  part in the engine's agreement on each round's end (tensor or pipeline parallelism; the
+  FSDP ranks of a replica do);
 * ``max_microbatches_per_round`` caps what ``accumulate_until_ready`` adds: set while that is
   off, or below the round's size (``accumulation_steps``; torchtitan's 0 resolves to 1 micro-batch
   in the configs used here), it is refused, naming ``max_microbatches_per_round``;
@@ -528,28 +529,22 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
 
 
 def test_acco_state_and_hsdp_optimizer_agree_with_the_engine() -> None:
-    """Every boundary value of every setting (with its companions); HSDP
-    also refuses accumulate_until_ready=True, as the engine does with an FSDP group (the ranks
-    of a replica reduce-scatter together), and so every cap."""
+    """Every boundary value of every setting (with its companions): the DDP hook's state and
+    HSDP take what the engine takes (accumulate_until_ready too: the FSDP ranks of a replica
+    agree on each round's end) and refuse the rest, naming the setting."""
     cases = [(key, value) for key in PREDICATES for table in (EDGE_GOOD, EDGE_BAD)
              for value in table[key]]  # fmt: skip
     (verdicts,) = run_distributed("tests.test_settings:ddp_and_hsdp_verdicts", 1, cases)
     for front_end in ("ACCOState", "ACCOHSDPOptimizer"):
         for key, value in cases:
             verdict = verdicts[front_end, key, repr(value)]
-            until_ready = key == CAP or (key == "accumulate_until_ready" and value is True)
-            split_replica = front_end == "ACCOHSDPOptimizer" and until_ready
-            valid = PREDICATES[key](value) and not split_replica
-            if valid:
+            if PREDICATES[key](value):
                 assert verdict is None, (front_end, key, value, verdict)
                 continue
             assert verdict is not None, (front_end, key, value)
             kind, message = verdict
             assert kind in ("ValueError", "SettingError", "TypeError"), verdict
-            # HSDP's refusal of until-ready names that setting, whatever the cap's value
-            blamed = ({"accumulate_until_ready"} if split_replica and PREDICATES[key](value)
-                      else {key})  # fmt: skip
-            assert named_settings(message, PREDICATES) == blamed, (front_end, message)
+            assert named_settings(message, PREDICATES) == {key}, (front_end, message)
 
 
 def test_settings_given_as_an_object_or_as_keywords_are_the_same() -> None:

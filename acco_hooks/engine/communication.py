@@ -277,12 +277,29 @@ class EngineGroups:
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
     # torchft: this group is one replica group of several, summed over through their manager
     replicas: ReplicaGroups | None = None
+    # The ranks of this model replica (its FSDP shards), where it spans several: under
+    # accumulate_until_ready they agree after each micro-batch whether to run another. Used by
+    # the training thread between micro-batches, never by the worker.
+    replica: dist.ProcessGroup | None = None
     released: bool = False
 
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
         """Each group once, in creation order: what :meth:`release` destroys."""
-        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm) if g is not None))
+        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm, self.replica)
+                                   if g is not None))  # fmt: skip
+
+    def replica_waits(self, in_flight: bool, device: torch.device) -> bool:
+        """Whether this model replica's communication is still in flight on any of its ranks:
+        every rank of the replica gets the same answer, and runs another micro-batch or ends
+        the round with the others (one all-reduce of one value over the replica's own ranks,
+        the fast link inside a node)."""
+        if self.replica is None:
+            return in_flight
+        on = device if dist.get_backend(self.replica) != dist.Backend.GLOO else torch.device("cpu")
+        flag = torch.tensor([1.0 if in_flight else 0.0], device=on)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica)
+        return bool(flag.item())
 
     def release(self) -> None:
         """Destroy the groups and drop them. Idempotent.
@@ -293,7 +310,7 @@ class EngineGroups:
         ("Connection closed by peer"), and the failure travels round the ring in milliseconds.
         """
         owned, self.released = self.owned, True
-        self.data = self.count = self.norm = None
+        self.data = self.count = self.norm = self.replica = None
         if not dist.is_available() or not dist.is_initialized():
             return  # the user already destroyed every group, ours included
         for group in owned:
@@ -318,11 +335,12 @@ def build_engine_groups(
         fsdp_world_size = len(fsdp_ranks)
         count = _dedicated_group(_product_ranks(data_parallel_ranks, fsdp_ranks), timeout)
     norm = count if norm_process_group is None else _dedicated_group(_ranks_of(norm_process_group), timeout)
+    replica = _dedicated_group(fsdp_ranks, timeout) if fsdp_world_size > 1 else None
     return EngineGroups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
         rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
-        fsdp_ranks=fsdp_ranks, replicas=replicas,
+        fsdp_ranks=fsdp_ranks, replicas=replicas, replica=replica,
     )  # fmt: skip
 
 

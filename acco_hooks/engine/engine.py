@@ -238,7 +238,8 @@ class ACCOEngine:
         split_by = [name for name, group in (("fsdp_process_group", fsdp_process_group),
                                              ("norm_process_group", norm_process_group))
                     if group is not None]  # fmt: skip
-        settings.check_until_ready(" and ".join(split_by) or None)
+        # the ranks of a replica split by FSDP agree on each round's end (EngineGroups.replica)
+        settings.check_until_ready("norm_process_group" if norm_process_group is not None else None)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
@@ -705,8 +706,8 @@ class ACCOEngine:
         if rounds.microbatches < rounds.round_size:
             return False
         cap = self.settings.max_microbatches_per_round
-        if (self.settings.accumulate_until_ready and self.communication_in_flight
-                and (cap is None or rounds.microbatches < cap)):
+        if (self.settings.accumulate_until_ready and (cap is None or rounds.microbatches < cap)
+                and self._groups.replica_waits(self.communication_in_flight, self.device)):
             return False  # the caller runs another micro-batch while the network works
         round_index = rounds.round_index
         try:

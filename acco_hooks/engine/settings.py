@@ -360,18 +360,24 @@ class ACCOSettings:
     def check_until_ready(
         self, replica_split_by: str | None, spell: Spelling = python_spelling
     ) -> None:
-        """Refuse ``accumulate_until_ready`` where the ranks of one model replica compute together.
+        """Refuse ``accumulate_until_ready`` where the ranks of one model replica cannot agree
+        on each round's end yet.
+
+        The ranks of a replica must run the same micro-batches. The engine's agreement covers
+        the FSDP shards of a replica (``EngineGroups.replica_waits``); the ranks that tensor or
+        pipeline parallelism add to a replica do not take part in it yet.
 
         Args:
-            replica_split_by: how each model replica is split over several ranks, in the
-                front-end's words (``"fsdp_process_group"``, ``"data_parallel_shard_degree =
-                2"``), or ``None`` when one rank holds a whole replica.
+            replica_split_by: how each model replica is split over ranks outside that agreement,
+                in the front-end's words (``"norm_process_group"``, ``"tensor_parallel_degree =
+                2"``), or ``None`` when every rank of a replica takes part.
         """
         if self.accumulate_until_ready and replica_split_by:
             raise SettingError(
                 f"{spell('accumulate_until_ready', True)} needs every rank of a model replica to "
-                "run the same micro-batches, which the ranks of a replica split by "
-                f"{replica_split_by} cannot agree on: set it to false there",
+                "run the same micro-batches: the engine's replicas agree on each round's end "
+                f"over their FSDP shards, and the ranks that {replica_split_by} adds to a "
+                "replica do not take part in that agreement yet. Set it to false there",
                 "accumulate_until_ready",
             )
 

@@ -21,6 +21,12 @@ Within a round, FSDP's gradient reduce-scatter runs once, on the round's last mi
 gradients, as ``no_sync`` does for DDP. ``sync_every_microbatch=True`` reduce-scatters every
 micro-batch instead: less memory, S-1 more intra-node reduce-scatters per round.
 
+With ``accumulate_until_ready`` a replica runs more micro-batches while the previous round
+still communicates; its FSDP ranks agree after each one whether to run another (the engine's
+``EngineGroups.replica_waits``: one all-reduce of one value over the replica's ranks), so that
+they run the same ones, and FSDP reduce-scatters every micro-batch from the
+``accumulation_steps``-th on, since any of them may end the round.
+
 The FSDP2 plumbing (which modules FSDP wraps, when it reduce-scatters, turning off the
 cross-replica all-reduce) is :mod:`acco_hooks.fsdp`'s, shared with the torchtitan adapters.
 """
@@ -108,7 +114,6 @@ class ACCOHSDPOptimizer(ACCOOptimizer):
                 )
         # The settings are checked before the model is touched: a refused one leaves it as it was.
         settings, kwargs = EngineSettings.from_keywords(kwargs.pop("settings", None), kwargs)
-        settings.check_until_ready("the shard dimension of the FSDP mesh")
         self.fsdp_modules = fsdp_modules([model])
         replicate_group, shard_group = turn_off_replica_all_reduce(self.fsdp_modules)
         gloo = dist.get_backend(shard_group) == "gloo"

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARSERS = {"memory_8b": "memory_8b", "torchft_recovery": "torchft_recovery",
            "hsdp_sync": "hsdp_sync", "memory": "memory", "shard_step": "shard_step",
            "scaling_model": "scaling", "round_overhead": "round_overhead",
-           "muon_step": "muon_step"}  # fmt: skip
+           "muon_step": "muon_step", "replica_agreement": "replica_agreement"}  # fmt: skip
 
 
 def test_a_result_file_goes_under_outputs_not_docs() -> None:

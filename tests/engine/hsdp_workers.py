@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -56,6 +57,59 @@ def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every:
     }
     opt.close()
     return result
+
+
+class HeldLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """The scenario's schedule (``make_scheduler``), whose step holds this rank's communication
+    thread for ``hold_s`` after each real update: one rank's round stays in flight longer
+    than its replica's other rank's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, hold_s: float) -> None:
+        self.hold_s = 0.0  # not while it is built
+        super().__init__(optimizer, lambda t: 1.0 / (1.0 + 0.5 * t))
+        self.hold_s = hold_s
+
+    def step(self, epoch: Any = None) -> None:
+        time.sleep(self.hold_s)
+        super().step(epoch)
+
+
+def hsdp_until_ready_run(rank: int, world_size: int, mode: str, replicas: int, rounds: int,
+                         cap: int) -> dict[str, Any]:  # fmt: skip
+    """ACCOHSDPOptimizer with accumulate_until_ready: the second rank of each replica holds its
+    update's communication (``HeldLambdaLR``), and the second replica computes slower. Every
+    rank records how many micro-batches it ran in each round, which the reference replays."""
+    from acco_hooks import ACCOHSDPOptimizer
+
+    shards = world_size // replicas
+    model, _ = sharded_tiny_net(replicas, shards)
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    hold_s = 0.15 if rank % shards == 1 else 0.0  # about 5 micro-batches of TinyNet on a CPU
+    slow_s = 0.05 if rank // shards == 1 else 0.0  # the second replica fits fewer in the hold
+    opt = ACCOHSDPOptimizer(
+        model, opt_class, params=param_groups(model, True), mode=mode, accumulation_steps=2,
+        accumulate_until_ready=True, max_microbatches_per_round=cap,
+        lr_scheduler=lambda o: HeldLambdaLR(o, hold_s), **kwargs,
+    )  # fmt: skip
+    engine, counts = opt.engine, []
+    while engine.round_index < rounds:
+        microbatch_loss(model, rank, engine.round_index, engine.microbatches_in_round).backward()
+        time.sleep(slow_s)
+        if opt.step():
+            counts.append(engine.last_round_microbatches)
+    opt.flush()
+    result = {
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "counts": counts, "num_updates": opt.num_updates,
+    }  # fmt: skip
+    opt.close()
+    return result
+
+
+def hsdp_until_ready_runs(rank: int, world_size: int, modes: list[str], replicas: int,
+                          rounds: int, cap: int) -> list[dict[str, Any]]:  # fmt: skip
+    """``hsdp_until_ready_run`` in each mode, in one launch of the processes."""
+    return [hsdp_until_ready_run(rank, world_size, mode, replicas, rounds, cap) for mode in modes]
 
 
 def hsdp_runs(rank: int, world_size: int, runs: list[tuple[Config, bool]], replicas: int) -> list[dict[str, Any]]:
@@ -143,8 +197,8 @@ def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         ACCOHSDPOptimizer(make_model(), torch.optim.AdamW, lr=1e-3)
     except ValueError as exc:
         errors["not_sharded"] = str(exc)
-    try:
-        ACCOEngine(make_model().parameters(), torch.optim.AdamW, fsdp_process_group=mesh_1d,
+    try:  # the ranks tensor or pipeline parallelism add to a replica
+        ACCOEngine(make_model().parameters(), torch.optim.AdamW, norm_process_group=mesh_1d,
                    accumulation_steps=2, accumulate_until_ready=True)  # fmt: skip
     except ValueError as exc:
         errors["until_ready"] = str(exc)

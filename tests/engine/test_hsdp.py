@@ -92,4 +92,44 @@ def test_hsdp_bad_inputs_are_refused() -> None:
     assert "use ACCOOptimizer" in errors["1d_mesh"]
     assert "no parameters managed by fully_shard" in errors["not_sharded"]
     assert "accumulate_until_ready=True needs every rank of a model replica" in errors["until_ready"]
-    assert "split by fsdp_process_group" in errors["until_ready"]
+    assert ("the ranks that norm_process_group adds to a replica do not take part in that "
+            "agreement yet") in errors["until_ready"]  # fmt: skip
+
+
+UNTIL_READY_MODES, UNTIL_READY_ROUNDS, CAP = ["acco", "dpu", "ddp"], 8, 6
+
+
+@pytest.fixture(scope="module")
+def until_ready_results():
+    return run_distributed("tests.engine.hsdp_workers:hsdp_until_ready_runs", WORLD,
+                           UNTIL_READY_MODES, REPLICAS, UNTIL_READY_ROUNDS, CAP)  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(UNTIL_READY_MODES)), ids=UNTIL_READY_MODES)
+def test_hsdp_replicas_of_unequal_speed_run_until_ready_exactly(until_ready_results, index) -> None:
+    """accumulate_until_ready across replicas of 2 FSDP ranks each: the second rank of each
+    replica keeps its update in flight longer (its scheduler step holds its communication
+    thread) and the second replica computes slower. The ranks of a replica agree after each
+    micro-batch whether to run another, so they run the same micro-batches though only one of
+    them waits; the replicas run different numbers. The result is the spec's recursion over
+    the micro-batches each rank ran (recorded, then replayed by the independent reference)."""
+    mode = UNTIL_READY_MODES[index]
+    runs = [results[index] for results in until_ready_results]
+    shards = WORLD // REPLICAS
+    counts = [run["counts"] for run in runs]
+    for replica in range(REPLICAS):  # the ranks of a replica ran the same micro-batches
+        first = replica * shards
+        assert all(counts[r] == counts[first] for r in range(first, first + shards)), counts
+    assert all(len(c) == UNTIL_READY_ROUNDS for c in counts)
+    assert all(2 <= n <= CAP for c in counts for n in c), counts
+    if mode != "ddp":  # ddp waits for each round at its end: nothing is in flight to fill
+        assert any(n > 2 for c in counts for n in c), counts
+    cfg = Config(mode=mode, world_size=WORLD, rounds=UNTIL_READY_ROUNDS, micro=[2] * WORLD,
+                 counts=[list(per_round) for per_round in zip(*counts)], scheduler=True)  # fmt: skip
+    reference = reference_run(cfg)
+    for rank, run in enumerate(runs):
+        for name, expected in reference["params"].items():
+            torch.testing.assert_close(run["params"][name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")  # noqa: B023  # fmt: skip
+        assert run["num_updates"] == (UNTIL_READY_ROUNDS // 2 if mode == "acco"
+                                      else UNTIL_READY_ROUNDS)  # fmt: skip
