@@ -84,8 +84,10 @@ def hsdp_until_ready_run(rank: int, world_size: int, mode: str, replicas: int, r
     shards = world_size // replicas
     model, _ = sharded_tiny_net(replicas, shards)
     opt_class, kwargs = OPTIMIZERS["adamw"]
-    hold_s = 0.15 if rank % shards == 1 else 0.0  # about 5 micro-batches of TinyNet on a CPU
-    slow_s = 0.05 if rank // shards == 1 else 0.0  # the second replica fits fewer in the hold
+    # The hold outlasts the cap's micro-batches of TinyNet many times over on a busy CPU too;
+    # the second replica, slower, fits fewer of them in it
+    hold_s = 0.4 if rank % shards == 1 else 0.0
+    slow_s = 0.08 if rank // shards == 1 else 0.0
     opt = ACCOHSDPOptimizer(
         model, opt_class, params=param_groups(model, True), mode=mode, accumulation_steps=2,
         accumulate_until_ready=True, max_microbatches_per_round=cap,
