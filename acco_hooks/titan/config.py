@@ -269,15 +269,17 @@ def validate_acco(
                if whole_parameter_optimizers else "")
         )
     whole = sorted({name for name in optimizer_names if name in whole_parameter_optimizers})
-    if whole and (split_by or ft is not None):
+    # FSDP splits every matrix too (each rank of a replica holds a shard of it)
+    split_whole = ([f"data_parallel_shard_degree = {shard}"] if shard > 1 else []) + split_by
+    if whole and (split_whole or ft is not None):
         raise ValueError(
             f"optimizer.param_groups: {whole[0]} steps each matrix whole on the data-parallel "
             "rank that owns it, and "
-            + (f"{' and '.join(split_by)} split(s) every matrix over other ranks"
-               if split_by else "[fault_tolerance] (torchft replica groups) is not tested with "
+            + (f"{' and '.join(split_whole)} split(s) every matrix over other ranks"
+               if split_whole else "[fault_tolerance] (torchft replica groups) is not tested with "
                "whole parameters in the torchtitan trainer yet (ACCOOptimizer runs it)")
             + f": train the {whole[0]} recipe over data_parallel_replicate_degree alone"
-            + ("" if split_by else " without [fault_tolerance]")
+            + ("" if split_whole else " without [fault_tolerance]")
             + ", or step every group with 'AdamW'"
         )
     if early_step_in_backward:
