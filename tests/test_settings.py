@@ -31,9 +31,6 @@ The front-ends and the settings each takes (the others come from the front-end's
 
 Rules of composition (each value valid alone, the combination not):
 
-* ``accumulate_until_ready=True`` is refused where ranks of one model replica do not take
-  part in the engine's agreement on each round's end (tensor or pipeline parallelism; the
-  FSDP ranks of a replica do);
 * ``max_microbatches_per_round`` caps what ``accumulate_until_ready`` adds: set while that is
   off, or below the round's size (``accumulation_steps``; torchtitan's 0 resolves to 1 micro-batch
   in the configs used here), it is refused, naming ``max_microbatches_per_round``;
@@ -330,7 +327,7 @@ def build_optimizer(values: dict[str, Any]) -> Exception | None:
 
 def titan_config(values: dict[str, Any]) -> Any:
     """The installed torchtitan release's config of an ACCO run with ``[acco]`` = ``values``
-    (2 replicas, no FSDP: pure data parallelism, where ``accumulate_until_ready`` may be true)."""
+    (2 replicas, no FSDP: pure data parallelism)."""
     from acco_hooks.titan import TITAN_030
 
     if TITAN_030:
@@ -530,8 +527,8 @@ def ddp_and_hsdp_verdicts(rank: int, world_size: int, cases: list[tuple[str, Any
 
 def test_acco_state_and_hsdp_optimizer_agree_with_the_engine() -> None:
     """Every boundary value of every setting (with its companions): the DDP hook's state and
-    HSDP take what the engine takes (accumulate_until_ready too: the FSDP ranks of a replica
-    agree on each round's end) and refuse the rest, naming the setting."""
+    HSDP take what the engine takes (accumulate_until_ready too: the ranks of a replica agree
+    on each round's end) and refuse the rest, naming the setting."""
     cases = [(key, value) for key in PREDICATES for table in (EDGE_GOOD, EDGE_BAD)
              for value in table[key]]  # fmt: skip
     (verdicts,) = run_distributed("tests.test_settings:ddp_and_hsdp_verdicts", 1, cases)

@@ -18,14 +18,18 @@ early and the advisor would time the enqueueing.
 **Its process groups.** Two threads issuing collectives on one group deadlock, and
 ``init_device_mesh`` hands out the WORLD group for a dimension that spans every rank: the
 thread therefore never shares a group with the training loop. The engine builds up to three
-groups for it (once, in the same order on every rank) and destroys them when it closes:
+groups for it, and one for the training loop (once, in the same order on every rank), and
+destroys them when it closes:
 
 - ``data``: the data-parallel ranks: reduce-scatter and all-gather;
 - ``count``: the ranks whose gradients make up one averaged gradient (with HSDP every FSDP
   shard of every replica): the micro-batch weights and the "non-finite" flags are summed there;
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
   ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
-  any part of the model is skipped by every part.
+  any part of the model is skipped by every part;
+- ``replica`` (the training loop's): the ranks of one model replica where it spans several
+  (FSDP shards, tensor-parallel ranks, pipeline stages): under ``accumulate_until_ready`` they
+  agree there after each micro-batch whether to run another, so that they run the same ones.
 
 Every rank's rank sets are gathered first, except in a fake world (torch's ``fake`` backend,
 torchtitan's ``--comm.mode fake_backend``: one rank of a job measured at its real shape), whose
@@ -277,9 +281,10 @@ class EngineGroups:
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
     # torchft: this group is one replica group of several, summed over through their manager
     replicas: ReplicaGroups | None = None
-    # The ranks of this model replica (its FSDP shards), where it spans several: under
-    # accumulate_until_ready they agree after each micro-batch whether to run another. Used by
-    # the training thread between micro-batches, never by the worker.
+    # The ranks of this model replica (its FSDP shards, tensor-parallel ranks and pipeline
+    # stages), where it spans several: under accumulate_until_ready they agree after each
+    # micro-batch whether to run another. Used by the training thread between micro-batches,
+    # never by the worker.
     replica: dist.ProcessGroup | None = None
     released: bool = False
 
@@ -327,15 +332,20 @@ def build_engine_groups(
     """Dedicated copies of the data-parallel, count and norm groups (see the module docstring)."""
     data_parallel_ranks = _ranks_of(process_group)
     data = _dedicated_group(data_parallel_ranks, timeout)
-    count, fsdp_world_size, fsdp_ranks = data, 1, ()
+    count, count_ranks, fsdp_world_size, fsdp_ranks = data, data_parallel_ranks, 1, ()
     if fsdp_process_group is not None:
         fsdp_ranks = _ranks_of(fsdp_process_group)
         if fsdp_ranks is None:
             raise ValueError("acco_hooks: fsdp_process_group needs torch.distributed to be initialized")
         fsdp_world_size = len(fsdp_ranks)
-        count = _dedicated_group(_product_ranks(data_parallel_ranks, fsdp_ranks), timeout)
-    norm = count if norm_process_group is None else _dedicated_group(_ranks_of(norm_process_group), timeout)
-    replica = _dedicated_group(fsdp_ranks, timeout) if fsdp_world_size > 1 else None
+        count_ranks = _product_ranks(data_parallel_ranks, fsdp_ranks)
+        count = _dedicated_group(count_ranks, timeout)
+    norm_ranks = None if norm_process_group is None else _ranks_of(norm_process_group)
+    norm = count if norm_ranks is None else _dedicated_group(norm_ranks, timeout)
+    replica = None
+    if norm_ranks is not None or fsdp_world_size > 1:  # a replica spans several ranks
+        model_ranks = count_ranks if norm_ranks is None else norm_ranks
+        replica = _dedicated_group(_replica_ranks(data_parallel_ranks, model_ranks), timeout)
     return EngineGroups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
@@ -381,6 +391,26 @@ def _product_ranks(
     dist.all_gather_object(every, (dist.get_rank(), fsdp_ranks))
     fsdp_of = dict(every)
     return tuple(sorted({r for peer in data_parallel_ranks for r in fsdp_of[peer]}))
+
+
+def _replica_ranks(
+    data_parallel_ranks: tuple[int, ...] | None, model_ranks: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The ranks of this rank's model replica: those of ``model_ranks`` (the ranks that hold
+    the model, every replica's) that sit where this rank sits in their data-parallel group.
+
+    A data-parallel group holds one rank of each replica, in the replicas' order (a
+    ``DeviceMesh``'s ``dp_replicate`` dimension: its ranks sorted are its coordinates), so a
+    rank's place in its group is the index of its replica, whatever other dimensions (FSDP,
+    tensor, pipeline) split a replica.
+    """
+    me = dist.get_rank()
+    place = (data_parallel_ranks or (me,)).index(me)
+    if fake_world():
+        return (me,)  # no peer to ask, and no peer to agree with
+    places: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(places, place)
+    return tuple(r for r in model_ranks if places[r] == place)
 
 
 def fake_world() -> bool:

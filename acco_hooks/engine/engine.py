@@ -156,6 +156,8 @@ class ACCOEngine:
             update.
         norm_process_group: 3-D runs: every rank whose shards make up the model
             (data-parallel × tensor/pipeline-parallel ranks), for the global gradient norm.
+            Under ``accumulate_until_ready`` the ranks of this rank's replica (those of this
+            group at this rank's place in ``process_group``) agree on each round's end.
         fsdp_process_group: HSDP: the ranks over which FSDP2 shards each replica. Gradients
             then arrive summed over it, and the engine shards each local FSDP shard again over
             ``process_group``.
@@ -238,8 +240,6 @@ class ACCOEngine:
         split_by = [name for name, group in (("fsdp_process_group", fsdp_process_group),
                                              ("norm_process_group", norm_process_group))
                     if group is not None]  # fmt: skip
-        # the ranks of a replica split by FSDP agree on each round's end (EngineGroups.replica)
-        settings.check_until_ready("norm_process_group" if norm_process_group is not None else None)
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "

@@ -202,8 +202,8 @@ class ACCOSettings:
     1. ``mode="acco"`` for training; ``"ddp"`` (synchronous ZeRO-1) is the baseline ACCO should
        match per token; ``"dpu"`` (delayed update without the estimate) only reproduces the
        paper's comparison.
-    2. ``accumulate_until_ready=True`` on heterogeneous hardware, where one replica is a model
-       replica on one rank.
+    2. ``accumulate_until_ready=True`` on heterogeneous hardware (replicas of unequal speed,
+       one rank or several each).
     3. ``reduce_dtype="bfloat16"`` halves the bytes on the wire; accumulation stays in float32.
     """
 
@@ -219,9 +219,10 @@ class ACCOSettings:
     accumulate_until_ready: bool = False
     """Keep running micro-batches past the round's size while the previous round still
     communicates, instead of waiting (heterogeneous hardware: a fast rank contributes more
-    micro-batches, each counted by its weight). Every rank of a model replica must be free to
-    run its own number: refused with FSDP, tensor or pipeline parallelism inside a replica.
-    Runs are then no longer bit-reproducible."""
+    micro-batches, each counted by its weight). Where a model replica spans several ranks
+    (FSDP, tensor or pipeline parallelism inside it), its ranks agree after each micro-batch
+    whether to run another, over the replica's own ranks, and run the same micro-batches; the
+    replicas run different numbers. Runs are then no longer bit-reproducible."""
 
     reduce_dtype: str = "float32"
     """Dtype of the gradients on the wire: 'float32', 'bfloat16', 'float16' or 'float64' (a
@@ -355,30 +356,6 @@ class ACCOSettings:
                 f"{accumulation_steps} (accumulation steps) to the update round: set it between "
                 f"1 and {accumulation_steps - 1}, or None to let mode 'auto' choose",
                 "estimate_microbatches",
-            )
-
-    def check_until_ready(
-        self, replica_split_by: str | None, spell: Spelling = python_spelling
-    ) -> None:
-        """Refuse ``accumulate_until_ready`` where the ranks of one model replica cannot agree
-        on each round's end yet.
-
-        The ranks of a replica must run the same micro-batches. The engine's agreement covers
-        the FSDP shards of a replica (``EngineGroups.replica_waits``); the ranks that tensor or
-        pipeline parallelism add to a replica do not take part in it yet.
-
-        Args:
-            replica_split_by: how each model replica is split over ranks outside that agreement,
-                in the front-end's words (``"norm_process_group"``, ``"tensor_parallel_degree =
-                2"``), or ``None`` when every rank of a replica takes part.
-        """
-        if self.accumulate_until_ready and replica_split_by:
-            raise SettingError(
-                f"{spell('accumulate_until_ready', True)} needs every rank of a model replica to "
-                "run the same micro-batches: the engine's replicas agree on each round's end "
-                f"over their FSDP shards, and the ranks that {replica_split_by} adds to a "
-                "replica do not take part in that agreement yet. Set it to false there",
-                "accumulate_until_ready",
             )
 
     def to_engine_settings(self, **more: Any) -> "EngineSettings":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from acco_hooks._frontend import launcher_world_size
-from acco_hooks.engine import ACCOSettings, EngineSettings, SettingError
+from acco_hooks.engine import ACCOSettings, EngineSettings
 from acco_hooks.engine.settings import Check, boolean, check_accumulation_steps
 
 __all__ = ["ACCO", "validate_acco"]
@@ -247,15 +247,6 @@ def validate_acco(
     degrees = {"tensor_parallel_degree": par.tensor_parallel_degree,
                "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
     split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
-    settings.check_until_ready(" and ".join(split_by) or None, spelling)
-    if settings.accumulate_until_ready and shard > 1:
-        raise SettingError(
-            f"{spelling('accumulate_until_ready', True)} with data_parallel_shard_degree = "
-            f"{shard}: the engine's replicas agree on each round's end over their FSDP shards "
-            "(ACCOHSDPOptimizer runs it, tested), but this trainer is not tested with it yet. "
-            "Set it to false here, or run HSDP with ACCOHSDPOptimizer",
-            "accumulate_until_ready",
-        )
     _check_global_batch(training, replicate * shard * groups, shard * groups)
     runs = ("Adam", "AdamW", *whole_parameter_optimizers)
     if (len(optimizer_names) != 1 and not whole_parameter_optimizers) or any(

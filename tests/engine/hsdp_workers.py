@@ -1,4 +1,6 @@
-"""Rank functions for the HSDP tests: TinyNet under FSDP2 on a (replicate, shard) mesh."""
+"""Rank functions for the HSDP tests: TinyNet under FSDP2 on a (replicate, shard) mesh; and
+under tensor parallelism on a (replicate, tp) mesh, where replicas of unequal speed run
+``accumulate_until_ready``."""
 
 from __future__ import annotations
 
@@ -74,44 +76,76 @@ class HeldLambdaLR(torch.optim.lr_scheduler.LambdaLR):
         super().step(epoch)
 
 
-def hsdp_until_ready_run(rank: int, world_size: int, mode: str, replicas: int, rounds: int,
-                         cap: int) -> dict[str, Any]:  # fmt: skip
-    """ACCOHSDPOptimizer with accumulate_until_ready: the second rank of each replica holds its
-    update's communication (``HeldLambdaLR``), and the second replica computes slower. Every
-    rank records how many micro-batches it ran in each round, which the reference replays."""
-    from acco_hooks import ACCOHSDPOptimizer
+def tensor_parallel_tiny_net(replicas: int, tp: int):
+    """TinyNet with ``fc1`` split by columns and ``fc2`` by rows over the ``tp`` ranks of a
+    (replicate, tp) mesh, as torchtitan splits a feed-forward; ``gain`` stays whole on each."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    shards = world_size // replicas
-    model, _ = sharded_tiny_net(replicas, shards)
+    mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("dp_replicate", "tp"))
+    # fc1's 7 outputs split 4 + 3: its output stays a DTensor, which knows that (a local shard
+    # would be taken for half of 8 or 6 by fc2)
+    model = parallelize_module(make_model(), mesh["tp"], {
+        "fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(),
+    })  # fmt: skip
+    return model, mesh
+
+
+def until_ready_run(rank: int, world_size: int, layout: str, mode: str, replicas: int,
+                    rounds: int, cap: int) -> dict[str, Any]:  # fmt: skip
+    """accumulate_until_ready across replicas of 2 ranks each, split by FSDP (``layout`` =
+    "fsdp": ACCOHSDPOptimizer) or by tensor parallelism ("tp": the engine as torchtitan builds
+    it, the replica's ranks given as ``norm_process_group``). The second rank of each replica
+    holds its update's communication (``HeldLambdaLR``), and the second replica computes
+    slower. Every rank records how many micro-batches it ran in each round, which the
+    reference replays. Under FSDP each rank reads its own micro-batches; under TP the ranks of
+    a replica read the replica's."""
+    import torch.distributed as dist
+
+    from acco_hooks import ACCOEngine, ACCOHSDPOptimizer
+
+    per_replica = world_size // replicas
+    replica = rank // per_replica
     opt_class, kwargs = OPTIMIZERS["adamw"]
     # The hold outlasts the cap's micro-batches of TinyNet many times over on a busy CPU too;
     # the second replica, slower, fits fewer of them in it
-    hold_s = 0.4 if rank % shards == 1 else 0.0
-    slow_s = 0.08 if rank // shards == 1 else 0.0
-    opt = ACCOHSDPOptimizer(
-        model, opt_class, params=param_groups(model, True), mode=mode, accumulation_steps=2,
-        accumulate_until_ready=True, max_microbatches_per_round=cap,
-        lr_scheduler=lambda o: HeldLambdaLR(o, hold_s), **kwargs,
-    )  # fmt: skip
-    engine, counts = opt.engine, []
+    hold_s = 0.4 if rank % per_replica == 1 else 0.0
+    slow_s = 0.08 if replica == 1 else 0.0
+    settings = dict(mode=mode, accumulation_steps=2, accumulate_until_ready=True,
+                    max_microbatches_per_round=cap, lr_scheduler=lambda o: HeldLambdaLR(o, hold_s))  # fmt: skip
+    if layout == "fsdp":
+        model, _ = sharded_tiny_net(replicas, per_replica)
+        opt = ACCOHSDPOptimizer(model, opt_class, params=param_groups(model, True), **settings, **kwargs)
+        engine, front, data_rank, microbatch_done = opt.engine, opt, rank, opt.step
+    else:
+        model, mesh = tensor_parallel_tiny_net(replicas, per_replica)
+        engine = ACCOEngine(param_groups(model, True), opt_class, process_group=mesh["dp_replicate"],
+                            norm_process_group=dist.group.WORLD, **settings, **kwargs)  # fmt: skip
+        engine.hook_param_grads(placeholders=False)
+        front, data_rank, microbatch_done = engine, replica, engine.microbatch_done
+    counts = []
     while engine.round_index < rounds:
-        microbatch_loss(model, rank, engine.round_index, engine.microbatches_in_round).backward()
+        microbatch_loss(model, data_rank, engine.round_index, engine.microbatches_in_round).backward()
         time.sleep(slow_s)
-        if opt.step():
+        if microbatch_done():
             counts.append(engine.last_round_microbatches)
-    opt.flush()
-    result = {
-        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
-        "counts": counts, "num_updates": opt.num_updates,
+    front.flush()
+    result = {  # under TP gain is a plain tensor, whole on each rank
+        "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                   for n, p in model.named_parameters()},
+        "counts": counts, "num_updates": engine.num_updates,
     }  # fmt: skip
-    opt.close()
+    front.close()
     return result
 
 
-def hsdp_until_ready_runs(rank: int, world_size: int, modes: list[str], replicas: int,
-                          rounds: int, cap: int) -> list[dict[str, Any]]:  # fmt: skip
-    """``hsdp_until_ready_run`` in each mode, in one launch of the processes."""
-    return [hsdp_until_ready_run(rank, world_size, mode, replicas, rounds, cap) for mode in modes]
+def until_ready_runs(rank: int, world_size: int, layout: str, modes: list[str], replicas: int,
+                     rounds: int, cap: int) -> list[dict[str, Any]]:  # fmt: skip
+    """``until_ready_run`` in each mode, in one launch of the processes."""
+    return [until_ready_run(rank, world_size, layout, mode, replicas, rounds, cap) for mode in modes]
 
 
 def hsdp_runs(rank: int, world_size: int, runs: list[tuple[Config, bool]], replicas: int) -> list[dict[str, Any]]:
@@ -185,7 +219,7 @@ def hsdp_resumes(
 
 def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
     """What ACCOHSDPOptimizer and the engine refuse, as messages."""
-    from acco_hooks import ACCOEngine, ACCOHSDPOptimizer
+    from acco_hooks import ACCOHSDPOptimizer
 
     errors = {}
     mesh_1d = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
@@ -199,9 +233,4 @@ def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         ACCOHSDPOptimizer(make_model(), torch.optim.AdamW, lr=1e-3)
     except ValueError as exc:
         errors["not_sharded"] = str(exc)
-    try:  # the ranks tensor or pipeline parallelism add to a replica
-        ACCOEngine(make_model().parameters(), torch.optim.AdamW, norm_process_group=mesh_1d,
-                   accumulation_steps=2, accumulate_until_ready=True)  # fmt: skip
-    except ValueError as exc:
-        errors["until_ready"] = str(exc)
     return errors

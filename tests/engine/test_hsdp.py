@@ -5,6 +5,9 @@ worker of the scenario, so the averaged gradient of a round is that of pure data
 over four workers: the HSDP run must equal the independent reference with ``world_size=4``.
 That fails if FSDP's cross-replica all-reduce still ran (gradients twice too large), if the
 weights were counted over the replicas only, or if clipping counted the replicate dimension.
+
+Replicas of unequal speed under ``accumulate_until_ready``: split by FSDP, and by tensor
+parallelism (the engine as torchtitan builds it, each replica one worker of the reference).
 """
 
 from __future__ import annotations
@@ -91,41 +94,48 @@ def test_hsdp_bad_inputs_are_refused() -> None:
     assert "2-D DeviceMesh (replicate, shard)" in errors["1d_mesh"]
     assert "use ACCOOptimizer" in errors["1d_mesh"]
     assert "no parameters managed by fully_shard" in errors["not_sharded"]
-    assert "accumulate_until_ready=True needs every rank of a model replica" in errors["until_ready"]
-    assert ("the ranks that norm_process_group adds to a replica do not take part in that "
-            "agreement yet") in errors["until_ready"]  # fmt: skip
 
 
 UNTIL_READY_MODES, UNTIL_READY_ROUNDS, CAP = ["acco", "dpu", "ddp"], 8, 6
 
 
-@pytest.fixture(scope="module")
-def until_ready_results():
-    return run_distributed("tests.engine.hsdp_workers:hsdp_until_ready_runs", WORLD,
-                           UNTIL_READY_MODES, REPLICAS, UNTIL_READY_ROUNDS, CAP)  # fmt: skip
+LAYOUTS = ["fsdp", "tp"]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def until_ready_results(request):
+    return request.param, run_distributed(
+        "tests.engine.hsdp_workers:until_ready_runs", WORLD, request.param, UNTIL_READY_MODES,
+        REPLICAS, UNTIL_READY_ROUNDS, CAP,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("index", range(len(UNTIL_READY_MODES)), ids=UNTIL_READY_MODES)
-def test_hsdp_replicas_of_unequal_speed_run_until_ready_exactly(until_ready_results, index) -> None:
-    """accumulate_until_ready across replicas of 2 FSDP ranks each: the second rank of each
-    replica keeps its update in flight longer (its scheduler step holds its communication
-    thread) and the second replica computes slower. The ranks of a replica agree after each
-    micro-batch whether to run another, so they run the same micro-batches though only one of
-    them waits; the replicas run different numbers. The result is the spec's recursion over
-    the micro-batches each rank ran (recorded, then replayed by the independent reference)."""
+def test_replicas_of_unequal_speed_run_until_ready_exactly(until_ready_results, index) -> None:
+    """accumulate_until_ready across replicas of 2 ranks each, split by FSDP or by tensor
+    parallelism: the second rank of each replica keeps its update in flight longer (its
+    scheduler step holds its communication thread) and the second replica computes slower. The
+    ranks of a replica agree after each micro-batch whether to run another, so they run the
+    same micro-batches though only one of them waits; the replicas run different numbers. The
+    result is the spec's recursion over the micro-batches each replica ran (recorded, then
+    replayed by the independent reference): under FSDP each rank is a worker with its own
+    data, under TP each replica is one, its ranks computing one model's pieces."""
+    layout, results = until_ready_results
     mode = UNTIL_READY_MODES[index]
-    runs = [results[index] for results in until_ready_results]
-    shards = WORLD // REPLICAS
+    runs = [per_rank[index] for per_rank in results]
+    per_replica = WORLD // REPLICAS
     counts = [run["counts"] for run in runs]
     for replica in range(REPLICAS):  # the ranks of a replica ran the same micro-batches
-        first = replica * shards
-        assert all(counts[r] == counts[first] for r in range(first, first + shards)), counts
+        first = replica * per_replica
+        assert all(counts[r] == counts[first] for r in range(first, first + per_replica)), counts
     assert all(len(c) == UNTIL_READY_ROUNDS for c in counts)
     assert all(2 <= n <= CAP for c in counts for n in c), counts
     if mode != "ddp":  # ddp waits for each round at its end: nothing is in flight to fill
         assert any(n > 2 for c in counts for n in c), counts
-    cfg = Config(mode=mode, world_size=WORLD, rounds=UNTIL_READY_ROUNDS, micro=[2] * WORLD,
-                 counts=[list(per_round) for per_round in zip(*counts)], scheduler=True)  # fmt: skip
+    workers = counts if layout == "fsdp" else counts[::per_replica]
+    cfg = Config(mode=mode, world_size=len(workers), rounds=UNTIL_READY_ROUNDS,
+                 micro=[2] * len(workers), counts=[list(per_round) for per_round in zip(*workers)],
+                 scheduler=True)  # fmt: skip
     reference = reference_run(cfg)
     for rank, run in enumerate(runs):
         for name, expected in reference["params"].items():

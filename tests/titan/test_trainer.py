@@ -402,6 +402,56 @@ def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, t
     assert_same_run(losses, norms, hsdp, norms_hsdp)
 
 
+UNEQUAL = re.compile(r"unequal replicas: rank (\d+) replica (\d+) counts \[([\d, ]*)\]")
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the trainer's loop and the engine's groups
+@pytest.mark.parametrize(("ranks", "layout"), [
+    (4, ("--parallelism.data_parallel_shard_degree", "2", "--training.global_batch_size", "16")),
+    (4, ("--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "8")),
+    (4, ("--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size", "8")),
+    (8, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size", "8")),
+], ids=["dp_replicate2xfsdp2", "dp_replicate2xtp2", "pp2xdp_replicate2", "pp2xdp_replicate2xtp2"])  # fmt: skip
+def test_replicas_of_several_ranks_and_unequal_speed_accumulate_until_ready(
+    ranks: int, layout: tuple[str, ...], tmp_path
+) -> None:  # fmt: skip
+    """accumulate_until_ready where FSDP, tensor or pipeline parallelism, or both of the last
+    (3-D), split each of 2 replicas over 2 or 4 ranks, the second replica computing slower
+    (tests/titan/unequal_replicas.py):
+    while the slow replica's round keeps the fast one's communication in flight, the fast
+    replica runs more micro-batches (2 a round, up to 4), every rank of a replica the same ones
+    in every round; the run ends cleanly and learns. Without the replica's agreement its ranks
+    part ways at the first extra micro-batch and the run hangs (their collectives no longer
+    match)."""
+    steps = 8
+    status, output = launch_titan(
+        ranks, "debug_cpu_acco.toml", *FAST, *layout, "--training.steps", str(steps),
+        "--acco.accumulation_steps", "2", "--acco.accumulate_until_ready",
+        "--acco.max_microbatches_per_round", "4",
+        # a logged step all-reduces the loss over the replicas, which puts them back in step
+        "--metrics.log_freq", str(steps),
+        "--experimental.custom_import", "tests.titan.unequal_replicas",
+        dump=tmp_path, env={"LOG_RANK": "all"},
+    )  # fmt: skip
+    assert status == 0, output[-6000:]
+    reports = UNEQUAL.findall(output)
+    assert sorted(int(rank) for rank, *_ in reports) == list(range(ranks)), output[-3000:]
+    by_replica: dict[int, set[tuple[int, ...]]] = {}
+    for _, replica, counts in reports:
+        by_replica.setdefault(int(replica), set()).add(tuple(map(int, counts.split(", "))))
+    assert sorted(by_replica) == [0, 1]
+    for replica, seen in by_replica.items():
+        assert len(seen) == 1, (replica, seen)  # the ranks of a replica ran the same rounds
+        (counts,) = seen
+        assert len(counts) == steps and all(2 <= n <= 4 for n in counts), counts
+    ((fast,),) = [by_replica[0]]
+    assert sum(fast) > 2 * steps, fast  # the fast replica filled waits with micro-batches
+    losses = [float(loss) for _, loss, _ in STEP_LOSS.findall(output) if float(loss) >= 0]
+    assert losses and all(loss == loss and loss < 20 for loss in losses), losses
+
+
 BAD_ACCO_CONFIGS = [
     (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
     (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' must be one of"),
@@ -410,10 +460,6 @@ BAD_ACCO_CONFIGS = [
       "--parallelism.data_parallel_replicate_degree", "1"),
      "data_parallel_replicate_degree = 1: [acco] enable runs across model replicas; with "
      "data_parallel_shard_degree = 2 set data_parallel_replicate_degree >= 2"),
-    (("--parallelism.data_parallel_shard_degree", "2", "--acco.accumulate_until_ready"),
-     "[acco] accumulate_until_ready = True with data_parallel_shard_degree = 2: the engine's "
-     "replicas agree on each round's end over their FSDP shards (ACCOHSDPOptimizer runs it, "
-     "tested), but this trainer is not tested with it yet"),
     (("--training.global_batch_size", "12"),
      "[training] global_batch_size = 12 is not a multiple of local_batch_size × data-parallel "
      "ranks = 4 × 2: set global_batch_size to a multiple of 8, or run 1 or 3 replicas"),
