@@ -6,6 +6,7 @@ them translated (acco_hooks.titan.toml_compat). CI runs this module on both (``-
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import pickle
@@ -405,51 +406,73 @@ def test_hsdp_acco_composes_with_tp_and_pp(hsdp_acco, seed_checkpoint, layout, t
 UNEQUAL = re.compile(r"unequal replicas: rank (\d+) replica (\d+) counts \[([\d, ]*)\]")
 
 
-@pytest.mark.spmd_backends("spmd_types")  # the trainer's loop and the engine's groups
-@pytest.mark.parametrize(("ranks", "layout"), [
-    (4, ("--parallelism.data_parallel_shard_degree", "2", "--training.global_batch_size", "16")),
-    (4, ("--parallelism.tensor_parallel_degree", "2", "--training.global_batch_size", "8")),
-    (4, ("--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size", "8")),
-    (8, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_microbatch_size", "1", "--training.global_batch_size", "8")),
-], ids=["dp_replicate2xfsdp2", "dp_replicate2xtp2", "pp2xdp_replicate2", "pp2xdp_replicate2xtp2"])  # fmt: skip
-def test_replicas_of_several_ranks_and_unequal_speed_accumulate_until_ready(
-    ranks: int, layout: tuple[str, ...], tmp_path
-) -> None:  # fmt: skip
-    """accumulate_until_ready where FSDP, tensor or pipeline parallelism, or both of the last
-    (3-D), split each of 2 replicas over 2 or 4 ranks, the second replica computing slower
-    (tests/titan/unequal_replicas.py):
-    while the slow replica's round keeps the fast one's communication in flight, the fast
-    replica runs more micro-batches (2 a round, up to 4), every rank of a replica the same ones
-    in every round; the run ends cleanly and learns. Without the replica's agreement its ranks
-    part ways at the first extra micro-batch and the run hangs (their collectives no longer
-    match)."""
-    steps = 8
+def run_unequal_replicas(nproc: int, *overrides: str, dump: pathlib.Path,
+                         replay: dict | None = None) -> tuple[dict[int, list[int]], dict, dict]:  # fmt: skip
+    """A run with tests/titan/unequal_replicas.py imported: ({replica: its micro-batches per
+    step}, {step: loss}, {step: grad_norm}), the ranks of each replica checked to agree."""
     status, output = launch_titan(
-        ranks, "debug_cpu_acco.toml", *FAST, *layout, "--training.steps", str(steps),
-        "--acco.accumulation_steps", "2", "--acco.accumulate_until_ready",
-        "--acco.max_microbatches_per_round", "4",
-        # a logged step all-reduces the loss over the replicas, which puts them back in step
-        "--metrics.log_freq", str(steps),
-        "--experimental.custom_import", "tests.titan.unequal_replicas",
-        dump=tmp_path, env={"LOG_RANK": "all"},
+        nproc, "debug_cpu_acco.toml", *overrides,
+        "--experimental.custom_import", "tests.titan.unequal_replicas", dump=dump,
+        env={"LOG_RANK": "all", **({"ACCO_TEST_REPLAY": json.dumps(replay)} if replay else {})},
     )  # fmt: skip
     assert status == 0, output[-6000:]
     reports = UNEQUAL.findall(output)
-    assert sorted(int(rank) for rank, *_ in reports) == list(range(ranks)), output[-3000:]
+    assert sorted(int(rank) for rank, *_ in reports) == list(range(nproc)), output[-3000:]
     by_replica: dict[int, set[tuple[int, ...]]] = {}
     for _, replica, counts in reports:
         by_replica.setdefault(int(replica), set()).add(tuple(map(int, counts.split(", "))))
-    assert sorted(by_replica) == [0, 1]
-    for replica, seen in by_replica.items():
-        assert len(seen) == 1, (replica, seen)  # the ranks of a replica ran the same rounds
-        (counts,) = seen
-        assert len(counts) == steps and all(2 <= n <= 4 for n in counts), counts
-    ((fast,),) = [by_replica[0]]
-    assert sum(fast) > 2 * steps, fast  # the fast replica filled waits with micro-batches
-    losses = [float(loss) for _, loss, _ in STEP_LOSS.findall(output) if float(loss) >= 0]
-    assert losses and all(loss == loss and loss < 20 for loss in losses), losses
+    assert all(len(seen) == 1 for seen in by_replica.values()), by_replica  # its ranks agree
+    losses, norms = {}, {}
+    for step, loss, norm in STEP_LOSS.findall(output):
+        if float(loss) >= 0:  # under PP the last stage's
+            assert losses.setdefault(int(step), loss) == loss, f"ranks disagree at step {step}"
+            norms[int(step)] = float(norm)
+    return {r: list(next(iter(seen))) for r, seen in by_replica.items()}, losses, norms
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the trainer's loop and the engine's groups
+@pytest.mark.parametrize(("ranks", "shards", "layout"), [
+    (4, 2, ("--parallelism.data_parallel_shard_degree", "2")),
+    (4, 1, ("--parallelism.tensor_parallel_degree", "2")),
+    # a zero-bubble schedule: two stages a rank, the weight pass writing .grad itself (3-D
+    # below runs the default 1F1B)
+    (4, 1, ("--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_microbatch_size", "1",
+            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")),
+    (8, 1, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree",
+            "2", "--parallelism.pipeline_parallel_microbatch_size", "1")),
+], ids=["dp_replicate2xfsdp2", "dp_replicate2xtp2", "pp2_zbv_xdp_replicate2", "pp2xdp_replicate2xtp2"])  # fmt: skip
+def test_replicas_of_several_ranks_and_unequal_speed_accumulate_until_ready_exactly(
+    ranks: int, shards: int, layout: tuple[str, ...], seed_checkpoint, tmp_path
+) -> None:  # fmt: skip
+    """accumulate_until_ready where FSDP, tensor or pipeline parallelism, or both of the last
+    (3-D), split each of 2 replicas over 2 or 4 ranks, the second replica computing slower
+    (tests/titan/unequal_replicas.py): while the slow replica's round keeps the fast one's
+    communication in flight, the fast replica runs more micro-batches (2 a round, up to 4),
+    every rank of a replica the same ones in every round. Replayed in plain data parallelism
+    (one rank per data-parallel rank, each running the micro-batches its replica ran) from the
+    same weights, the run gives the same losses and gradient norms. Without the replica's
+    agreement its ranks part ways at the first extra micro-batch and the run hangs."""
+    steps = 8
+    common = (*FAST, "--training.global_batch_size", str(2 * 2 * 2 * shards),
+              "--training.steps", str(steps), "--acco.accumulation_steps", "2",
+              "--acco.accumulate_until_ready", "--acco.max_microbatches_per_round", "4",
+              # a logged step all-reduces the loss over the replicas, putting them back in step
+              "--metrics.log_freq", str(steps), "--checkpoint.enable", "--checkpoint.load_only",
+              "--checkpoint.initial_load_path", str(seed_checkpoint))  # fmt: skip
+    counts, losses, norms = run_unequal_replicas(ranks, *common, *layout, dump=tmp_path / "run")
+    assert sorted(counts) == [0, 1]
+    assert all(len(c) == steps and all(2 <= n <= 4 for n in c) for c in counts.values()), counts
+    assert sum(counts[0]) > 2 * steps, counts  # the fast replica filled waits with micro-batches
+    assert sorted(losses) == [1, steps], losses
+    replayed, replay_losses, replay_norms = run_unequal_replicas(
+        2 * shards, *common, "--parallelism.data_parallel_replicate_degree", str(2 * shards),
+        dump=tmp_path / "replay", replay={"counts": [counts[0], counts[1]], "ranks_per_replica": shards},
+    )  # fmt: skip
+    assert [replayed[d] for d in range(2 * shards)] == [counts[d // shards] for d in range(2 * shards)]
+    for step in losses:
+        assert float(losses[step]) == pytest.approx(float(replay_losses[step]), abs=2e-3), step
+        assert norms[step] == pytest.approx(replay_norms[step], rel=5e-3), step
 
 
 BAD_ACCO_CONFIGS = [

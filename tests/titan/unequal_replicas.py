@@ -1,28 +1,40 @@
 """Imported into a torchtitan run by a test (``--experimental.custom_import``): replicas of
-unequal speed, however each replica is split over ranks.
+unequal speed, however each replica is split over ranks, and the replay of such a run.
 
 * Every rank of the second model replica (``dp_replicate`` coordinate 1) sleeps ``SLOW_S``
   after each micro-batch's forward and backward: the replica computes slower, whatever FSDP,
   tensor or pipeline parallelism split it into.
 * Each rank records how many micro-batches each step (one ACCO round) ran, and prints them when
   the run closes: ``unequal replicas: rank R replica I counts [...]``.
+* Replay (``ACCO_TEST_REPLAY`` = ``{"counts": [[...] per step] per replica, "ranks_per_replica":
+  k}``, in a run of one rank per data-parallel rank): nobody sleeps, and data-parallel rank d
+  runs, in each round, the micro-batches that replica ``d // k`` of the recorded run ran: the
+  engine's "is the round's communication still in flight on this replica" is answered from the
+  record instead of from the network. The same micro-batches then meet the same updates.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from acco_hooks.engine.communication import EngineGroups
 from acco_hooks.titan.base import ACCOTrainerBase
 
 SLOW_S = 0.25
+REPLAY_ENV = "ACCO_TEST_REPLAY"
 
 _forward_backward_step = ACCOTrainerBase.forward_backward_step
 _train_step = ACCOTrainerBase.train_step
 _close = ACCOTrainerBase.close
 _counts: list[int] = []
+_engine: list[Any] = []  # the run's engine, once its first step starts
+_replay = json.loads(os.environ[REPLAY_ENV]) if os.environ.get(REPLAY_ENV) else None
 
 
 def _replica(trainer: ACCOTrainerBase) -> int:
@@ -31,12 +43,13 @@ def _replica(trainer: ACCOTrainerBase) -> int:
 
 def _slower_on_the_second_replica(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> Any:
     loss = _forward_backward_step(trainer, *args, **kwargs)
-    if _replica(trainer) == 1:
+    if _replay is None and _replica(trainer) == 1:
         time.sleep(SLOW_S)
     return loss
 
 
 def _counted_step(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> None:
+    _engine[:] = [trainer.optimizers.engine]
     _train_step(trainer, *args, **kwargs)
     _counts.append(trainer.optimizers.engine.last_round_microbatches)
 
@@ -47,6 +60,14 @@ def _report_then_close(trainer: ACCOTrainerBase, **kwargs: Any) -> None:
     _close(trainer, **kwargs)
 
 
+def _as_recorded(groups: EngineGroups, in_flight: bool, device: torch.device) -> bool:
+    (engine,) = _engine
+    recorded = _replay["counts"][dist.get_rank() // _replay["ranks_per_replica"]]
+    return engine.microbatches_in_round < recorded[engine.round_index]
+
+
 ACCOTrainerBase.forward_backward_step = _slower_on_the_second_replica
 ACCOTrainerBase.train_step = _counted_step
 ACCOTrainerBase.close = _report_then_close
+if _replay is not None:
+    EngineGroups.replica_waits = _as_recorded
