@@ -475,6 +475,31 @@ def test_replicas_of_several_ranks_and_unequal_speed_accumulate_until_ready_exac
         assert norms[step] == pytest.approx(replay_norms[step], rel=5e-3), step
 
 
+@pytest.mark.spmd_backends("spmd_types")  # the trainer's checkpoint of both releases
+def test_unequal_replicas_resume_exactly_from_a_mid_run_checkpoint(seed_checkpoint, tmp_path) -> None:
+    """2 replicas of 2 FSDP ranks, the second slower, accumulate_until_ready: the checkpoint of
+    step 4 holds each rank's data position after the micro-batches its replica ran, whatever
+    their number. Resumed from it, replaying what each replica ran after it, the run ends as the
+    uninterrupted one: the same loss and gradient norm at its last step."""
+    steps = 8
+    common = (*FAST, "--parallelism.data_parallel_shard_degree", "2",
+              "--training.global_batch_size", "16", "--training.steps", str(steps),
+              "--acco.accumulation_steps", "2", "--acco.accumulate_until_ready",
+              "--acco.max_microbatches_per_round", "4", "--metrics.log_freq", str(steps),
+              "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_checkpoint),
+              "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
+              "--checkpoint.no-last-save-model-only")  # fmt: skip
+    counts, losses, norms = run_unequal_replicas(4, *common, dump=tmp_path)
+    assert sum(counts[0][4:]) > 8, counts  # the fast replica ran more after the checkpoint too
+    (tmp_path / "checkpoint" / f"step-{steps}" / ".metadata").unlink()
+    resumed, resumed_losses, resumed_norms = run_unequal_replicas(
+        4, *common, dump=tmp_path, replay={"counts": [counts[0], counts[1]], "ranks_per_replica": 1},
+    )  # fmt: skip
+    assert resumed == {r: c[4:] for r, c in counts.items()}
+    assert resumed_losses[steps] == losses[steps]
+    assert resumed_norms[steps] == norms[steps]
+
+
 BAD_ACCO_CONFIGS = [
     (("--acco.mode", "sync"), "[acco] mode = 'sync' is not one of 'acco', 'dpu', 'ddp'"),
     (("--acco.reduce_dtype", "int8"), "[acco] reduce_dtype = 'int8' must be one of"),

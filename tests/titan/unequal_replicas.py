@@ -7,10 +7,12 @@ unequal speed, however each replica is split over ranks, and the replay of such 
 * Each rank records how many micro-batches each step (one ACCO round) ran, and prints them when
   the run closes: ``unequal replicas: rank R replica I counts [...]``.
 * Replay (``ACCO_TEST_REPLAY`` = ``{"counts": [[...] per step] per replica, "ranks_per_replica":
-  k}``, in a run of one rank per data-parallel rank): nobody sleeps, and data-parallel rank d
-  runs, in each round, the micro-batches that replica ``d // k`` of the recorded run ran: the
-  engine's "is the round's communication still in flight on this replica" is answered from the
-  record instead of from the network. The same micro-batches then meet the same updates.
+  k}``): nobody sleeps, and replica r of the replaying run runs, in each round, the
+  micro-batches that replica ``r // k`` of the recorded run ran: the engine's "is the round's
+  communication still in flight on this replica" is answered from the record instead of from
+  the network. The same micro-batches then meet the same updates: in plain data parallelism
+  (one rank per data-parallel rank, k = the ranks FSDP split a recorded replica into), or in
+  the recorded layout (k = 1) resumed from one of its checkpoints.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _forward_backward_step = ACCOTrainerBase.forward_backward_step
 _train_step = ACCOTrainerBase.train_step
 _close = ACCOTrainerBase.close
 _counts: list[int] = []
-_engine: list[Any] = []  # the run's engine, once its first step starts
+_engine: list[Any] = []  # the run's engine and this rank's replica, once its first step starts
 _replay = json.loads(os.environ[REPLAY_ENV]) if os.environ.get(REPLAY_ENV) else None
 
 
@@ -49,7 +51,7 @@ def _slower_on_the_second_replica(trainer: ACCOTrainerBase, *args: Any, **kwargs
 
 
 def _counted_step(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> None:
-    _engine[:] = [trainer.optimizers.engine]
+    _engine[:] = [trainer.optimizers.engine, _replica(trainer)]
     _train_step(trainer, *args, **kwargs)
     _counts.append(trainer.optimizers.engine.last_round_microbatches)
 
@@ -61,8 +63,8 @@ def _report_then_close(trainer: ACCOTrainerBase, **kwargs: Any) -> None:
 
 
 def _as_recorded(groups: EngineGroups, in_flight: bool, device: torch.device) -> bool:
-    (engine,) = _engine
-    recorded = _replay["counts"][dist.get_rank() // _replay["ranks_per_replica"]]
+    engine, replica = _engine
+    recorded = _replay["counts"][replica // _replay["ranks_per_replica"]]
     return engine.microbatches_in_round < recorded[engine.round_index]
 
 
