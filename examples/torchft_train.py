@@ -43,8 +43,10 @@ run: ``params_ref_r{rank}.pt``), with the updates it applied, the round it start
 (after a join, the round after the one it joined in) and its data position then, the last
 round it sat out to take a live group's state (``engine.joined_round``), and, for each round
 end, the rounds ended, the updates applied, the time, how long the round end waited, the
-schedule the round ran (``--mode auto`` changes it, the same in every group) and the data
-position.
+schedule the round ran (``--mode auto`` changes it, the same in every group), the data
+position and the micro-batches the rank ran in the round (``--until-ready``: more on a faster
+group, up to ``--max-microbatches-per-round``; every round then takes that many data
+positions, so the data position after round r is (r + 1) times it).
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", default=None,
                    help="load this distributed checkpoint (a folder; relative: in --out) before "
                    "training")
+    p.add_argument("--until-ready", action="store_true",
+                   help="accumulate_until_ready: a group runs more micro-batches while the "
+                        "previous round's sum is in flight (groups of unequal speed)")
+    p.add_argument("--max-microbatches-per-round", type=int, default=None,
+                   help="with --until-ready, required under torchft: the most micro-batches a "
+                        "rank runs in a round, and the data positions every round takes")
     p.add_argument("--microbatch-seconds", type=float, default=0.0,
                    help="extra compute time per micro-batch, to stand for a real model (0.05 "
                    "with --rounds 300: a run of about a minute, long enough to kill a group)")
@@ -253,6 +261,8 @@ def main() -> None:
     )  # fmt: skip
     step_size = args.lr_step_size
     settings = dict(mode=args.mode, accumulation_steps=args.accumulation_steps,
+                    accumulate_until_ready=args.until_ready,
+                    max_microbatches_per_round=args.max_microbatches_per_round,
                     max_grad_norm=args.max_grad_norm, timeout=engine_timeout, manager=manager,
                     lr=args.lr,
                     lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size, 0.5))
@@ -276,7 +286,7 @@ def main() -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
     # at each round end: rounds ended, updates applied, the time, how long the end waited, the
-    # schedule the round ran and the micro-batches read so far
+    # schedule the round ran, the data position and the micro-batches this rank ran in it
     round_ends = []
     dies = args.replica_id is not None and args.kill_group == args.replica_id
     ranks_per_group = group_size if manager is not None else group_size // args.groups
@@ -324,7 +334,8 @@ def main() -> None:
                   f"micro-batch), {engine.num_updates} updates", flush=True)  # fmt: skip
         if ended:
             round_ends.append((engine.round_index, engine.num_updates, time.time(),
-                               engine.last_wait_s, tuple(ran), index))  # fmt: skip
+                               engine.last_wait_s, tuple(ran), index,
+                               engine.last_round_microbatches))  # fmt: skip
         if dies and (ended, engine.round_index) == {
             "mid_round": (False, args.kill_round),  # the round's first micro-batch is in
             "after_estimate": (True, args.kill_round + 1),  # the estimate round just ended

@@ -288,7 +288,9 @@ class ACCOEngine:
                                                 norm_process_group),
                 group_size=dist.get_world_size() if dist.is_initialized() else 1,
                 narrow_estimate=settings.estimate_format != settings.reduce_format,
-                until_ready=settings.accumulate_until_ready, timeout=settings.timeout,
+                until_ready_uncapped=(settings.accumulate_until_ready
+                                      and settings.max_microbatches_per_round is None),
+                timeout=settings.timeout,
                 start_groups=replica_groups,
                 logs=not dist.is_initialized() or dist.get_rank() == 0,
             )  # fmt: skip
@@ -603,8 +605,10 @@ class ACCOEngine:
         """Micro-batches the schedule has taken since training started: the ended rounds',
         skipped ones included, and those counted in the round under way. Where a data loader
         stands: a torchft replica group that joined a running job (:attr:`joined_round`) reads
-        on from here, which in ``auto`` is not a round count times a round size. A rank whose
-        rounds ran longer (``accumulate_until_ready``) counted more than this."""
+        on from here, which in ``auto`` is not a round count times a round size. With
+        ``accumulate_until_ready`` and ``max_microbatches_per_round`` every ended round takes
+        the cap's positions, whatever each rank ran in it: no rank read at or past this, so a
+        group that joins reads nothing another group (or its own lost predecessor) read."""
         return self.rounds.microbatches_scheduled
 
     @property

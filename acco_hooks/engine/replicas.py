@@ -174,7 +174,8 @@ class ReplicaGroups:
             arguments, the parameters' names and shapes, the group's layout), as text.
         group_size: this replica group's number of ranks (its ``torchrun``'s world).
         narrow_estimate: ``estimate_dtype`` is narrower than ``reduce_dtype`` (refused).
-        until_ready: ``accumulate_until_ready`` (refused).
+        until_ready_uncapped: ``accumulate_until_ready`` without ``max_microbatches_per_round``
+            (refused: the cap gives every round its data positions in every group).
         timeout: the engine's ``timeout`` (seconds; ``None``: the manager's own timeout): the
             longest a sum over the groups may wait for a silent peer. A round looks for a
             quorum that commits for :attr:`patience_s`, twice that: one failed sum notices the
@@ -188,7 +189,7 @@ class ReplicaGroups:
 
     def __init__(
         self, manager: Any, description: str, *, group_size: int, narrow_estimate: bool,
-        until_ready: bool, timeout: float | None, start_groups: int | None = None,
+        until_ready_uncapped: bool, timeout: float | None, start_groups: int | None = None,
         logs: bool = True,
     ) -> None:  # fmt: skip
         try:
@@ -204,13 +205,14 @@ class ReplicaGroups:
                 "a torchft manager yet (the estimate would be summed across groups encoded). "
                 "Leave estimate_dtype unset"
             )
-        if until_ready:
+        if until_ready_uncapped:
             raise ValueError(
-                "acco_hooks: accumulate_until_ready=True is not supported with a torchft "
-                "manager: a group that joins reads its data on to the live groups' position, "
-                "the micro-batches their schedule took, and a round that accumulates until "
-                "ready takes as many as the network leaves time for, another number on each "
-                "rank. Set accumulate_until_ready=False"
+                "acco_hooks: accumulate_until_ready=True with a torchft manager needs "
+                "max_microbatches_per_round: a group that joins reads its data on from the "
+                "positions the rounds before took, and a round that accumulates until ready "
+                "runs another number of micro-batches on each group; with a cap every round "
+                "takes the cap's positions (microbatches_scheduled), so that no group reads "
+                "what another read. Set max_microbatches_per_round"
             )
         if not isinstance(manager, Manager):
             raise TypeError(

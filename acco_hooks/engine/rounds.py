@@ -58,8 +58,8 @@ class RoundState:
         # how an update runs, which round is next, and mode="auto"'s controller and the
         # schedule every rank agreed on
         "schedule", "estimate_next", "auto", "agreed", "reduce_format",
-        # where the rounds are
-        "round_index", "num_updates", "updates_launched", "skipped_rounds",
+        # where the rounds are, and the data positions each round takes
+        "round_index", "num_updates", "updates_launched", "skipped_rounds", "positions_per_round",
         # what the update under way weighs, and what the weights count
         "estimate_count", "update_weight", "reweigh_carried", "carry_next_update",
         "weights_are_shares", "unit_weights",
@@ -84,6 +84,10 @@ class RoundState:
         self.estimate_next, self.agreed = True, None
         self.reduce_format = settings.reduce_format
         self.round_index = self.num_updates = self.updates_launched = self.skipped_rounds = 0
+        # accumulate_until_ready with a cap: every round takes the cap's positions of the data,
+        # however many micro-batches each rank ran in it (None: the schedule's own)
+        self.positions_per_round = (settings.max_microbatches_per_round
+                                    if settings.accumulate_until_ready else None)  # fmt: skip
         self.estimate_count = 0.0  # c̃: the global weight of the estimate round acco carries
         # W: the global weight of one whole update (its estimate and update rounds) while every
         # update weighed the same, in the units the carried ΣG̃ is in; None once two differed
@@ -131,6 +135,8 @@ class RoundState:
     @property
     def microbatches_scheduled(self) -> int:
         """Micro-batches taken since training started (``ACCOEngine.microbatches_scheduled``)."""
+        if self.positions_per_round is not None:
+            return self.round_index * self.positions_per_round + self.microbatches
         schedule = self.schedule  # in auto every candidate takes accumulation_steps per update
         per_update = schedule.estimate_microbatches + schedule.update_microbatches
         return (self.updates_launched * per_update + self.microbatches

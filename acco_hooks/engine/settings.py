@@ -243,7 +243,9 @@ class ACCOSettings:
     """With accumulate_until_ready: the most micro-batches one rank runs in a round (at least
     the round's size); a rank that reaches it waits for the communication. It bounds the share
     of every update that the fastest rank's samples make (one rank N times faster than another
-    otherwise runs about N micro-batches per round to the slow rank's one). None: no cap."""
+    otherwise runs about N micro-batches per round to the slow rank's one). Every round then
+    takes this many data positions (microbatches_scheduled), which a torchft replica group that
+    joins reads on from: required with a torchft manager. None: no cap."""
 
     estimate_dtype: str | None = None
     """'acco' and 'auto': the estimate round's format on the wire, both ways (its gradients,

@@ -140,12 +140,14 @@ def _check_replica_groups(ft: Any, acco: ACCO) -> None:
             "set group_size to the number of replica groups (the data is split over them) "
             "and replica_id to this group's index, from 0 to group_size - 1"
         )
-    if acco.accumulate_until_ready:
+    if acco.accumulate_until_ready and acco.max_microbatches_per_round is None:
         raise ValueError(
-            "[acco] accumulate_until_ready = true with [fault_tolerance] enable is not "
-            "supported yet: a group that joins reads its data on to the live groups' position, "
-            "the micro-batches their schedule took, and a round that accumulates until ready "
-            "takes as many as the network leaves time for. Set accumulate_until_ready = false"
+            "[acco] accumulate_until_ready = true with [fault_tolerance] enable needs [acco] "
+            "max_microbatches_per_round: a group that joins reads its data on from the "
+            "positions the rounds before took, and a round that accumulates until ready runs "
+            "another number of micro-batches on each group; with a cap every round takes the "
+            "cap's positions, so that a joining group reads nothing its lost predecessor read. "
+            "Set max_microbatches_per_round"
         )
 
 

@@ -19,6 +19,7 @@ the first round.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import re
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaffolding import forked_ranks
 from scaffolding.torchft_job import ROOT, free_port, run_groups, run_reference
 
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
@@ -71,6 +73,48 @@ def test_every_group_alive_equals_one_run_over_every_rank(
     torch.manual_seed(0)  # the example's model: training moved it
     initial = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     assert not torch.equal(first["params"]["0.weight"], initial[0].weight.detach())
+
+
+# accumulate_until_ready: group 1 computes 60 ms per micro-batch, group 0 nothing; 2 micro-batches
+# a round, at most 4 (the cap: each round takes 4 data positions in every group)
+UNTIL_READY = ["--accumulation-steps", "2", "--until-ready", "--max-microbatches-per-round", "4"]
+SLOW_GROUP = {1: ["--microbatch-seconds", "0.06"]}
+
+
+def _ran(out: Path, tag: str) -> list[int]:
+    """The micro-batches a rank ran in each round (the example's round ends)."""
+    return [end[6] for end in _params(out, tag)["round_ends"]]
+
+
+def _replay_reference(out: Path, groups: int, group_size: int, args: list[str]) -> int:
+    """The job as one world without torchft, each rank running what its rank ran in the job
+    (tests/engine/torchft_replay.py)."""
+    counts = [_ran(out, f"g{g}_r{r}") for g in range(groups) for r in range(group_size)]
+    (out / "replay.json").write_text(json.dumps(counts))
+    log = out / "reference.log"
+    return forked_ranks.run(groups * group_size,
+                            ["-m", "tests.engine.torchft_replay", "--replay-counts",
+                             str(out / "replay.json"), "--groups", str(groups), "--out", str(out),
+                             *args], log, preload=("examples.torchft_train",), timeout_s=120.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_groups_of_unequal_speed_accumulate_until_ready_exactly(tmp_path: Path, mode: str) -> None:
+    """2 groups of 2 ranks, the second slower, accumulate_until_ready with a cap of 4: the fast
+    group runs more micro-batches while the sum over the groups waits for the slow one, and
+    every round takes 4 data positions on every rank (the data position after round r is
+    4 (r + 1)), so that the micro-batches of two rounds never meet. The job equals one world
+    of the 4 ranks without torchft, each running what its rank ran."""
+    args = ["--mode", mode, "--rounds", str(ROUNDS), *UNTIL_READY]
+    assert run_groups(2, 2, args, tmp_path, replica_args=SLOW_GROUP) == [0, 0]
+    ran = {(g, r): _ran(tmp_path, f"g{g}_r{r}") for g in range(2) for r in range(2)}
+    assert all(len(c) == ROUNDS and all(2 <= n <= 4 for n in c) for c in ran.values()), ran
+    assert sum(ran[0, 0]) > 2 * ROUNDS, ran  # the fast group filled its waits
+    for g in range(2):
+        ends = _params(tmp_path, f"g{g}_r0")["round_ends"]
+        assert [end[5] for end in ends] == [4 * (end[0]) for end in ends], ends
+    assert _replay_reference(tmp_path, 2, 2, args) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    _assert_equal_to_reference(tmp_path, [0, 1], 2)
 
 
 # mode="auto": 4 micro-batches of c = 60 ms per update, and a link between the groups that adds
@@ -284,6 +328,30 @@ def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
     away = ["--stop-group", "1", "--stop-round", str(stop), "--resume-round", str(joined + 1)]
     assert run_reference(2, group_size, [*args, *away], tmp_path) == 0
     _assert_equal_to_reference(tmp_path, [0, 1], group_size)
+
+
+def test_a_lost_group_restarted_under_accumulate_until_ready_reads_nothing_twice(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """accumulate_until_ready, cap 4: the fast group (1) is SIGKILLed in round 4, having read up
+    to 4 micro-batches a round; restarted, it joins the slow group's running job and reads on
+    from the data position its first round takes, round x 4, past anything its lost
+    predecessor can have read (below 5 x 4); from then on both groups hold bit-identical
+    parameters and every round end leaves every rank at round x 4."""
+    args = [*HEAL_ARGS, *UNTIL_READY]
+    kill = {1: ["--kill-group", "1", "--kill-at", "mid_round", "--kill-round", "4"],
+            0: ["--mark-round", "10", *HOLD, "--microbatch-seconds", "0.06"]}  # fmt: skip
+    status = run_groups(2, 1, args, tmp_path, replica_args=kill,
+                        restart={1: ["--wait-for", "round_10", "--announce", "joining"]})  # fmt: skip
+    assert status == [0, 0]
+    assert (tmp_path / "killed_at").exists()
+    joiner, live = _params(tmp_path, "g1_r0"), _params(tmp_path, "g0_r0")
+    assert joiner["first_round"] - 1 >= 10
+    assert joiner["first_index"] == 4 * joiner["first_round"] >= 4 * (4 + 1)
+    for run in (joiner, live):
+        assert [end[5] for end in run["round_ends"]] == [4 * end[0] for end in run["round_ends"]]
+    assert any(n > 2 for n in _ran(tmp_path, "g1_r0")), "the restarted fast group ran no extra"
+    _assert_bit_identical(tmp_path, ["g0_r0", "g1_r0"])
 
 
 @pytest.mark.parametrize(
@@ -507,7 +575,7 @@ def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -
     wrong, auto, narrow, until_ready, groups_alone = _engine_errors(
         build.format("mode='acco'"), build.format("mode='auto', accumulation_steps=2"),
         build.format("mode='acco', estimate_dtype=torch.bfloat16"),
-        # a joiner reads on from the live groups' position: rounds of their own length lose it
+        # a joiner reads on from the positions the rounds took: without a cap they have none
         build.format("mode='acco', accumulate_until_ready=True"),
         "ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, replica_groups=2)",
     )  # fmt: skip
@@ -516,9 +584,9 @@ def test_a_manager_that_is_not_torchfts_and_unsupported_settings_are_refused() -
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in wrong
     assert "TypeError acco_hooks: manager must be a torchft.Manager" in auto
     assert "estimate_dtype narrower" in narrow
-    assert ("ValueError acco_hooks: accumulate_until_ready=True is not supported with a torchft "
-            "manager") in until_ready  # fmt: skip
-    assert "Set accumulate_until_ready=False" in until_ready
+    assert ("ValueError acco_hooks: accumulate_until_ready=True with a torchft manager needs "
+            "max_microbatches_per_round") in until_ready  # fmt: skip
+    assert "Set max_microbatches_per_round" in until_ready
 
 
 def test_without_torchft_the_error_names_the_extra() -> None:

@@ -19,6 +19,7 @@ kill points and group counts.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -143,6 +144,52 @@ def test_every_group_alive_equals_one_run_over_every_rank(
     assert reference[ROUNDS][0] < reference[1][0] - 0.1  # it learns
 
 
+UNEQUAL = re.compile(r"unequal replicas: rank (\d+) replica (\d+) counts \[([\d, ]*)\]")
+UNTIL_READY = ("--acco.accumulate_until_ready", "--acco.max_microbatches_per_round", "4",
+               "--experimental.custom_import", "tests.titan.unequal_replicas")  # fmt: skip
+
+
+def _ran(log: Path) -> dict[int, list[int]]:
+    """{the job's replica: the micro-batches it ran per step} from a log of
+    tests/titan/unequal_replicas.py's lines, its ranks checked to agree."""
+    ran: dict[int, list[int]] = {}
+    for _, replica, counts in UNEQUAL.findall(log.read_text()):
+        counts = [int(n) for n in counts.split(", ")]
+        assert ran.setdefault(int(replica), counts) == counts, (replica, ran, counts)
+    return ran
+
+
+def test_groups_of_unequal_speed_accumulate_until_ready_exactly(tmp_path: Path, monkeypatch) -> None:
+    """2 groups of one replica over 2 FSDP ranks, the second group computing slower
+    (tests/titan/unequal_replicas.py), accumulate_until_ready with a cap of 4: the fast group
+    runs more micro-batches while the sum over the groups waits for the slow one, both ranks of
+    a group the same ones. Replayed by one torchrun of every rank without torchft (each replica
+    running what its group ran), every step's gradient norm is the job's."""
+    groups, group_size = 2, 2
+    # slower than the metrics' and the sums' waits for the slow group let the fast one lead
+    monkeypatch.setenv("ACCO_TEST_SLOW_S", "0.5")
+    status, runs, _ = _run(tmp_path, monkeypatch, groups, group_size, "acco", split=HSDP,
+                           extra=UNTIL_READY, reference=False)  # fmt: skip
+    assert status == [0] * groups, (tmp_path / "g1.log").read_text()[-4000:]
+    ran = {**_ran(tmp_path / "g0.log"), **_ran(tmp_path / "g1.log")}
+    assert sorted(ran) == [0, 1]
+    assert all(len(c) == ROUNDS and all(2 <= n <= 4 for n in c) for c in ran.values()), ran
+    assert max(ran[0]) > 2, ran  # the fast group filled a wait with micro-batches
+    monkeypatch.setenv("ACCO_TEST_REPLAY", json.dumps({"counts": [ran[0], ran[1]],
+                                                       "ranks_per_replica": 1}))  # fmt: skip
+    reference_args = [*_args("acco", HSDP), "--job.dump_folder", str(tmp_path / "ref"),
+                      "--parallelism.data_parallel_replicate_degree", "2", *UNTIL_READY]  # fmt: skip
+    assert run_reference(groups, group_size, reference_args, tmp_path, program=TITAN) == 0, (
+        (tmp_path / "reference.log").read_text()[-4000:]
+    )
+    assert _ran(tmp_path / "reference.log") == ran
+    reference = _steps(tmp_path / "reference.log")
+    for i in range(groups):
+        assert sorted(runs[i]) == sorted(reference) == list(range(1, ROUNDS + 1)), i
+        for step, (_, norm) in reference.items():
+            assert runs[i][step][1] == pytest.approx(norm, rel=1e-4, abs=1e-4), (i, step)
+
+
 # each group checkpoints every 2 steps into its own folder (replica_<id> under it)
 CHECKPOINTS = ("--checkpoint.enable", "--checkpoint.interval", "2",
                "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
@@ -191,7 +238,8 @@ BAD_FT_CONFIGS = [
     (("--fault_tolerance.replica_id", "2"),
      "[fault_tolerance] replica_id = 2, group_size = 2: set group_size to the number of"),
     (("--acco.accumulate_until_ready",),
-     "[acco] accumulate_until_ready = true with [fault_tolerance] enable"),
+     "[acco] accumulate_until_ready = true with [fault_tolerance] enable needs [acco] "
+     "max_microbatches_per_round"),
 ]  # fmt: skip
 
 

@@ -1,9 +1,11 @@
 """Imported into a torchtitan run by a test (``--experimental.custom_import``): replicas of
 unequal speed, however each replica is split over ranks, and the replay of such a run.
 
-* Every rank of the second model replica (``dp_replicate`` coordinate 1) sleeps ``SLOW_S``
-  after each micro-batch's forward and backward: the replica computes slower, whatever FSDP,
-  tensor or pipeline parallelism split it into.
+* Every rank of the job's second model replica sleeps ``SLOW_S`` (``ACCO_TEST_SLOW_S``) after
+  each micro-batch's forward and backward: the replica computes slower, whatever FSDP, tensor
+  or pipeline parallelism split it into. The job's replicas: the ``dp_replicate`` coordinates, of each
+  torchft replica group in turn under ``[fault_tolerance]`` (whose tests' hooks,
+  ``tests/titan/torchft_hooks.py``, are then imported too).
 * Each rank records how many micro-batches each step (one ACCO round) ran, and prints them when
   the run closes: ``unequal replicas: rank R replica I counts [...]``.
 * Replay (``ACCO_TEST_REPLAY`` = ``{"counts": [[...] per step] per replica, "ranks_per_replica":
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from acco_hooks.engine.communication import EngineGroups
 from acco_hooks.titan.base import ACCOTrainerBase
 
-SLOW_S = 0.25
+SLOW_S = float(os.environ.get("ACCO_TEST_SLOW_S", "0.25"))
 REPLAY_ENV = "ACCO_TEST_REPLAY"
 
 _forward_backward_step = ACCOTrainerBase.forward_backward_step
@@ -40,7 +42,13 @@ _replay = json.loads(os.environ[REPLAY_ENV]) if os.environ.get(REPLAY_ENV) else 
 
 
 def _replica(trainer: ACCOTrainerBase) -> int:
-    return trainer.parallel_dims.get_mesh("dp_replicate").get_local_rank()
+    """This rank's replica of the job: of its torchft replica group's, the group's first."""
+    dims = trainer.parallel_dims
+    ft = getattr(trainer.titan_config, "fault_tolerance", None)
+    first = ft.replica_id * dims.dp_replicate if ft is not None and ft.enable else 0
+    if not dims.dp_replicate_enabled:
+        return first
+    return first + dims.get_mesh("dp_replicate").get_local_rank()
 
 
 def _slower_on_the_second_replica(trainer: ACCOTrainerBase, *args: Any, **kwargs: Any) -> Any:
@@ -73,3 +81,5 @@ ACCOTrainerBase.train_step = _counted_step
 ACCOTrainerBase.close = _report_then_close
 if _replay is not None:
     EngineGroups.replica_waits = _as_recorded
+if os.environ.get("ACCO_TEST_FT_OUT"):  # a job of torchft replica groups, or its reference
+    import tests.titan.torchft_hooks  # noqa: F401
