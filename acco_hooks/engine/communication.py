@@ -27,9 +27,10 @@ destroys them when it closes:
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
   ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
   any part of the model is skipped by every part;
-- ``replica`` (the training loop's): the ranks of one model replica where it spans several
-  (FSDP shards, tensor-parallel ranks, pipeline stages): under ``accumulate_until_ready`` they
-  agree there after each micro-batch whether to run another, so that they run the same ones.
+- ``replica`` (the training loop's; only under ``accumulate_until_ready``): the ranks of one
+  model replica where it spans several (FSDP shards, tensor-parallel ranks, pipeline stages):
+  they agree there after each micro-batch whether to run another, so that they run the same
+  ones.
 
 Every rank's rank sets are gathered first, except in a fake world (torch's ``fake`` backend,
 torchtitan's ``--comm.mode fake_backend``: one rank of a job measured at its real shape), whose
@@ -327,9 +328,10 @@ class EngineGroups:
 
 def build_engine_groups(
     process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None,
-    replicas: ReplicaGroups | None = None,
+    replicas: ReplicaGroups | None = None, until_ready: bool = False,
 ) -> EngineGroups:  # fmt: skip
-    """Dedicated copies of the data-parallel, count and norm groups (see the module docstring)."""
+    """Dedicated copies of the data-parallel, count and norm groups (see the module docstring),
+    and with ``until_ready`` (``accumulate_until_ready``) the replica's own group."""
     data_parallel_ranks = _ranks_of(process_group)
     data = _dedicated_group(data_parallel_ranks, timeout)
     count, count_ranks, fsdp_world_size, fsdp_ranks = data, data_parallel_ranks, 1, ()
@@ -343,7 +345,7 @@ def build_engine_groups(
     norm_ranks = None if norm_process_group is None else _ranks_of(norm_process_group)
     norm = count if norm_ranks is None else _dedicated_group(norm_ranks, timeout)
     replica = None
-    if norm_ranks is not None or fsdp_world_size > 1:  # a replica spans several ranks
+    if until_ready and (norm_ranks is not None or fsdp_world_size > 1):  # several ranks a replica
         model_ranks = count_ranks if norm_ranks is None else norm_ranks
         replica = _dedicated_group(_replica_ranks(data_parallel_ranks, model_ranks), timeout)
     return EngineGroups(

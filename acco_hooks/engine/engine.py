@@ -296,7 +296,8 @@ class ACCOEngine:
             )  # fmt: skip
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
-            process_group, fsdp_process_group, norm_process_group, settings.timeout, replicas
+            process_group, fsdp_process_group, norm_process_group, settings.timeout, replicas,
+            until_ready=settings.accumulate_until_ready,
         )
         self.world_size, self.rank = self._groups.world_size, self._groups.rank
         self.fsdp_world_size = self._groups.fsdp_world_size
