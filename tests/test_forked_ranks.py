@@ -21,8 +21,12 @@ if sys.argv[1] == "report":
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=datetime.timedelta(seconds=30))
     store.add("ranks_reached", 1)
-    print("REPORT", json.dumps({"argv": sys.argv[1:], "main": __name__, "cwd": os.getcwd(),
-                                "env": {n: os.environ.get(n) for n in names}}), flush=True)
+    # one write: print() writes its pieces one by one where stdout writes through
+    # (PYTHONUNBUFFERED), and three ranks appending to one log would interleave them
+    report = {"argv": sys.argv[1:], "main": __name__, "cwd": os.getcwd(),
+              "env": {n: os.environ.get(n) for n in names}}
+    sys.stdout.write("REPORT " + json.dumps(report) + "\\n")
+    sys.stdout.flush()
 elif rank == 1:
     sys.exit(3)
 else:

@@ -433,7 +433,9 @@ def run_unequal_replicas(nproc: int, *overrides: str, dump: pathlib.Path,
 @pytest.mark.spmd_backends("spmd_types")  # the trainer's loop and the engine's groups
 @pytest.mark.parametrize(("ranks", "shards", "layout"), [
     (4, 2, ("--parallelism.data_parallel_shard_degree", "2")),
-    (4, 1, ("--parallelism.tensor_parallel_degree", "2")),
+    # TP on 0.2.2 only: both releases split a replica's matrices alike (3-D below runs TP on both)
+    pytest.param(4, 1, ("--parallelism.tensor_parallel_degree", "2"),
+                 marks=pytest.mark.spmd_backends()),
     # a zero-bubble schedule: two stages a rank, the weight pass writing .grad itself (3-D
     # below runs the default 1F1B)
     (4, 1, ("--parallelism.pipeline_parallel_degree", "2",
