@@ -18,7 +18,8 @@ of a round end.
 
 Fit, on docs/results/law_sweep.json: eta and alpha from the comm-only C per cap, delta from
 every ACCO run; applied to Llama-3 8B on H100 nodes at the config's k and at the best k k*
-(docs/results.md, section 3). Writes outputs/results/scaling.json and scaling.png beside it
+(docs/results.md, section 3); and to a mixed cluster, H100 nodes beside slower nodes
+(:func:`mixed_cluster`). Writes outputs/results/scaling.json and scaling.png beside it
 (``--out``; the published files, docs/results/scaling.json and docs/figures/scaling.png:
 ``--out docs/results/scaling.json``).
 """
@@ -52,6 +53,15 @@ TESTBED = {"ranks": 2, "params": 6_163_712, "reduce_bytes": 4, "gather_bytes": 4
 # Llama-3 8B as torchtitan builds it (llama3_args["8B"], counted on the meta device).
 LLAMA3_8B = {"params": 8_030_261_248, "embedding_params": 525_336_576, "layers": 32, "dim": 4096}
 H100 = {"peak_flops": 989e12, "mfu": 0.40, "gpus_per_node": 8}
+# A mixed cluster: how many times longer a slower node's micro-batch takes than an H100 node's.
+# The vendors' datasheets give dense BF16 peaks of 989 TFLOP/s (H100 SXM) and 312 TFLOP/s
+# (A100 SXM): 3.17x at one MFU. Measured LLM training speedups of H100 over A100 are quoted at
+# 2-3x; 2x is the low end of that range (no single measurement of it is named here), and
+# also a node throttled to half its speed.
+SLOWER_NODES = (("A100 SXM, datasheet peaks (989 / 312 TFLOP/s)", 989 / 312),
+                ("2x slower (low end of quoted H100/A100 speedups; a throttled node)", 2.0))
+MIXED_SPLITS = ((7, 1), (4, 4), (1, 7))  # (H100 nodes, slower nodes), 8 nodes
+MIXED_LINKS = (("cross-site 25 GbE", 25), ("100 GbE", 100), ("8 x 400G InfiniBand", 3200))
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 LINKS = (  # (name, Gbit/s per node)
@@ -183,6 +193,66 @@ def predict(fitted: dict, run: dict, nodes: int, gbit_per_node: float, name: str
     }  # fmt: skip
 
 
+def mixed_cluster(fitted: dict, run: dict, fast_nodes: int, slow_nodes: int, ratio: float,
+                  gbit_per_node: float) -> dict:  # fmt: skip
+    """Tokens per second of 8B training on ``fast_nodes`` H100 nodes beside ``slow_nodes``
+    nodes whose micro-batch takes ``ratio`` times as long, one replica a node, k micro-batches
+    a round (the config's):
+
+    * ``sync``: synchronous ZeRO-1, every node 2k micro-batches an update, each update
+      waiting for the slow nodes: ``2k·t_slow + C``;
+    * ``sync_balanced``: the same, each H100 node running ``floor(ratio·2k)`` micro-batches an
+      update instead (a split fixed in advance for speeds that do not change);
+    * ``acco``: two rounds of k micro-batches on every node, each ``max(k·t_slow, C) +
+      δ·min(k·t_slow, C)``;
+    * ``acco_until_ready``: the same rounds, each H100 node running micro-batches until the
+      round is ready, ``max(k, T / t_fast)`` of them, and the round ends after the one under way
+      (half a micro-batch later, on average);
+    * ``acco_until_ready_capped``: with ``max_microbatches_per_round`` at half the balanced
+      split's count, so that an update holds the tokens of ``sync_balanced``'s: the comparison
+      at equal tokens per update. A node that reaches the cap waits for the round.
+
+    Tokens per update differ otherwise (the uncapped until-ready one grows with C): the rates
+    assume one token trains as much in any of them, which the CPU runs measured for
+    until-ready (docs/results.md, section 5), not at 8B.
+    """
+    nodes = fast_nodes + slow_nodes
+    wire = run["reduce_bytes"] + run["gather_bytes"]
+    per_gpu_link = gbit_per_node * 1e9 / run["gpus_per_node"]
+    comm = fitted["alpha_s"] + wire_seconds(nodes, run["params_per_gpu"], wire,
+                                            per_gpu_link) / fitted["eta"]  # fmt: skip
+    t_fast, k, tokens = run["microbatch_s"], run["k"], run["tokens_per_microbatch_per_node"]
+    t_slow, delta = ratio * t_fast, fitted["delta"]
+    balanced = math.floor(ratio * 2 * k)
+    cap = balanced / 2
+    round_s = max(k * t_slow, comm) + delta * min(k * t_slow, comm)
+    fast_microbatches = max(k, round_s / t_fast)
+    capped = min(cap, fast_microbatches)
+    capped_round_s = max(round_s, cap * t_fast) if capped == cap else round_s + t_fast / 2
+    arms = {  # (seconds per update, tokens per update)
+        "sync": (2 * k * t_slow + comm, 2 * k * tokens * nodes),
+        "sync_balanced": (max(2 * k * t_slow, balanced * t_fast) + comm,
+                          tokens * (2 * k * slow_nodes + balanced * fast_nodes)),
+        "acco": (2 * round_s, 2 * k * tokens * nodes),
+        "acco_until_ready": (2 * (round_s + t_fast / 2),
+                             2 * tokens * (k * slow_nodes + fast_microbatches * fast_nodes)),
+        "acco_until_ready_capped": (2 * capped_round_s,
+                                    2 * tokens * (k * slow_nodes + capped * fast_nodes)),
+    }  # fmt: skip
+    rate = {name: tok / seconds for name, (seconds, tok) in arms.items()}
+    return {
+        "fast_nodes": fast_nodes, "slow_nodes": slow_nodes, "slow_over_fast": ratio,
+        "gbit_per_node": gbit_per_node, "microbatch_s": [t_fast, t_slow], "comm_C_s": comm,
+        "update_s": {name: seconds for name, (seconds, _) in arms.items()},
+        "tokens_per_update": {name: tok for name, (_, tok) in arms.items()},
+        "tokens_per_s": rate,
+        "over_sync": {name: r / rate["sync"] for name, r in rate.items()},
+        "capped_over_sync_balanced": rate["acco_until_ready_capped"] / rate["sync_balanced"],
+        "max_microbatches_per_round": cap,
+        "fast_node_microbatches_per_round": fast_microbatches,
+    }  # fmt: skip
+
+
 def plot(fitted: dict, run: dict, figure: pathlib.Path) -> None:
     plt = pyplot()
     grid = [10 * (3200 / 10) ** (i / 200) for i in range(201)]
@@ -267,9 +337,31 @@ def main(argv: list[str] | None = None) -> None:
         ("raising k raises the tokens per update for both ACCO and ZeRO-1 (equal tokens per "
          "update); whether the larger batch converges as well is not modelled."),
     ]
+    mixed = [{"slower_nodes": name, "link": link, **mixed_cluster(fitted, run, fast, slow, ratio,
+                                                                  gbit)}
+             for name, ratio in SLOWER_NODES for link, gbit in MIXED_LINKS
+             for fast, slow in MIXED_SPLITS]  # fmt: skip
+    print("\nmixed cluster, 8 nodes, tokens/s over synchronous ZeRO-1 (each update waits for the "
+          "slow nodes):")
+    print(f"{'slower':>6} {'link':>20} {'H100+slow':>9} {'C/K_slow':>8} {'balanced':>8} "
+          f"{'acco':>6} {'ur capped':>9} {'capped/bal':>10} {'ur':>6} {'ur tokens':>9}")
+    for r in mixed:
+        c_over_k = r["comm_C_s"] / (run["k"] * r["microbatch_s"][1])
+        over, tokens = r["over_sync"], r["tokens_per_update"]
+        print(f"{r['slow_over_fast']:>6.2f} {r['link']:>20} "
+              f"{r['fast_nodes']:>4}+{r['slow_nodes']:<4} {c_over_k:>8.2f} "
+              f"{over['sync_balanced']:>8.2f} {over['acco']:>6.2f} "
+              f"{over['acco_until_ready_capped']:>9.2f} {r['capped_over_sync_balanced']:>10.2f} "
+              f"{over['acco_until_ready']:>6.2f} "
+              f"{tokens['acco_until_ready'] / tokens['sync']:>8.1f}x")  # fmt: skip
+    assumptions.append(
+        "mixed cluster: the slower node's micro-batch takes the named ratio of an H100 node's "
+        "(the datasheets' dense BF16 peaks, or 2x), the same MFU, the same link per node; "
+        "tokens per update differ between the arms, and the rates assume a token trains as "
+        "much in each (measured for until-ready on CPU only, docs/results.md section 5).")
     out = write_result(args.out, {"model": __doc__.split("Fit, on")[0].strip(), "fit": fitted,
                                   "setup": run, "assumptions": assumptions,
-                                  "rows": rows})  # fmt: skip
+                                  "rows": rows, "mixed_cluster": mixed})  # fmt: skip
     plot(fitted, run, figure_file(out, "scaling"))
     print(f"wrote {out}")
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.scaling_model import TESTBED, best_k, fit, rate_bits, setup, speedup, wire_seconds
+from benchmarks.scaling_model import (
+    TESTBED,
+    best_k,
+    fit,
+    mixed_cluster,
+    rate_bits,
+    setup,
+    speedup,
+    wire_seconds,
+)
 
 
 def _sweep(eta: float, alpha: float, delta: float, compute: float) -> dict:
@@ -58,3 +67,25 @@ def test_the_8b_setup_follows_the_config() -> None:
     assert run["tokens_per_microbatch_per_node"] == 4 * 8192
     assert run["reduce_bytes"] == 2 and run["gather_bytes"] == 2  # bf16 both ways
     assert run["flops_per_token"] == 57_914_449_920  # torchtitan's get_nparams_and_flops
+
+
+def test_a_mixed_cluster_of_equal_nodes_is_the_law_and_unequal_ones_wait() -> None:
+    """Nodes of one speed: every arm is synchronous ZeRO-1 or the law (until-ready adds the
+    half micro-batch its round ends after). Slower nodes 2x: synchronous training runs at
+    their speed, the balanced split (and the capped until-ready) at 4 + 2 x 4 = 12 micro-batches
+    an update in the same time on a free link."""
+    fitted = {"alpha_s": 0.0, "eta": 1.0, "delta": 0.0}
+    run = {**setup(), "microbatch_s": 1.0, "k": 2}
+    link = 8 * run["reduce_bytes"] * 8 * run["params_per_gpu"]  # bits/s per node: C ~ 1.75 s
+    equal = mixed_cluster(fitted, run, 4, 4, 1.0, link / 1e9)
+    comm = equal["comm_C_s"]
+    assert comm == pytest.approx(7 / 8 * 2 * run["gather_bytes"] / run["reduce_bytes"])
+    assert equal["over_sync"]["sync_balanced"] == pytest.approx(1.0)
+    assert equal["over_sync"]["acco"] == pytest.approx(speedup(2.0, comm, 0.0))
+    assert equal["tokens_per_update"]["acco_until_ready_capped"] == equal["tokens_per_update"]["sync"]
+    free = mixed_cluster(fitted, run, 4, 4, 2.0, 1e9)  # a link so fast that C ~ 0
+    assert free["update_s"]["sync"] == pytest.approx(8.0, abs=1e-3)  # 2k slow micro-batches
+    assert free["tokens_per_update"]["sync_balanced"] == run["tokens_per_microbatch_per_node"] * (
+        4 * 4 + 4 * 8)
+    assert free["over_sync"]["sync_balanced"] == pytest.approx(1.5, abs=1e-3)
+    assert free["over_sync"]["acco_until_ready_capped"] == pytest.approx(1.5, abs=1e-3)
