@@ -172,7 +172,8 @@ class Config:
     # nothing, neither gradient nor count. None: every rank runs every micro-batch.
     limit: list[int] | None = None
     # Per round, per rank: the micro-batches it ran (accumulate_until_ready, recorded from a
-    # run and replayed here). None: micro[rank] in every round.
+    # run and replayed here; a round's list is as long as its world). None: micro[rank] in
+    # every round.
     counts: list[list[int]] | None = None
     # Rounds whose micro-batches give rank 1 a NaN loss; the engine skips their update, and the
     # reference (ddp mode only) leaves the parameters unchanged in those rounds.
@@ -222,7 +223,9 @@ def reference_run(cfg: Config) -> dict[str, Any]:
         set_params(at)
         total = [torch.zeros_like(p) for p in params]
         count = 0.0
-        for rank in range(cfg.world_size):
+        # replayed counts: the workers of that round (a resharded run changes their number)
+        workers = len(cfg.counts[round_index]) if cfg.counts else cfg.world_size
+        for rank in range(workers):
             run = cfg.counts[round_index][rank] if cfg.counts else cfg.micro[rank]
             for micro in range(run):
                 if cfg.limit and round_index * cfg.micro[rank] + micro >= cfg.limit[rank]:

@@ -8,6 +8,8 @@ must equal the uninterrupted N-rank run up to the order of float sums.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -397,3 +399,72 @@ def test_a_checkpoint_may_hold_theta_in_its_model_and_the_live_parameters_beside
         resumed = rank_pool.run(RUN, world_size, case, at, total, ckpt, (), True)[0]["params"]
         error = relative_error(resumed, straight)
         assert error == 0.0 if world_size == 2 else error <= 1e-5, (world_size, error)
+
+
+def until_ready_segment(rank: int, world_size: int, mode: str, rounds: int, ckpt: str,
+                        resume: bool) -> dict:  # fmt: skip
+    """acco or dpu with ``accumulate_until_ready``: the last rank holds each update's
+    communication 0.4 s and rank 1 computes slower, so the ranks run unequal micro-batches a
+    round. Built on this world, loaded from ``ckpt`` if ``resume``, trained to round
+    ``rounds`` and saved to ``ckpt`` (a round end) or, resumed, flushed: this rank's count per
+    round, and the parameters when resumed."""
+    from acco_hooks import ACCOOptimizer
+    from tests.engine.hsdp_workers import HeldLambdaLR
+    from tests.scenario import OPTIMIZERS, microbatch_loss
+
+    model = make_model()
+    opt_class, kwargs = OPTIMIZERS["adamw"]
+    hold_s = 0.4 if rank == world_size - 1 else 0.0
+    opt = ACCOOptimizer(param_groups(model, True), opt_class, mode=mode, accumulation_steps=2,
+                        accumulate_until_ready=True, max_microbatches_per_round=4,
+                        lr_scheduler=lambda o: HeldLambdaLR(o, hold_s), **kwargs)  # fmt: skip
+    if resume:
+        opt.load_state_dict(load(model, opt, ckpt))
+    counts = []
+    while opt.engine.round_index < rounds:
+        loss = microbatch_loss(model, rank, opt.engine.round_index, opt.engine.microbatches_in_round)
+        (SAMPLES * loss).backward()  # summed over its samples, as torchtitan sums tokens
+        time.sleep(0.05 if rank == 1 else 0.0)
+        if opt.step(weight=SAMPLES):
+            counts.append(opt.engine.last_round_microbatches)
+    if not resume:
+        save(model, opt, ckpt)
+        opt.close()
+        return {"counts": counts}
+    opt.flush()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return {"counts": counts, "params": params}
+
+
+SAMPLES = 4.0  # what each micro-batch's loss sums over (microbatch_loss: 4 samples)
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+@pytest.mark.parametrize("resumed_on", [1, 3])
+def test_an_until_ready_run_reshards_at_a_round_end(rank_pool, mode, resumed_on, tmp_path):
+    """accumulate_until_ready on 2 ranks, each running its own number of micro-batches a round,
+    saved at the end of round 5 (acco: between an estimate and its update, the estimate's
+    half-batch weighing what the ranks ran), resumed on 1 or 3 ranks until round 10: the end
+    is the spec's recursion over the micro-batches every rank ran, the 2 ranks' counts before
+    the reshard and the new world's after it (recorded, replayed by the reference). Each
+    micro-batch weighs what its loss sums over (its samples, as torchtitan weighs tokens):
+    data units, which a reshard keeps. With unit weights (a mean loss) the carried half-batch
+    is reweighed to the resumed world's update round instead, as without until-ready
+    (``engine.state``): a micro-batch then counts 1/N of a global batch."""
+    from tests.scenario import Config, reference_run
+
+    ckpt = str(tmp_path / "ckpt")
+    before = rank_pool.run("tests.engine.test_resharding:until_ready_segment", 2, mode, 5, ckpt,
+                           False)  # fmt: skip
+    after = rank_pool.run("tests.engine.test_resharding:until_ready_segment", resumed_on, mode,
+                          10, ckpt, True)  # fmt: skip
+    counts = [list(c) for c in zip(*(r["counts"] for r in before))]
+    counts += [list(c) for c in zip(*(r["counts"] for r in after))]
+    assert len(counts) == 10 and any(n > 2 for c in counts for n in c), counts
+    reference = reference_run(Config(mode=mode, world_size=2, rounds=10, counts=counts,
+                                     weights=[SAMPLES] * 3, scheduler=True))  # fmt: skip
+    for rank, run in enumerate(after):
+        for name, expected in reference["params"].items():
+            torch.testing.assert_close(run["params"][name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")  # noqa: B023  # fmt: skip

@@ -437,13 +437,15 @@ def run_unequal_replicas(nproc: int, *overrides: str, dump: pathlib.Path,
     pytest.param(4, 1, ("--parallelism.tensor_parallel_degree", "2"),
                  marks=pytest.mark.spmd_backends()),
     # a zero-bubble schedule: two stages a rank, the weight pass writing .grad itself (3-D
-    # below runs the default 1F1B)
+    # below runs Interleaved1F1B, the schedule of llama3_8b_acco_3d.toml)
     (4, 1, ("--parallelism.pipeline_parallel_degree", "2",
             "--parallelism.pipeline_parallel_microbatch_size", "1",
             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")),
     (8, 1, ("--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree",
-            "2", "--parallelism.pipeline_parallel_microbatch_size", "1")),
-], ids=["dp_replicate2xfsdp2", "dp_replicate2xtp2", "pp2_zbv_xdp_replicate2", "pp2xdp_replicate2xtp2"])  # fmt: skip
+            "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")),
+], ids=["dp_replicate2xfsdp2", "dp_replicate2xtp2", "pp2_zbv_xdp_replicate2",
+       "pp2_interleaved_xdp_replicate2xtp2"])  # fmt: skip
 def test_replicas_of_several_ranks_and_unequal_speed_accumulate_until_ready_exactly(
     ranks: int, shards: int, layout: tuple[str, ...], seed_checkpoint, tmp_path
 ) -> None:  # fmt: skip
