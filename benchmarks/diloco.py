@@ -6,6 +6,8 @@ a slow link.
     sudo python -m benchmarks.diloco --phase timing   # seconds per step on every link
     sudo python -m benchmarks.diloco --phase check    # one full run on a capped link
     sudo python -m benchmarks.diloco --phase heterogeneous   # replica 1 2x and 4x slower
+    sudo python -m benchmarks.diloco --phase heterogeneous --replica-layouts fsdp tp \
+        --straggler-factors 4                         # replicas of 2 ranks; a straggler
     python -m benchmarks.diloco --phase report        # the table and the figure, from the JSON
 
 Every arm trains torchtitan's Llama-3 debug model on the benchmark corpus
@@ -35,11 +37,19 @@ the final held-out loss of the synchronous arm (torchtitan's DDP), seed by seed,
 (``--diloco-updates``) count the updates it needs.
 
 ``--phase heterogeneous`` slows replica 1's compute ``--slow-factors`` times (the hooks of
-``benchmarks/convergence/slow_rank.py``), with no cap and on ``--heterogeneous-rates``: the
+``benchmarks/convergence/slow_rank.py``), or ``--straggler-factors`` times in the middle third
+of the run only (a node that recovers), with no cap and on ``--heterogeneous-rates``: the
 synchronous arms, ``auto`` and streaming DiLoCo are timed so (their updates do not change: each
 waits for the slow replica, at its sum or its sync), and ``acco_until_ready`` (acco with
 ``accumulate_until_ready``: the fast replica runs micro-batches while the round communicates)
 trains in full on the link, each seed, since what its updates hold depends on the timing.
+``--replica-layouts fsdp tp`` gives each replica two ranks on its host's core, split by FSDP
+(torchtitan's HSDP; DiLoCo groups of two FSDP ranks) or by TP (torchtitan's DDP does not
+compose with TP: the engine's ``ddp`` is the synchronous arm there); each layout's runs go
+to the result file's ``heterogeneous_<layout>``. A layout's torchtitan jobs start from the
+weights one unsharded process makes (:func:`seed_checkpoint`) and score the held-out batches of
+one rank a replica; its synchronous arm trains unslowed in full once per seed
+(``layout_runs``), which gives the layout's targets (:func:`layout_curve`).
 
 DiLoCo's score is the synchronized model's: every held-out point is a multiple of H, right after
 a sync, when both replicas hold the same parameters, and each replica scores half of the held-out
@@ -75,7 +85,12 @@ from benchmarks import harness
 from benchmarks.convergence import data
 from benchmarks.convergence.ft_train import HOSTNAME_ENV, OUTER_LR_ENV
 from benchmarks.convergence.run import HELDOUT_DATASET, parse_log
-from benchmarks.convergence.slow_rank import SLOW_FACTOR_ENV, SLOW_RANK_ENV
+from benchmarks.convergence.slow_rank import (
+    HELDOUT_RANKS_ENV,
+    SLOW_FACTOR_ENV,
+    SLOW_RANK_ENV,
+    SLOW_STEPS_ENV,
+)
 from benchmarks.harness import ROOT, header, step_lines, write_result
 
 WORKDIR = ROOT / "outputs" / "diloco"
@@ -133,6 +148,13 @@ ARMS["acco_until_ready"] = dataclasses.replace(
 SWEPT_ARMS = tuple(name for name in ARMS if name != "acco_until_ready")  # the default --arms
 HETEROGENEOUS_ARMS = ("titan_ddp", "ddp", "auto", "acco_until_ready", "streaming_diloco_h20")
 TARGET_ARM = "titan_ddp"
+# --replica-layouts: what splits each replica (a node) over its ranks, as the job's settings.
+# "rank" is one rank a replica; the others give each replica two ranks on its host's core.
+REPLICA_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "rank": (),
+    "fsdp": ("--parallelism.data_parallel_shard_degree", "2"),
+    "tp": ("--parallelism.tensor_parallel_degree", "2"),
+}
 # DiLoCo's long runs; H = 5 only runs --updates (it trained worst per token)
 LONG_ARMS = ("diloco_h20", "streaming_diloco_h20")
 
@@ -162,6 +184,11 @@ class Place:
     """Where a job's two processes run: loopback, or the two hosts of a netbed link."""
 
     link: object | None = None  # benchmarks.netbed.Link
+    layout: str = "rank"  # REPLICA_LAYOUTS: each host runs one replica of 1 or 2 ranks
+
+    @property
+    def ranks_per_host(self) -> int:
+        return 1 if self.layout == "rank" else 2
 
     def ip(self, host: int) -> str:
         return self.link.ip[host] if self.link else "127.0.0.1"
@@ -216,16 +243,23 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> int:
 
 
 def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
-               run_dir: pathlib.Path, timeout_s: float,
-               slow_factor: float = 1.0) -> tuple[int, list[str]]:  # fmt: skip
-    """Both processes of one job (and DiLoCo's lighthouse): the exit status, each process's log.
+               run_dir: pathlib.Path, timeout_s: float, slow_factor: float = 1.0,
+               slow_steps: tuple[int, int] | None = None) -> tuple[int, list[str]]:  # fmt: skip
+    """The processes of one job (and DiLoCo's lighthouse): the exit status, and the log of each
+    host's first process (``host0.log``, ``host1.log``; a second rank on a host logs to
+    ``host<h>_rank1.log``).
 
-    ``titan``: ``train_titan.py`` as ranks 0 and 1 of one group. ``ft``: two groups of one
-    process, each its own world (torchft's cross-group gloo group joins them), and a lighthouse
-    on host 0 that forms a quorum only with both groups in it. ``slow_factor``: the process on
-    host 1 (replica 1) computes that many times slower (``slow_rank``)."""
-    logs = [run_dir / f"host{host}.log" for host in (0, 1)]
+    Each host runs one replica: ``place.ranks_per_host`` processes on its core. ``titan``:
+    ``train_titan.py``, every process a rank of one job (host 1's ranks after host 0's).
+    ``ft``: two groups, each its own world on its host (torchft's cross-group gloo group joins
+    them), and a lighthouse on host 0 that forms a quorum only with both groups in it.
+    ``slow_factor``: host 1's processes (replica 1) compute that many times slower
+    (``slow_rank``), in torchtitan steps ``slow_steps`` (first, end) only if given."""
+    per_host = place.ranks_per_host
+    logs = [[run_dir / (f"host{host}.log" if local == 0 else f"host{host}_rank{local}.log")
+             for local in range(per_host)] for host in (0, 1)]  # fmt: skip
     port = harness.free_port()
+    group_ports = [harness.free_port(), harness.free_port()]  # ft: each group's own store
     with _processes() as procs:
         if arm.diloco:
             lighthouse_port = harness.free_port()
@@ -237,31 +271,68 @@ def launch_job(arm: Arm, argv: list[str], env: dict[str, str], place: Place,
                            "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
                            "--bind", f"[::]:{lighthouse_port}"],
                    {}, run_dir / "lighthouse.log")  # fmt: skip
-        for host in (0, 1):
-            host_env = {**place.env(host), **env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        for host, local in ((h, i) for h in (0, 1) for i in range(per_host)):
+            host_env = {**place.env(host), **env, "LOCAL_RANK": str(local),
+                        "LOCAL_WORLD_SIZE": str(per_host)}  # fmt: skip
             if arm.diloco:
                 host_env.update({
-                    "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": place.ip(host),
-                    "MASTER_PORT": str(harness.free_port()), HOSTNAME_ENV: place.ip(host),
+                    "RANK": str(local), "WORLD_SIZE": str(per_host),
+                    "MASTER_ADDR": place.ip(host), "MASTER_PORT": str(group_ports[host]),
+                    HOSTNAME_ENV: place.ip(host),
                     "TORCHFT_LIGHTHOUSE": f"http://{place.ip(0)}:{lighthouse_port}",
                 })  # fmt: skip
                 cmd = [*argv, "--fault_tolerance.replica_id", str(host)]
             else:
-                host_env.update({"RANK": str(host), "WORLD_SIZE": "2",
-                                 "MASTER_ADDR": place.ip(0), "MASTER_PORT": str(port)})
+                host_env.update({"RANK": str(host * per_host + local),
+                                 "WORLD_SIZE": str(2 * per_host),
+                                 "MASTER_ADDR": place.ip(0), "MASTER_PORT": str(port),
+                                 # the held-out batches of one rank a replica, in every layout
+                                 HELDOUT_RANKS_ENV: "2"})  # fmt: skip
                 cmd = argv
             if host == 1 and slow_factor != 1.0:
                 host_env.update({SLOW_RANK_ENV: host_env["RANK"],
                                  SLOW_FACTOR_ENV: f"{slow_factor:g}"})  # fmt: skip
-            _start(procs, [*place.prefix(host), *cmd], host_env, logs[host])
-        status = _wait(procs[-2:], timeout_s)  # the lighthouse runs until it is killed
-    return status, [log.read_text(encoding="utf-8", errors="replace") for log in logs]
+                if slow_steps is not None:
+                    host_env[SLOW_STEPS_ENV] = f"{slow_steps[0]}:{slow_steps[1]}"
+            _start(procs, [*place.prefix(host), *cmd], host_env, logs[host][local])
+        # the lighthouse runs until it is killed
+        status = _wait(procs[-2 * per_host:], timeout_s)
+    return status, [host_logs[0].read_text(encoding="utf-8", errors="replace")
+                    for host_logs in logs]  # fmt: skip
+
+
+def seed_checkpoint(seed: int) -> pathlib.Path:
+    """The initial weights of ``seed`` as one unsharded process makes them (torchtitan's
+    ``--checkpoint.create_seed_checkpoint``; made once, then kept under the work folder).
+
+    A run whose replicas are split by FSDP or TP starts from them: torchtitan initializes a
+    sharded model with other random values than a whole one (the same seed gave a held-out
+    loss of 7.936 under FSDP and 7.940 under TP before the first update, 7.902 whole), so a
+    layout's runs would not start where the convergence runs of one rank a replica did."""
+    dump = WORKDIR / "seed_checkpoints" / f"seed{seed}"
+    path = dump / "checkpoint" / "step-0"
+    if path.is_dir():
+        return path
+    shutil.rmtree(dump, ignore_errors=True)
+    argv = [sys.executable, "train_titan.py", "--job.config_file", ARMS["titan_ddp"].config,
+            "--job.dump_folder", str(dump), "--debug.seed", str(seed), "--acco.no-enable",
+            "--parallelism.data_parallel_replicate_degree", "1", "--checkpoint.enable",
+            "--checkpoint.create_seed_checkpoint"]  # fmt: skip
+    env = {**os.environ, **Place().env(0), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(harness.free_port())}  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode or not path.is_dir():
+        raise SystemExit(f"benchmarks.diloco: the seed checkpoint of seed {seed} failed:\n"
+                         f"{done.stdout[-3000:]}{done.stderr[-3000:]}")  # fmt: skip
+    return path
 
 
 def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path, heldout_every: int = 0,
-             sequences_per_update: int = UPDATE_BATCH, log_every: int = 1) -> list[str]:  # fmt: skip
+             sequences_per_update: int = UPDATE_BATCH, log_every: int = 1,
+             layout: str = "rank") -> list[str]:  # fmt: skip
     """The command line of one process of ``run`` for ``steps`` torchtitan steps, logging every
-    ``log_every`` steps (and the first and last)."""
+    ``log_every`` steps (and the first and last), each replica split as ``layout`` says."""
     arm = ARMS[name]
     script = ["-m", "benchmarks.convergence.ft_train"] if arm.diloco else ["train_titan.py"]
     dataset = data.prepare("stdlib", "sequences", run.seed, SEQ_LEN)
@@ -273,7 +344,11 @@ def job_argv(name: str, run: Run, steps: int, run_dir: pathlib.Path, heldout_eve
             "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(LOCAL_BATCH),
             "--training.global_batch_size", str(sequences_per_update // arm.rounds_per_update),
             "--optimizer.lr", f"{run.lr:g}", "--experimental.custom_import", HOOKS_MODULE,
-            "--metrics.log_freq", str(log_every), *arm.overrides]  # fmt: skip
+            "--metrics.log_freq", str(log_every), *arm.overrides,
+            *REPLICA_LAYOUTS[layout]]  # fmt: skip
+    if layout != "rank" and not arm.diloco:  # the weights one rank a replica starts from
+        argv += ["--checkpoint.enable", "--checkpoint.load_only",
+                 "--checkpoint.initial_load_path", str(seed_checkpoint(run.seed))]  # fmt: skip
     if arm.diloco:
         argv += ["--fault_tolerance.min_replica_size", "2"]
     if heldout_every:
@@ -293,12 +368,15 @@ def job_env(run: Run) -> dict[str, str]:
 
 
 def train(run: Run, args: argparse.Namespace, place: Place | None = None,
-          where: str | None = None, slow_factor: float = 1.0) -> dict:  # fmt: skip
+          where: str | None = None, slow_factor: float = 1.0,
+          slow_updates: tuple[int, int] | None = None) -> dict:  # fmt: skip
     """One run with held-out points: its held-out curve (per update), its step times, and
     ``auto``'s schedule. ``where``: its folder under the work folder (by default
-    ``convergence``, or ``check`` on a link)."""
+    ``convergence``, or ``check`` on a link). ``slow_updates``: replica 1 is slowed in these
+    updates (first, end) only."""
     arm = ARMS[run.arm]
-    where = where or ("check" if place and place.link else "convergence")
+    place = place or Place()
+    where = where or ("check" if place.link else "convergence")
     run_dir = WORKDIR / where / run.key
     shutil.rmtree(run_dir, ignore_errors=True)
     updates = run.updates or args.updates
@@ -306,12 +384,14 @@ def train(run: Run, args: argparse.Namespace, place: Place | None = None,
     # On a link a step's logged loss is an all-reduce that waits behind an overlapped round's
     # traffic (up to the tbf queue's 50 ms each way): logged every step, it would cost the
     # overlapped arms what a run at torchtitan's default (every 10 steps) does not pay
-    log_every = LINK_LOG_UPDATES * arm.rounds_per_update if place and place.link else 1
+    log_every = LINK_LOG_UPDATES * arm.rounds_per_update if place.link else 1
     argv = job_argv(run.arm, run, steps, run_dir, args.heldout_every, args.sequences_per_update,
-                    log_every)  # fmt: skip
+                    log_every, place.layout)  # fmt: skip
+    # torchtitan counts steps from 1: update u is steps u * rounds + 1 to (u + 1) * rounds
+    slow_steps = slow_updates and tuple(u * arm.rounds_per_update + 1 for u in slow_updates)
     start = time.time()
-    status, outputs = launch_job(arm, argv, job_env(run), place or Place(), run_dir, 3600,
-                                 slow_factor)  # fmt: skip
+    status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 3600, slow_factor,
+                                 slow_steps)  # fmt: skip
     parsed = [parse_log(text).get(0, {}) for text in outputs]
     # two-rank arms: rank 0 logs the mean over the ranks; DiLoCo: each group its own half
     scored = parsed if arm.diloco else parsed[:1]
@@ -432,11 +512,12 @@ def time_arm(name: str, run: Run, place: Place, sequences_per_update: int = UPDA
     arm = ARMS[name]
     first, last = timed_steps(name)
     slowed = "" if slow_factor == 1.0 else f"slow{slow_factor:g}x"
-    run_dir = WORKDIR / "timing" / slowed / place.link.rate / name
+    layout = "" if place.layout == "rank" else f"replicas_{place.layout}"
+    run_dir = WORKDIR / "timing" / layout / slowed / place.link.rate / name
     shutil.rmtree(run_dir, ignore_errors=True)
     # the window's ends alone (see train(): a logged loss waits behind the round's traffic)
     argv = job_argv(name, run, last, run_dir, sequences_per_update=sequences_per_update,
-                    log_every=math.gcd(first, last))  # fmt: skip
+                    log_every=math.gcd(first, last), layout=place.layout)  # fmt: skip
     status, outputs = launch_job(arm, argv, job_env(run), place, run_dir, 1800, slow_factor)
     ts = {row["step"]: row["ts"] for row in step_lines(outputs[0])}
     if status or first not in ts or last not in ts:
@@ -479,7 +560,8 @@ def timing(results: dict, args: argparse.Namespace) -> None:
 
 
 def train_on_link(name: str, lr: float, args: argparse.Namespace, place: Place, where: str,
-                  slow_factor: float = 1.0) -> dict[str, dict]:  # fmt: skip
+                  slow_factor: float = 1.0,
+                  slow_updates: tuple[int, int] | None = None) -> dict[str, dict]:  # fmt: skip
     """``name`` at ``lr`` in full on ``place``'s link, each seed: for an arm whose updates
     depend on the link (``acco_until_ready``; ``auto`` where it chose another schedule than on
     loopback), whose held-out curve the loopback runs cannot give. Per seed: its held-out curve
@@ -487,7 +569,8 @@ def train_on_link(name: str, lr: float, args: argparse.Namespace, place: Place, 
     runs = {}
     for seed in args.seeds:
         run = Run(name, lr, seed)
-        record = train(run, args, place, where=where, slow_factor=slow_factor)
+        record = train(run, args, place, where=where, slow_factor=slow_factor,
+                       slow_updates=slow_updates)  # fmt: skip
         if not record["complete"]:
             raise SystemExit(f"benchmarks.diloco: {run.key} in {where} failed, see {record['log']}")
         runs[str(seed)] = {key: record[key] for key in (
@@ -504,14 +587,48 @@ def train_on_link(name: str, lr: float, args: argparse.Namespace, place: Place, 
 # ----------------------------------------------------------------------------- heterogeneous
 
 
+def same_schedule(ran: str | None, chosen: str | None) -> bool:
+    """Whether ``auto`` ran the same updates under two schedules it printed: the same, or
+    synchronous both times (its micro-batches per update per rank follow the number of
+    data-parallel ranks, which a layout changes: 4 on 2 ranks, 2 on 4 FSDP ranks)."""
+    return ran == chosen or all(str(s).startswith("synchronous") for s in (ran, chosen))
+
+
+def layout_arms(layout: str) -> tuple[str, ...]:
+    """The arms of :data:`HETEROGENEOUS_ARMS` that run with replicas split as ``layout`` says:
+    torchtitan's DDP composes with no other parallelism (its llama3 ``parallelize`` refuses DDP
+    beside TP), so under TP the synchronous arm is the engine's ``ddp`` alone."""
+    return tuple(n for n in HETEROGENEOUS_ARMS if not (layout == "tp" and n == "titan_ddp"))
+
+
+def heterogeneous_key(layout: str) -> str:
+    """The result file's key of ``layout``'s slowed runs: ``heterogeneous`` for one rank a
+    replica (the runs before replicas of two ranks existed), ``heterogeneous_<layout>`` else."""
+    return "heterogeneous" if layout == "rank" else f"heterogeneous_{layout}"
+
+
+def slowdowns(args: argparse.Namespace) -> dict[str, tuple[float, tuple[int, int] | None]]:
+    """Each slowdown of replica 1 by its name in the result file: its factor, and the updates
+    (first, end) it lasts, None for the whole run. ``--straggler-factors``: slowed for the
+    middle third of the run only (a node that recovers)."""
+    third = args.updates // 3
+    return {**{f"{f:g}x": (f, None) for f in args.slow_factors},
+            **{f"{f:g}x_middle_third": (f, (third, 2 * third)) for f in args.straggler_factors}}
+
+
 def heterogeneous(results: dict, args: argparse.Namespace) -> None:
-    """Replica 1 ``args.slow_factors`` times slower, on each of ``args.heterogeneous_rates``:
-    each arm of :data:`HETEROGENEOUS_ARMS` at its best learning rate (``acco_until_ready`` at
-    acco's). The others' updates are what they were (each waits for the slow replica), so their
-    convergence runs stand and a timing run gives their seconds per update; acco_until_ready's
-    updates hold what the fast replica ran while the round communicated, which depends on the
-    link: it trains in full there, on every seed, and so does an ``auto`` that chose another
-    schedule slowed than on loopback."""
+    """Replica 1 slowed (:func:`slowdowns`), on each of ``args.heterogeneous_rates``, with each
+    replica split as each of ``args.replica_layouts`` says: each arm of :func:`layout_arms` at
+    its best learning rate (``acco_until_ready`` at acco's).
+
+    The others' updates are what they were (each waits for the slow replica), so their
+    convergence runs stand and a timing run gives their seconds per update: slowed, and, for a
+    straggler that recovers, unslowed too (its run is slowed in the middle third only);
+    acco_until_ready's updates hold what the fast replica ran while the round communicated,
+    which depends on the link and the slowdown: it trains in full there, on every seed, and so
+    does an ``auto`` that chose another schedule slowed than on loopback. A replica of two
+    ranks computes as one: its updates are the same sequences per update, read by 4 data ranks
+    under FSDP (2 under TP), so the convergence runs of one rank a replica stand for it."""
     from benchmarks.netbed import two_host_link
 
     best = best_runs(results, args.seeds[0])
@@ -519,80 +636,152 @@ def heterogeneous(results: dict, args: argparse.Namespace) -> None:
     if missing:
         raise SystemExit(f"benchmarks.diloco: --phase heterogeneous needs the convergence runs "
                          f"of {sorted(missing)} first (--phase convergence)")  # fmt: skip
+
+    def time_slowed(cells: dict, place: Place, rate: str, name: str, factor: float,
+                    train_where: str | None) -> dict:  # fmt: skip
+        """``name``'s timing at ``factor`` (kept in ``cells``; trained in full at
+        ``train_where`` if it is an ``auto`` that chose another schedule than on loopback)."""
+        cell = cells.setdefault(f"{factor:g}x", {}).setdefault(rate, {})
+        if name not in cell:
+            timed = time_arm(name, best[name], place, args.sequences_per_update, factor)
+            ran = results["convergence"][best[name].key].get("auto_schedule")
+            if train_where and ran is not None and not same_schedule(ran, timed.get("auto_schedule")):
+                timed["runs"] = train_on_link(  # as in timing(): its own curve
+                    name, best[name].lr, args, place, train_where, factor)  # fmt: skip
+            cell[name] = timed
+            write_result(args.out, results)
+            print(f"heterogeneous {place.layout} {factor:g}x {rate:>8} {name:>22}: "
+                  f"{timed['update_s']:.3f} s/update {timed.get('auto_schedule', '')}",
+                  flush=True)  # fmt: skip
+        return cell[name]
+
     with two_host_link() as link:
-        for rate in args.heterogeneous_rates:
-            link.set_rate(rate)
-            for factor in args.slow_factors:
-                cell = results["heterogeneous"].setdefault(f"{factor:g}x", {}).setdefault(rate, {})
-                for name in HETEROGENEOUS_ARMS:
-                    if name in cell:
-                        continue
-                    if name != "acco_until_ready":
-                        timed = time_arm(name, best[name], Place(link),
-                                         args.sequences_per_update, factor)  # fmt: skip
-                        ran = results["convergence"][best[name].key].get("auto_schedule")
-                        if ran is not None and ran != timed.get("auto_schedule"):
-                            timed["runs"] = train_on_link(  # as in timing(): its own curve
-                                name, best[name].lr, args, Place(link),
-                                f"slow{factor:g}x/{rate}", factor)  # fmt: skip
-                        cell[name] = timed
-                        print(f"heterogeneous {factor:g}x {rate:>8} {name:>22}: "
-                              f"{timed['update_s']:.3f} s/update "
-                              f"{timed.get('auto_schedule', '')}", flush=True)  # fmt: skip
-                    else:
-                        cell[name] = {"runs": train_on_link(
-                            name, best["acco"].lr, args, Place(link),
-                            f"slow{factor:g}x/{rate}", factor)}  # fmt: skip
-                    write_result(args.out, results)
+        for layout in args.replica_layouts:
+            cells = results.setdefault(heterogeneous_key(layout), {})
+            place = Place(link, layout)
+            sync = layout_arms(layout)[0]  # titan_ddp, or under TP the engine's ddp
+            runs = results.setdefault("layout_runs", {}).setdefault(layout, {})
+            for seed in [] if layout == "rank" else args.seeds:
+                if str(seed) in runs:
+                    continue
+                # the synchronous arm, unslowed, in full as the layout splits it: the layout's
+                # targets and the synchronous arms' curve (:func:`layout_curve`)
+                run = best_runs(results, seed)[sync]
+                record = train(run, args, place, where=f"replicas_{layout}/synchronous")
+                if not record["complete"]:
+                    raise SystemExit(f"benchmarks.diloco: {run.key} in the {layout} layout "
+                                     f"failed, see {record['log']}")  # fmt: skip
+                runs[str(seed)] = {k: record[k] for k in (
+                    "arm", "seed", "updates", "heldout_updates", "heldout_loss", "wall_s", "log")}
+                write_result(args.out, results)
+                print(f"{layout} layout, {sync} seed {seed}: held-out "
+                      f"{[round(v, 4) for v in record['heldout_loss']]}", flush=True)  # fmt: skip
+            for rate in args.heterogeneous_rates:
+                link.set_rate(rate)
+                for slowdown, (factor, window) in slowdowns(args).items():
+                    where = ("" if layout == "rank" else f"replicas_{layout}/") + \
+                        f"slow{slowdown}/{rate}"
+                    for name in layout_arms(layout):
+                        cell = cells.setdefault(slowdown, {}).setdefault(rate, {})
+                        if name in cell:
+                            continue
+                        if name == "acco_until_ready":
+                            cell[name] = {"runs": train_on_link(
+                                name, best["acco"].lr, args, place, where, factor, window)}
+                        elif window is None:
+                            time_slowed(cells, place, rate, name, factor, where)
+                        else:  # waits for replica 1 in the window only: timed both ways
+                            time_slowed(cells, place, rate, name, 1.0, None)
+                            time_slowed(cells, place, rate, name, factor, None)
+                            cell[name] = {"timings": ["1x", f"{factor:g}x"]}
+                        if window is not None:
+                            cell[name]["slow_updates"] = list(window)
+                        write_result(args.out, results)
 
 
-def heterogeneous_summary(results: dict, seeds: Sequence[int]) -> dict:
-    """Per slowdown, link and arm, per seed: seconds to the synchronous arm's final held-out
-    loss and to its loss at ¾ of its run (:func:`targets`); acco_until_ready's from its own run
-    on the link (and an ``auto``'s that trained there), the others' updates to the target times
-    their slowed seconds per update. An ``auto`` whose slowed timing run chose another schedule
-    than its convergence run, and that has no run of its own there (a file from before), is not
-    timed (``schedule_differs``): its updates would not be the ones counted."""
+def straggler_seconds(updates: float, window: Sequence[int], fast_s: float,
+                      slow_s: float) -> float:  # fmt: skip
+    """Seconds to ``updates`` updates of an arm that waits for a replica slowed in updates
+    ``window`` (first, end) only: ``slow_s`` per update inside the window, ``fast_s`` outside."""
+    first, end = window
+    inside = max(0.0, min(updates, end) - first)
+    return updates * fast_s + inside * (slow_s - fast_s)
+
+
+def heterogeneous_summary(results: dict, seeds: Sequence[int],
+                          key: str = "heterogeneous") -> dict:  # fmt: skip
+    """Per slowdown, link and arm of ``results[key]`` (:func:`heterogeneous_key`), per seed:
+    seconds to the synchronous arm's final held-out loss and to its loss at ¾ of its run
+    (:func:`targets`); acco_until_ready's from its own run on the link (and an ``auto``'s that
+    trained there), the others' updates to the target times their slowed seconds per update
+    (for a straggler that recovers, :func:`straggler_seconds` from their unslowed and slowed
+    timings). An ``auto`` whose slowed timing run chose another schedule than its convergence
+    run, and that has no run of its own there (a file from before, or a straggler, whose
+    timings cannot say which schedule it would keep), is not timed (``schedule_differs``): its
+    updates would not be the ones counted."""
     table: dict = {}
-    for factor, by_rate in results.get("heterogeneous", {}).items():
+    cells_by_slowdown = results.get(key, {})
+    layout = next(name for name in REPLICA_LAYOUTS if heterogeneous_key(name) == key)
+    for slowdown, by_rate in cells_by_slowdown.items():
         for rate, cell in by_rate.items():
-            rows = table.setdefault(factor, {}).setdefault(rate, {})
+            rows = table.setdefault(slowdown, {}).setdefault(rate, {})
             for name, measured in cell.items():
                 row: dict = {"time_to_target_s": {}, "time_to_target_3q_s": {}}
+                timings = [cells_by_slowdown[k][rate][name] for k in measured.get("timings", ())]
                 if "update_s" in measured:
                     row["update_s"] = measured["update_s"]
+                elif timings:
+                    row["update_s_unslowed_slowed"] = [t["update_s"] for t in timings]
                 for seed in seeds:
-                    goals = targets(results, seed)
+                    goals = targets(results, seed, layout)
                     if goals is None:
                         continue
                     best = results["best"][str(seed)]
+                    ran = None
                     if name == "auto" and name in best and "runs" not in measured:
                         ran = results["convergence"][best[name]].get("auto_schedule")
-                        if ran != measured.get("auto_schedule"):
-                            row["schedule_differs"] = [ran, measured.get("auto_schedule")]
+                        chosen = [t.get("auto_schedule") for t in timings or [measured]]
+                        if not all(same_schedule(ran, c) for c in chosen):
+                            row["schedule_differs"] = [ran, *chosen]
+                    # the layout's synchronous curve for the arms that make its updates
+                    curve = layout_curve(results, layout, seed)
+                    synchronous = str(ran).startswith("synchronous")  # auto stayed so
+                    if curve is None or not (name in ("titan_ddp", "ddp") or synchronous):
+                        curve = None
                     for suffix, target in goals.items():
                         reached = None
                         if "runs" in measured and str(seed) in measured["runs"]:
                             run = measured["runs"][str(seed)]
                             reached = seconds_to(run, target)
                         elif name in best and "schedule_differs" not in row:
-                            updates, _ = updates_to_target(results, name, seed, target)
-                            reached = None if updates is None else updates * measured["update_s"]
+                            if curve is not None:
+                                row["curve"] = "the layout's synchronous run"
+                                updates = updates_to(curve["heldout_updates"],
+                                                     curve["heldout_loss"], target)  # fmt: skip
+                            else:
+                                updates, _ = updates_to_target(results, name, seed, target)
+                            if updates is not None and timings:
+                                reached = straggler_seconds(updates, measured["slow_updates"],
+                                                            *row["update_s_unslowed_slowed"])
+                            elif updates is not None:
+                                reached = updates * measured["update_s"]
                         row[f"time_to_target{suffix}_s"][seed] = reached
                 rows[name] = row
     return table
 
 
-def heterogeneous_markdown(results: dict) -> list[str]:
+def heterogeneous_markdown(results: dict, layout: str = "rank") -> list[str]:
     """The table of docs/when_acco_helps.md: per slowdown and link, each arm's seconds to the
     synchronous arm's ¾ and final held-out loss per seed, and which arm gets there first."""
-    table = results.get("heterogeneous_summary", {})
+    table = results.get(f"{heterogeneous_key(layout)}_summary", {})
     if not table:
         return []
     names = [n for n in HETEROGENEOUS_ARMS if any(n in rows for by_rate in table.values()
                                                   for rows in by_rate.values())]  # fmt: skip
-    lines = ["", "Replica 1 slowed: seconds to the synchronous arm's loss at ¾ of its run, and "
-             "to its final loss, per seed (n/r: not reached; n/c: not comparable):", "",
+    split = {"rank": "one rank a replica", "fsdp": "each replica 2 ranks, FSDP inside",
+             "tp": "each replica 2 ranks, TP inside"}[layout]  # fmt: skip
+    lines = ["", f"Replica 1 slowed ({split}): seconds to the synchronous arm's loss at ¾ of its "
+             "run, and to its final loss, per seed (n/r: not reached; n/c: not comparable):", "",
              f"| slowdown | link | {' | '.join(names)} | first to the ¾ loss, per seed |",
              "|---" * (len(names) + 3) + "|"]
     for factor, by_rate in table.items():
@@ -601,14 +790,15 @@ def heterogeneous_markdown(results: dict) -> list[str]:
             for name in names:
                 row = rows.get(name, {"time_to_target_3q_s": {}, "time_to_target_s": {}})
                 if "schedule_differs" in row:  # auto chose otherwise when slowed
-                    cells.append("n/c: ran {1} slowed, {0} in its convergence run".format(
-                        *row["schedule_differs"]))
+                    cells.append("n/c: ran {} slowed, {} in its convergence run".format(
+                        "/".join(map(str, row["schedule_differs"][1:])),
+                        row["schedule_differs"][0]))
                     continue
                 pairs = [f"{'n/r' if a is None else f'{a:.0f}'}, "
                          f"{'n/r' if b is None else f'{b:.0f}'}"
                          for a, b in zip(row["time_to_target_3q_s"].values(),
                                          row["time_to_target_s"].values())]  # fmt: skip
-                cells.append(" / ".join(pairs))
+                cells.append(" / ".join(pairs) or "not run")
             seeds = sorted({seed for row in rows.values() for seed in row["time_to_target_3q_s"]})
             for seed in seeds:
                 firsts.append(_first({n: rows[n]["time_to_target_3q_s"].get(seed)
@@ -635,13 +825,25 @@ def args_long(results: dict) -> int:
     return results["settings"].get("diloco_updates", 0)
 
 
-def targets(results: dict, seed: int) -> dict[str, float] | None:
+def layout_curve(results: dict, layout: str, seed: int) -> dict | None:
+    """The held-out curve of the synchronous arm trained unslowed with replicas split as
+    ``layout`` says, on ``seed`` (``--phase heterogeneous`` runs it); None for one rank a
+    replica (the convergence runs are that) or where it is missing. Every synchronous arm
+    (torchtitan's DDP or HSDP, the engine's ddp, ``auto`` where it stays synchronous) averages
+    the same sequences per update, so this is their curve in the layout: under FSDP its 4
+    data-parallel ranks read other sequences of the seed's stream than the convergence runs' 2,
+    which moves the held-out curve by a few percent (the result file holds both)."""
+    return results.get("layout_runs", {}).get(layout, {}).get(str(seed))
+
+
+def targets(results: dict, seed: int, layout: str = "rank") -> dict[str, float] | None:
     """The synchronous arm's held-out losses an arm is timed to on ``seed``: at the end of its
-    run (``""``) and at ¾ of it (``"_3q"``); None where its run is missing."""
+    run (``""``) and at ¾ of it (``"_3q"``), its run in ``layout`` where there is one
+    (:func:`layout_curve`); None where its run is missing."""
     keys = results.get("best", {}).get(str(seed), {})
     if TARGET_ARM not in keys:
         return None
-    sync = results["convergence"][keys[TARGET_ARM]]
+    sync = layout_curve(results, layout, seed) or results["convergence"][keys[TARGET_ARM]]
     three_quarters = sync["heldout_updates"].index(3 * sync["updates"] // 4)
     return {"": sync["heldout_loss"][-1], "_3q": sync["heldout_loss"][three_quarters]}
 
@@ -705,9 +907,14 @@ def report(results: dict, args: argparse.Namespace) -> None:
     """The summary into the result file, the two tables docs/when_acco_helps.md shows (markdown,
     printed), and the figure."""
     results["summary"] = summary(results, args.seeds)
-    results["heterogeneous_summary"] = heterogeneous_summary(results, args.seeds)
+    tables = markdown(results)
+    for layout in REPLICA_LAYOUTS:
+        key = heterogeneous_key(layout)
+        if key in results:
+            results[f"{key}_summary"] = heterogeneous_summary(results, args.seeds, key)
+            tables += heterogeneous_markdown(results, layout)
     write_result(args.out, results)
-    print("\n".join(markdown(results) + heterogeneous_markdown(results)))
+    print("\n".join(tables))
     plot(results, args.figure)
 
 
@@ -918,8 +1125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--check-arm", default="diloco_h20", choices=sorted(SWEPT_ARMS))
     add("--slow-factors", type=float, nargs="+", default=[2.0, 4.0],
         help="--phase heterogeneous: how many times slower replica 1 computes")
+    add("--straggler-factors", type=float, nargs="+", default=[],
+        help="--phase heterogeneous: replica 1 this many times slower in the middle third of "
+        "the run only (a straggler that recovers)")
     add("--heterogeneous-rates", nargs="+", default=["none"],
         help="--phase heterogeneous: the links (tc rates, or none)")
+    add("--replica-layouts", nargs="+", choices=list(REPLICA_LAYOUTS), default=["rank"],
+        help="--phase heterogeneous: one rank a replica, or two ranks split by FSDP or by TP "
+        "(each host's core runs its replica's ranks)")
     add("--check-rate", default="200mbit")
     harness.add_out_option(parser, "diloco_vs_acco")
     add("--figure", type=pathlib.Path, default=None,

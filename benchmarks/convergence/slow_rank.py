@@ -10,6 +10,8 @@
   on a CPU testbed a micro-batch that shares the cores with the communication thread (and the
   other rank) is slower, and multiplying that contention made the slow rank ~9x, not 4x, slower
   in acco rounds (0.17 s vs 0.08 s of compute at seq_len 64). Validation is never slowed.
+  ``ACCO_BENCH_SLOW_STEPS=first:end`` slows only the torchtitan steps ``first`` to ``end - 1``
+  (a straggler that recovers); unset, every step.
 * Micro-batch log: with ``ACCO_BENCH_STATS_DIR`` set, each micro-batch of every rank appends
   ``{"step", "tokens", "valid", "loss_sum", "compute_s", "sleep_s", "t"}`` to
   ``<dir>/microbatches_rank<R>.jsonl`` (line buffered: a killed run keeps what it did).
@@ -22,7 +24,12 @@
   validation stopped, which would mix model progress with text difficulty. Here every
   validation rewinds the validation dataset to its state at the first one: every validation
   of a run (and of every run with the same data, batch, seq_len and ranks) scores the same
-  batches.
+  batches. ``ACCO_BENCH_HELDOUT_RANKS=n``: every run scores the held-out batches of n
+  data-parallel ranks, whatever its own number: torchtitan gives each rank a contiguous block
+  of the set, so 4 ranks would score other batches than 2. Rank r of W reads block
+  ``r * n // W`` of n: with 4 ranks (two replicas of two FSDP ranks) ranks 0 and 1 score the
+  batches of the first of 2 and ranks 2 and 3 those of the second; the mean is the 2-rank
+  run's.
 
 Assumptions (torchtitan 0.2.2): ``Trainer.__init__`` imports the module on every rank before it
 builds the validator; the loop calls ``self.forward_backward_step(input_dict=..., labels=...,
@@ -45,14 +52,18 @@ from typing import Any, TextIO
 
 import torch
 from torch.distributed.tensor import DTensor
+from torchtitan.components import validate as validate_module
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import Validator
 from torchtitan.train import Trainer
 
-__all__ = ["SLOW_FACTOR_ENV", "SLOW_RANK_ENV", "STATS_DIR_ENV", "install"]
+__all__ = ["HELDOUT_RANKS_ENV", "SLOW_FACTOR_ENV", "SLOW_RANK_ENV", "SLOW_STEPS_ENV",
+           "STATS_DIR_ENV", "install"]
 
 SLOW_FACTOR_ENV = "ACCO_BENCH_SLOW_FACTOR"
 SLOW_RANK_ENV = "ACCO_BENCH_SLOW_RANK"
+SLOW_STEPS_ENV = "ACCO_BENCH_SLOW_STEPS"
+HELDOUT_RANKS_ENV = "ACCO_BENCH_HELDOUT_RANKS"
 STATS_DIR_ENV = "ACCO_BENCH_STATS_DIR"
 _PATCHED = "_acco_bench_slow_rank_patched"
 _HELDOUT_START = "_acco_bench_heldout_start"
@@ -93,8 +104,8 @@ def _row(trainer: Trainer, loss: Any, kwargs: dict[str, Any], compute_s: float,
     }
 
 
-def _wrap(original: Callable[..., Any], slow_factor: float, stats: TextIO | None
-          ) -> Callable[..., Any]:  # fmt: skip
+def _wrap(original: Callable[..., Any], slow_factor: float, slow_steps: range | None,
+          stats: TextIO | None) -> Callable[..., Any]:  # fmt: skip
     fastest_s = math.inf  # this rank's fastest forward+backward so far: its unloaded compute
 
     @functools.wraps(original)
@@ -104,7 +115,8 @@ def _wrap(original: Callable[..., Any], slow_factor: float, stats: TextIO | None
         loss = original(self, **kwargs)
         compute_s = time.perf_counter() - start
         fastest_s = min(fastest_s, compute_s)
-        sleep_s = (slow_factor - 1) * fastest_s if slow_factor > 1 else 0.0
+        slowed = slow_factor > 1 and (slow_steps is None or int(self.step) in slow_steps)
+        sleep_s = (slow_factor - 1) * fastest_s if slowed else 0.0
         if sleep_s > 0:
             time.sleep(sleep_s)
         if stats is not None:
@@ -132,6 +144,22 @@ def _rewind_before_each(validate: Callable[..., Any]) -> Callable[..., Any]:
     return validate_on_fixed_batches
 
 
+def _as_if_on(ranks: int, build: Callable[..., Any]) -> Callable[..., Any]:
+    """``build_text_validation_dataloader`` that reads the block of the set that rank
+    ``dp_rank * ranks // dp_world_size`` of ``ranks`` would (see the module docstring)."""
+
+    @functools.wraps(build)
+    def build_as_if_on(*args: Any, dp_world_size: int, dp_rank: int, **kwargs: Any) -> Any:
+        if dp_world_size % ranks:
+            raise ValueError(f"{HELDOUT_RANKS_ENV}={ranks} must divide the {dp_world_size} "
+                             "data-parallel ranks")  # fmt: skip
+        return build(*args, dp_world_size=ranks, dp_rank=dp_rank * ranks // dp_world_size,
+                     **kwargs)  # fmt: skip
+
+    setattr(build_as_if_on, _PATCHED, True)
+    return build_as_if_on
+
+
 def install() -> None:
     """Patch ``forward_backward_step`` (and an ACCOTrainer override) and ``Validator.validate``."""
     rank = int(os.environ.get("RANK", "0"))
@@ -139,8 +167,15 @@ def install() -> None:
     slow_factor = float(os.environ.get(SLOW_FACTOR_ENV, "1") or 1) if rank == slow_rank else 1.0
     if slow_factor < 1:
         raise ValueError(f"{SLOW_FACTOR_ENV}={slow_factor} must be >= 1")
+    slow_steps = None
+    if window := os.environ.get(SLOW_STEPS_ENV):
+        first, _, end = window.partition(":")
+        slow_steps = range(int(first), int(end))
     if not getattr(Validator.validate, _PATCHED, False):
         Validator.validate = _rewind_before_each(Validator.validate)
+    build = validate_module.build_text_validation_dataloader
+    if (ranks := os.environ.get(HELDOUT_RANKS_ENV)) and not getattr(build, _PATCHED, False):
+        validate_module.build_text_validation_dataloader = _as_if_on(int(ranks), build)
     stats = _open_stats(rank)
     if slow_factor == 1 and stats is None:
         return  # nothing to time or log: the training step stays torchtitan's own
@@ -155,7 +190,7 @@ def install() -> None:
     for cls in classes:
         method = vars(cls)["forward_backward_step"]
         if not getattr(method, _PATCHED, False):
-            cls.forward_backward_step = _wrap(method, slow_factor, stats)
+            cls.forward_backward_step = _wrap(method, slow_factor, slow_steps, stats)
 
 
 install()

@@ -4,13 +4,16 @@
 torchtitan's fault-tolerant trainer, lighthouse included, trains and is scored on the
 synchronized model; a job whose process fails, or that is interrupted, leaves no process; the
 time to a target loss is the updates to it (linear between held-out points) times the seconds
-per update; with one replica slowed, the slow factor reaches that replica alone, and the
-heterogeneous table takes acco_until_ready's time from its own run.
+per update; with one replica slowed (each replica one rank, or two on its host's core), the
+slow factor reaches that replica alone, for the whole run or a window of steps (a straggler
+that recovers), and the heterogeneous table takes acco_until_ready's time from its own run
+and a waiting arm's from its timings slowed and not.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import signal
@@ -96,24 +99,183 @@ def test_a_failed_group_ends_the_job_at_once_and_leaves_no_process(tmp_path) -> 
     assert _lighthouses() == before
 
 
+@pytest.mark.parametrize("layout", ["rank", "fsdp"])
 @pytest.mark.parametrize("arm", ["ddp", "streaming_diloco_h20"])
-def test_the_slow_factor_reaches_replica_1_alone(tmp_path, arm: str) -> None:
-    """Replica 1 is rank 1 of the two-rank arms and rank 0 of its own torchft group: either way
-    its process, and only it, gets the slow_rank hook's factor, naming its own rank."""
+def test_the_slow_factor_reaches_replica_1_alone(tmp_path, arm: str, layout: str) -> None:
+    """Replica 1 is host 1: rank 1 of the two-rank arms (ranks 2 and 3 with two ranks a
+    replica) and its own torchft group (a world of its own, ranks 0 and 1). Each of its
+    processes, and only they, get the slow_rank hook's factor and window, naming their own
+    rank; a replica's ranks share its host's core and know each other as local ranks."""
     code = textwrap.dedent(f"""
         import os, sys
         torchft = sys.argv[-2:-1] == ["--fault_tolerance.replica_id"]
-        replica = sys.argv[-1] if torchft else os.environ["RANK"]
-        seen = [os.environ.get(k, "-") for k in ("ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_SLOW_RANK")]
-        open(os.path.join({str(tmp_path)!r}, "replica" + replica), "w").write(
-            " ".join([*seen, os.environ["RANK"]]))
+        seen = [os.environ.get(k, "-") for k in (
+            "ACCO_BENCH_SLOW_FACTOR", "ACCO_BENCH_SLOW_RANK", "ACCO_BENCH_SLOW_STEPS")]
+        name = f"rank{{os.environ['RANK']}}" + (f"_group{{sys.argv[-1]}}" if torchft else "")
+        open(os.path.join({str(tmp_path)!r}, name), "w").write(" ".join(
+            [*seen, os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
+             os.environ["LOCAL_WORLD_SIZE"]]))
     """)
     status, _ = diloco.launch_job(diloco.ARMS[arm], [sys.executable, "-c", code], {},
-                                  diloco.Place(), tmp_path, timeout_s=60, slow_factor=4.0)  # fmt: skip
+                                  diloco.Place(layout=layout), tmp_path, timeout_s=60,
+                                  slow_factor=4.0, slow_steps=(5, 9))  # fmt: skip
     assert status == 0
-    written = {p.name: p.read_text() for p in tmp_path.glob("replica*")}
-    rank1 = "0" if diloco.ARMS[arm].diloco else "1"  # a torchft group is a world of its own
-    assert written == {"replica0": "- - 0", "replica1": f"4 {rank1} {rank1}"}
+    written = {p.name: p.read_text() for p in tmp_path.glob("rank*")}
+    per_host = 1 if layout == "rank" else 2
+    expected = {}
+    for host in (0, 1):
+        for local in range(per_host):
+            if diloco.ARMS[arm].diloco:  # a torchft group: a world of its own on its host
+                name, rank, world = f"rank{local}_group{host}", local, per_host
+            else:
+                rank, world = host * per_host + local, 2 * per_host
+                name = f"rank{rank}"
+            slowed = f"4 {rank} 5:9" if host == 1 else "- - -"
+            expected[name] = f"{slowed} {world} {local} {per_host}"
+    assert written == expected
+
+
+def test_the_slow_rank_sleeps_in_its_window_alone(tmp_path) -> None:
+    """``ACCO_BENCH_SLOW_STEPS=3:5``: the slow rank's micro-batches of steps 3 and 4 sleep (3x
+    its fastest compute), those before and after do not; the micro-batch log says so."""
+    code = textwrap.dedent("""
+        import time, torch
+        from torchtitan.train import Trainer
+        def forward_backward_step(self, **kwargs):  # torchtitan's, 20 ms of compute
+            time.sleep(0.02)
+            return torch.tensor(1.0)
+        Trainer.forward_backward_step = forward_backward_step
+        import benchmarks.convergence.slow_rank  # patches it, as custom_import does
+        class Stub:
+            step = 0
+        trainer = Stub()
+        for trainer.step in range(1, 7):
+            Trainer.forward_backward_step(trainer, labels=torch.zeros(1, 8, dtype=torch.long))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1", "ACCO_BENCH_SLOW_RANK": "1",
+           "ACCO_BENCH_SLOW_FACTOR": "4", "ACCO_BENCH_SLOW_STEPS": "3:5",
+           "ACCO_BENCH_STATS_DIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "microbatches_rank1.jsonl").open()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    slept = {row["step"]: row["sleep_s"] for row in rows}
+    assert all(slept[step] == 0 for step in (1, 2, 5, 6)), slept
+    assert all(slept[step] >= 3 * 0.02 for step in (3, 4)), slept
+
+
+def test_every_layout_scores_the_held_out_batches_of_one_rank_a_replica() -> None:
+    """With ``ACCO_BENCH_HELDOUT_RANKS=2`` a run of 4 data-parallel ranks (two replicas of two
+    FSDP ranks) builds each rank's validation data as rank 0 or 1 of 2 would: ranks 0 and 1
+    the first block, 2 and 3 the second, so their mean is the 2-rank run's held-out loss; a
+    world it does not divide is refused."""
+    code = textwrap.dedent("""
+        from torchtitan.components import validate
+        seen = []
+        validate.build_text_validation_dataloader = (
+            lambda **kw: seen.append((kw["dp_rank"], kw["dp_world_size"])))
+        import benchmarks.convergence.slow_rank  # patches it, as custom_import does
+        for rank in range(4):
+            validate.build_text_validation_dataloader(dp_world_size=4, dp_rank=rank, job_config=None)
+        print(seen)
+        validate.build_text_validation_dataloader(dp_world_size=3, dp_rank=0)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ACCO_BENCH_HELDOUT_RANKS": "2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.strip() == "[(0, 2), (0, 2), (1, 2), (1, 2)]", done.stderr[-3000:]
+    assert "ACCO_BENCH_HELDOUT_RANKS=2 must divide the 3 data-parallel ranks" in done.stderr
+
+
+def test_a_straggler_slows_the_waiting_arms_inside_its_window_alone() -> None:
+    """A replica slowed for updates 40-80 of 120: an arm that waits for it takes its slowed
+    seconds per update there and its unslowed ones elsewhere; the summary times such an arm
+    from its two timing runs, and acco_until_ready from its own run."""
+    assert diloco.straggler_seconds(30, (40, 80), 1.0, 3.0) == 30.0
+    assert diloco.straggler_seconds(60, (40, 80), 1.0, 3.0) == 60.0 + 20 * 2.0
+    assert diloco.straggler_seconds(100, (40, 80), 1.0, 3.0) == 100.0 + 40 * 2.0
+    args = argparse.Namespace(updates=120, slow_factors=[2.0], straggler_factors=[4.0])
+    assert diloco.slowdowns(args) == {"2x": (2.0, None), "4x_middle_third": (4.0, (40, 80))}
+    updates, losses = [1, 30, 60, 90, 120], [8.0, 6.0, 5.0, 4.7, 4.6]
+    results = {
+        "settings": {"diloco_updates": 0},
+        "convergence": {"sync": {"arm": "titan_ddp", "heldout_updates": updates,
+                                 "heldout_loss": losses, "updates": 120, "complete": True}},
+        "best": {"0": {"titan_ddp": "sync"}},
+        "heterogeneous_fsdp": {
+            "1x": {"650mbit": {"titan_ddp": {"update_s": 1.0}}},
+            "4x": {"650mbit": {"titan_ddp": {"update_s": 3.0}}},
+            "4x_middle_third": {"650mbit": {
+                "titan_ddp": {"timings": ["1x", "4x"], "slow_updates": [40, 80]},
+                "acco_until_ready": {"slow_updates": [40, 80], "runs": {"0": {
+                    "heldout_updates": updates, "heldout_loss": [8.0, 5.8, 4.9, 4.65, 4.55],
+                    "training_s": {"30": 40.0, "60": 100.0, "90": 120.0, "120": 140.0}}}},
+            }},
+        },
+    }  # fmt: skip
+    rows = diloco.heterogeneous_summary(results, [0], "heterogeneous_fsdp")["4x_middle_third"]
+    rows = rows["650mbit"]
+    # the targets: 4.7 at update 90 (¾ of the run) and 4.6 at 120, each after the whole window
+    assert rows["titan_ddp"]["time_to_target_s"][0] == pytest.approx(120 + 40 * 2.0)
+    assert rows["titan_ddp"]["time_to_target_3q_s"][0] == pytest.approx(90 + 40 * 2.0)
+    assert rows["titan_ddp"]["update_s_unslowed_slowed"] == [1.0, 3.0]
+    # 4.6 between 120 s (4.65) and 140 s (4.55); 4.7 between 100 s (4.9) and 120 s (4.65)
+    assert rows["acco_until_ready"]["time_to_target_s"][0] == pytest.approx(130.0)
+    assert rows["acco_until_ready"]["time_to_target_3q_s"][0] == pytest.approx(116.0)
+    results["heterogeneous_fsdp_summary"] = {"4x_middle_third": {"650mbit": rows}}
+    table = "\n".join(diloco.heterogeneous_markdown(results, "fsdp"))
+    assert "each replica 2 ranks, FSDP inside" in table
+    assert ("| 4x_middle_third | 650mbit | 170, 200 | 116, 130 | acco_until_ready, 1.47x before "
+            "titan_ddp |") in table
+
+
+def test_a_layout_is_timed_against_its_own_synchronous_run() -> None:
+    """Where the layout's synchronous arm trained unslowed in full, its held-out curve gives
+    the layout's targets and the synchronous arms' updates to them (the data-parallel ranks of
+    a layout read other sequences than the convergence runs'); DiLoCo keeps its own curve."""
+    updates = [1, 30, 60, 90, 120]
+    record = lambda arm, losses: {"arm": arm, "heldout_updates": updates,  # noqa: E731
+                                  "heldout_loss": losses, "updates": 120, "complete": True}
+    results = {
+        "settings": {"diloco_updates": 0},
+        "convergence": {"sync": record("titan_ddp", [8.0, 6.0, 5.0, 4.7, 4.6]),
+                        "ddp": record("ddp", [8.0, 6.0, 5.0, 4.7, 4.6]),
+                        "sd": record("streaming_diloco_h20", [8.0, 6.5, 5.5, 4.9, 4.7])},
+        "best": {"0": {"titan_ddp": "sync", "ddp": "ddp", "streaming_diloco_h20": "sd"}},
+        "layout_runs": {"fsdp": {"0": record("titan_ddp", [8.0, 6.0, 5.0, 4.8, 4.5])}},
+        "heterogeneous_fsdp": {"4x": {"650mbit": {
+            "ddp": {"update_s": 2.0}, "streaming_diloco_h20": {"update_s": 1.0}}}},
+    }  # fmt: skip
+    rows = diloco.heterogeneous_summary(results, [0], "heterogeneous_fsdp")["4x"]["650mbit"]
+    # the layout's targets: 4.8 at update 90, 4.5 at 120, both reached there by its own curve
+    assert rows["ddp"]["time_to_target_3q_s"][0] == pytest.approx(90 * 2.0)
+    assert rows["ddp"]["time_to_target_s"][0] == pytest.approx(120 * 2.0)
+    assert rows["ddp"]["curve"] == "the layout's synchronous run"
+    # DiLoCo's own curve: 4.8 between 4.9 (90) and 4.7 (120); 4.5 never
+    assert rows["streaming_diloco_h20"]["time_to_target_3q_s"][0] == pytest.approx(105.0)
+    assert rows["streaming_diloco_h20"]["time_to_target_s"][0] is None
+
+
+def test_a_layouts_jobs_split_each_replica_and_start_from_the_unsharded_weights(
+    monkeypatch,
+) -> None:  # fmt: skip
+    """torchtitan's DDP composes with no other parallelism: under TP the waiting arms are the
+    engine's (ddp, auto). Every job splits each replica as its layout says, and a torchtitan
+    job starts from the seed's weights as one unsharded process makes them (a DiLoCo group
+    initializes itself: it is only timed in a layout)."""
+    assert "titan_ddp" not in diloco.layout_arms("tp")
+    assert diloco.layout_arms("fsdp") == diloco.HETEROGENEOUS_ARMS
+    monkeypatch.setattr(diloco, "seed_checkpoint", lambda seed: pathlib.Path(f"/seed{seed}"))
+    argv = diloco.job_argv("acco_until_ready", diloco.Run("acco_until_ready", 1e-3, 3), 4,
+                           pathlib.Path("/tmp/x"), layout="tp")  # fmt: skip
+    assert argv[-6:] == ["--parallelism.tensor_parallel_degree", "2", "--checkpoint.enable",
+                         "--checkpoint.load_only", "--checkpoint.initial_load_path", "/seed3"]
+    ft = diloco.job_argv("streaming_diloco_h20", diloco.Run("streaming_diloco_h20", 1e-3, 3), 4,
+                         pathlib.Path("/tmp/x"), layout="fsdp")  # fmt: skip
+    assert "--parallelism.data_parallel_shard_degree" in ft and "--checkpoint.enable" not in ft
+    plain = diloco.job_argv("acco", diloco.Run("acco", 1e-3, 3), 4, pathlib.Path("/tmp/x"))
+    assert "--checkpoint.enable" not in plain  # one rank a replica: as the convergence runs
 
 
 def test_ctrl_c_ends_every_process_of_the_job(tmp_path) -> None:
