@@ -23,6 +23,11 @@ communication.
   synchronous run never overlaps, so its ``2K + C`` uses the undisturbed ``K``.
 * ``C``, the communication job's time on the communication thread.
 * the round time ``T`` ACCO actually takes (round end to round end).
+* the slowest and the fastest rank's compute per micro-batch, over the ranks that hold the same
+  part of the model (one small collective in each of the first rounds). Where they differ,
+  every round waits for the slowest rank, and the faster ranks' ``C`` holds that wait: their
+  advisor would take unequal ranks for a slow link. The advice is then
+  ``accumulate_until_ready``.
 
 ``predicted_speedup = (2K + C) / (2T)``: synchronous ZeRO-1 as the law prices it against ACCO
 as measured, so imperfect overlap is included. ``ideal_speedup`` is the law itself, the
@@ -33,6 +38,7 @@ when ACCO does not pay, a WARNING line with what to change.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +53,10 @@ logger = logging.getLogger("acco_hooks")
 
 # Rounds ignored while the process warms up (allocations, the first collectives), then measured.
 WARMUP_ROUNDS, MEASURED_ROUNDS = 2, 4
+# The slowest rank's compute per micro-batch over the fastest's from which the advisor calls
+# the ranks unequal. Equal GPUs of one kind differ by a few percent; the kinds a mixed cluster
+# holds differ by 2-3x (an H100 beside an A100), a throttled or shared node by tens of percent.
+UNEQUAL_SPEED = 1.3
 
 # Where C > 2K and the batch cannot grow, communicating less often is the alternative: in the
 # project's comparison (benchmarks/diloco.py; the regime map in docs/when_acco_helps.md)
@@ -94,37 +104,57 @@ class Advisor:
         microbatches_per_update: the micro-batches of a real update (what ``auto`` splits).
         estimate_fractions: α of each estimate format ``auto`` may send (its share of the
             update's bytes), by name.
+        until_ready: the engine runs with ``accumulate_until_ready``: faster ranks do not wait
+            for the slowest, so unequal speeds need no advice.
     """
 
     __slots__ = (
         "accumulation_steps", "overlapping", "microbatches_per_update", "estimate_fractions",
-        "report",
-        # measurements: undisturbed micro-batches, any micro-batch, rounds, communications
+        "until_ready", "report",
+        # measurements: undisturbed micro-batches, any micro-batch, rounds, communications,
+        # this round's micro-batches, each round's slowest and fastest rank
         "_quiet_microbatch", "_microbatch", "_round", "_round_microbatches", "_comm",
+        "_this_round", "_speed_range",
         "figures",
     )  # fmt: skip
+
+    # the rounds whose figures the advisor reads: the engine sends each rank's compute per
+    # micro-batch to a collective in these (``take_round_compute``)
+    rounds_measured = WARMUP_ROUNDS + MEASURED_ROUNDS
 
     def __init__(
         self, accumulation_steps: int, overlapping: bool = True,
         microbatches_per_update: int | None = None,
-        estimate_fractions: dict[str, float] | None = None,
+        estimate_fractions: dict[str, float] | None = None, until_ready: bool = False,
     ) -> None:  # fmt: skip
         self.accumulation_steps = accumulation_steps
         self.overlapping = overlapping
         self.microbatches_per_update = microbatches_per_update or accumulation_steps
         self.estimate_fractions = estimate_fractions or {"float32": 1.0}
+        self.until_ready = until_ready
         self.report = not dist.is_initialized() or dist.get_rank() == 0  # one line per job
         self._quiet_microbatch: list[float] = []
         self._microbatch: list[float] = []
         self._round: list[float] = []
         self._round_microbatches: list[int] = []
         self._comm: list[float] = []
+        self._this_round: list[float] = []
+        self._speed_range: list[tuple[float, float] | None] = []
         self.figures: dict[str, float] = {}
 
     def record_microbatch(self, seconds: float, communicating: bool) -> None:
         """One micro-batch's time; ``communicating``: a communication was in flight meanwhile."""
         if not self.figures:
             (self._microbatch if communicating else self._quiet_microbatch).append(seconds)
+            self._this_round.append(seconds)
+
+    def take_round_compute(self) -> float:
+        """This rank's mean compute per micro-batch in the round that ends (NaN if none was
+        timed), for the collective that finds the slowest and the fastest rank; the next
+        round starts counting afresh."""
+        seconds = statistics.fmean(self._this_round) if self._this_round else math.nan
+        self._this_round = []
+        return seconds
 
     def record_round(self, seconds: float, microbatches: int) -> None:
         """One round's time, round end to round end, and its micro-batches on this rank."""
@@ -133,10 +163,13 @@ class Advisor:
             self._round_microbatches.append(microbatches)
             self._maybe_conclude()
 
-    def record_comm(self, seconds: float) -> None:
-        """One round's communication job, timed on the communication thread."""
+    def record_comm(self, seconds: float,
+                    speed_range: tuple[float, float] | None = None) -> None:  # fmt: skip
+        """One round's communication job, timed on the communication thread, and the slowest
+        and the fastest rank's compute per micro-batch in that round (None: not measured)."""
         if not self.figures:
             self._comm.append(seconds)
+            self._speed_range.append(speed_range)
             self._maybe_conclude()
 
     def _maybe_conclude(self) -> None:
@@ -156,6 +189,11 @@ class Advisor:
             "predicted_speedup": measured_acco if self.overlapping else ideal,
             "ideal_speedup": ideal,
         }  # fmt: skip
+        ranges = [r for r in self._speed_range[WARMUP_ROUNDS:needed] if r is not None]
+        if ranges:  # several ranks: each round's slowest and fastest, their medians
+            slowest = statistics.median(r[0] for r in ranges)
+            fastest = statistics.median(r[1] for r in ranges)
+            self.figures["slowest_over_fastest"] = slowest / fastest if fastest > 0 else 1.0
         if self.report:
             logger.info("%s", self.advice())
             suggestion = self.suggestion()
@@ -172,10 +210,12 @@ class Advisor:
         token against synchronous ZeRO-1 over the same tokens; the law's ceiling is 1.5 at
         comm = compute). The same figures go to the metrics (``figures``)."""
         figures = self.figures
+        spread = figures.get("slowest_over_fastest")
         return (f"acco advisor: compute_per_round={figures['compute_per_round_s']:.4f}s "
                 f"comm_per_round={figures['comm_per_round_s']:.4f}s "
                 f"predicted_speedup={figures['predicted_speedup']:.2f} "
-                f"round={figures['round_s']:.4f}s ideal_speedup={figures['ideal_speedup']:.2f}")
+                f"round={figures['round_s']:.4f}s ideal_speedup={figures['ideal_speedup']:.2f}"
+                + ("" if spread is None else f" slowest_over_fastest={spread:.2f}"))
 
     def finding(self) -> str | None:
         """One line when ACCO is slower than synchronous ZeRO-1 here, with the fix; else None."""
@@ -184,6 +224,19 @@ class Advisor:
         speedup, ideal = figures["predicted_speedup"], figures["ideal_speedup"]
         per_microbatch = compute / max(self.accumulation_steps, 1)
         steps = max(1, round(comm / per_microbatch)) if per_microbatch > 0 else 1
+        spread = figures.get("slowest_over_fastest", 1.0)
+        if spread >= UNEQUAL_SPEED and not self.until_ready:
+            # before the slow-link advice: a faster rank's C holds its wait for the slowest.
+            # A cap of k x spread gives the fastest rank its speed's share of an update.
+            cap = math.ceil(self.accumulation_steps * spread)
+            return (f"acco advisor: the ranks compute at unequal speed: the slowest rank's "
+                    f"micro-batch takes {spread:.1f}x the fastest's, and every round waits for "
+                    "it (on a faster rank comm_per_round holds that wait). Set "
+                    f"accumulate_until_ready=True, with max_microbatches_per_round={cap} for "
+                    "an update as large as one split to the ranks' speeds: the faster ranks "
+                    "then run micro-batches while the round communicates, and each update "
+                    "weighs every one of them (docs/when_acco_helps.md, 'heterogeneous "
+                    "workers'; each micro-batch must hold independent samples)")  # fmt: skip
         if ideal < 1.0:
             return (f"acco advisor: ACCO is slower here ({speedup:.2f}x synchronous per token): "
                     f"a round communicates {comm / max(compute, 1e-12):.1f}x as long as it "

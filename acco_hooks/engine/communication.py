@@ -58,6 +58,7 @@ import dataclasses
 import datetime
 import enum
 import logging
+import math
 import queue
 import threading
 import time
@@ -523,6 +524,9 @@ class RoundResult(NamedTuple):
     unit_weights: bool = True  # every micro-batch of every rank's payload weighed exactly 1
     # parameters no rank got a gradient for (``RoundPlan.arrived``): nothing was stepped
     untrained: tuple[str, ...] = ()
+    # the advisor's first rounds: the slowest and the fastest rank's compute per micro-batch
+    # over the count group (``microbatch_speed_range``); None in the other rounds
+    microbatch_s_range: tuple[float, float] | None = None
 
 
 def round_weights(
@@ -536,14 +540,39 @@ def round_weights(
     return torch.tensor([local_count, flag, *(arrived or ())], dtype=torch.float64, device=device)
 
 
+def microbatch_speed_range(
+    seconds: float, group: dist.ProcessGroup, device: torch.device,
+) -> tuple[float, float] | None:  # fmt: skip
+    """The slowest and the fastest compute per micro-batch over ``group`` (one MAX all-reduce).
+
+    Args:
+        seconds: this rank's mean compute per micro-batch in the round; NaN if it timed none.
+        group: the ranks that hold the same part of the model (the count group): their
+            micro-batches are the same work, so their times differ only by their speed.
+        device: where the collective's tensor lives.
+
+    Returns:
+        ``(slowest, fastest)`` seconds, or None if no rank timed a micro-batch.
+    """
+    timed = not math.isnan(seconds)
+    both = torch.tensor([seconds if timed else -math.inf, -seconds if timed else -math.inf],
+                        dtype=torch.float64, device=device)  # fmt: skip
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    slowest, fastest = both[0].item(), -both[1].item()
+    return None if slowest == -math.inf else (slowest, fastest)
+
+
 def communicate(
     plan: RoundPlan, buffers: list[GroupBuffers], groups: EngineGroups,
     optimizer: torch.optim.Optimizer, lr_scheduler: Any, max_grad_norm: float | None,
+    microbatch_s: float | None = None,
 ) -> RoundResult:  # fmt: skip
     """reduce-scatter -> average -> clip -> step or estimate -> all-gather, as ``plan`` says.
 
     Without ``plan.carry``, an acco update round's payload holds both rounds' sum already (the
-    accumulators were not zeroed after a narrow estimate).
+    accumulators were not zeroed after a narrow estimate). ``microbatch_s``: in the advisor's
+    first rounds (every rank of the count group passes one in the same rounds), this rank's
+    compute per micro-batch, from which the slowest and the fastest rank's are found.
     """
     job, wire = plan.job, plan.wire
     start = time.perf_counter()
@@ -582,6 +611,9 @@ def communicate(
     counts = torch.cat([weights[:1], weights.new_tensor([0.0 if finite else 1.0]), weights[1:]])
     if groups.count is not None:
         dist.all_reduce(counts, group=groups.count)
+    speeds = None
+    if microbatch_s is not None and groups.count is not None:
+        speeds = microbatch_speed_range(microbatch_s, groups.count, device)
     round_count, nonfinite = counts[0].item(), counts[1].item() > 0
     unit_weights = counts[2].item() == 0
     names = [name for g in buffers for name in g.names]
@@ -610,7 +642,7 @@ def communicate(
             with record_function("acco::all_gather"):
                 all_gather_shards(buffers, groups)
         return RoundResult(global_count, None, nonfinite, False, time.perf_counter() - start,
-                           wire is not None, choice, unit_weights, untrained)  # fmt: skip
+                           wire is not None, choice, unit_weights, untrained, speeds)  # fmt: skip
     if global_count <= 0:
         raise RuntimeError(
             "acco_hooks: no rank contributed a micro-batch to this round (the global count "
@@ -651,14 +683,15 @@ def communicate(
                 all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
                                       g.encoded_shard, g.wire_tail, groups.data)  # fmt: skip
         return RoundResult(global_count, grad_norm, False, False, time.perf_counter() - start,
-                           True, choice, unit_weights)  # fmt: skip
+                           True, choice, unit_weights, (), speeds)  # fmt: skip
     else:
         with record_function("acco::estimate_step"):
             peek(optimizer, _estimate_outputs(buffers, "gather_input"))
     with record_function("acco::all_gather"):
         all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
-                       time.perf_counter() - start, False, choice, unit_weights)  # fmt: skip
+                       time.perf_counter() - start, False, choice, unit_weights, (),
+                       speeds)  # fmt: skip
 
 
 def _estimate_outputs(buffers: list[GroupBuffers], name: str) -> list[Tensor]:

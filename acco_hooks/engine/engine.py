@@ -216,8 +216,9 @@ class ACCOEngine:
         "grads_received", "_grads_counted",
         "last_wait_s", "last_round_microbatches", "last_global_count", "last_grad_norm",
         "last_round_lr", "step_boundary",
-        # The advisor, and the clock that times each micro-batch and round for it and for auto
-        "advisor", "_clock",
+        # The advisor, the clock that times each micro-batch and round for it and for auto,
+        # and the rounds this process launched (the advisor's first ones measure every rank)
+        "advisor", "_clock", "_rounds_launched_here",
     )  # fmt: skip
 
     def __init__(
@@ -360,8 +361,12 @@ class ACCOEngine:
             microbatches_per_update=settings.accumulation_steps
             * (2 if settings.mode is Mode.ACCO else 1),
             estimate_fractions=fractions or None,
+            until_ready=settings.accumulate_until_ready,
         )  # fmt: skip
         self._clock = MicrobatchClock()
+        # Rounds this process launched: the advisor's first ones carry each rank's compute per
+        # micro-batch to a collective, and every rank of the count group counts them alike.
+        self._rounds_launched_here = 0
         self.last_wait_s, self.last_round_microbatches = 0.0, 0
         self.last_global_count, self.last_grad_norm = 0.0, None
         # The learning rate (first parameter group) of the update the last round's gradients
@@ -747,10 +752,14 @@ class ACCOEngine:
             if not plan.keeps_accumulator:
                 g.accumulator.zero_()
         # 3. launch: reduce-scatter -> step or Peek -> all-gather, on the worker thread
+        microbatch_s = None
+        if self._rounds_launched_here < self.advisor.rounds_measured:
+            microbatch_s = self.advisor.take_round_compute()  # slowest and fastest rank's
         future = self._worker.submit(
             communicate, plan, self._buffers, self._groups, self.optimizer, self.lr_scheduler,
-            self.settings.max_grad_norm,
+            self.settings.max_grad_norm, microbatch_s,
         )  # fmt: skip
+        self._rounds_launched_here += 1
         self._in_flight = RoundInFlight(future, plan, plan.round_index)
         self.last_round_microbatches = rounds.round_launched(plan)
         # its own result is the next parameters; a torchft group that took a live group's
@@ -844,7 +853,7 @@ class ACCOEngine:
     def _take_result(self, result: RoundResult, flight: RoundInFlight) -> None:
         self.last_global_count, self.last_grad_norm = result.global_count, result.grad_norm
         self.rounds.take_result(result, flight.plan)
-        self.advisor.record_comm(result.comm_s)
+        self.advisor.record_comm(result.comm_s, result.microbatch_s_range)
         if result.untrained:
             message = (
                 f"acco_hooks: no rank computed a gradient for {name_some(list(result.untrained))} "

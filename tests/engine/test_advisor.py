@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from acco_hooks import ACCOOptimizer
-from acco_hooks.engine.advisor import Advisor, predicted_speedup
+from acco_hooks.engine.advisor import UNEQUAL_SPEED, Advisor, predicted_speedup
+from tests.dist_utils import run_distributed
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -172,6 +173,77 @@ def test_a_front_end_that_marks_its_micro_batches_times_those_alone() -> None:
     opt.close()
     per_microbatch = opt.engine.advisor.figures["compute_per_round_s"] / 4
     assert per_microbatch >= 0.02, opt.engine.advisor.figures
+
+
+def _feed_ranks(advisor: Advisor, slowest_s: float, fastest_s: float, comm_s: float) -> None:
+    """6 rounds of 4 micro-batches of ``fastest_s`` on this rank, each round's slowest and
+    fastest rank as the engine's collective reports them."""
+    for _ in range(6):
+        for _ in range(4):
+            advisor.record_microbatch(fastest_s, communicating=True)
+        advisor.take_round_compute()
+        advisor.record_comm(comm_s, (slowest_s, fastest_s))
+        advisor.record_round(max(comm_s, 4 * slowest_s), microbatches=4)
+
+
+def test_ranks_of_unequal_speed_are_told_to_accumulate_until_ready() -> None:
+    """A fast rank's C holds its wait for the slowest rank: with ranks 2x apart the advice is
+    accumulate_until_ready, not the slow link's (more accumulation, DiLoCo), although this
+    rank's C is 3x its K; under accumulate_until_ready, or with ranks of one speed, it is not."""
+    advisor = Advisor(accumulation_steps=4)
+    _feed_ranks(advisor, slowest_s=0.5, fastest_s=0.25, comm_s=3.0)
+    assert advisor.figures["slowest_over_fastest"] == pytest.approx(2.0)
+    assert advisor.advice().endswith(" slowest_over_fastest=2.00")
+    finding = advisor.finding()
+    assert "unequal speed" in finding and "2.0x the fastest's" in finding
+    assert "accumulate_until_ready=True" in finding and "DiLoCo" not in finding
+    assert "max_microbatches_per_round=8" in finding  # 4 a round, the fastest 2x the slowest
+    until_ready = Advisor(accumulation_steps=4, until_ready=True)
+    _feed_ranks(until_ready, slowest_s=0.5, fastest_s=0.25, comm_s=3.0)
+    assert "accumulate_until_ready" not in (until_ready.finding() or "")
+    assert "DiLoCo" in until_ready.finding()  # its slow-link advice stands
+    equal = Advisor(accumulation_steps=4)
+    _feed_ranks(equal, slowest_s=0.25 * (UNEQUAL_SPEED - 0.05), fastest_s=0.25, comm_s=0.5)
+    assert equal.finding() is None
+
+
+def unequal_ranks(rank: int, world_size: int, until_ready: bool) -> tuple[dict, list[str]]:
+    """Rank 1 computes 6x as long as rank 0 (a sleep inside its marked micro-batch): this rank's
+    advisor figures and the advisor lines it logged at WARNING."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = ACCOOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", accumulation_steps=2,
+                        accumulate_until_ready=until_ready,
+                        max_microbatches_per_round=4 if until_ready else None,
+                        lr=1e-3)  # fmt: skip
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("acco_hooks").addHandler(handler)
+    try:
+        while opt.engine.rounds.round_index < 10:
+            opt.engine.start_microbatch()
+            time.sleep(0.02 if rank == 0 else 0.12)
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+        opt.close()
+    finally:
+        logging.getLogger("acco_hooks").removeHandler(handler)
+    return dict(opt.engine.advisor.figures), [m for m in lines if m.startswith("acco advisor:")]
+
+
+@pytest.mark.parametrize("until_ready", [False, True])
+def test_the_engine_finds_a_slower_rank_and_names_accumulate_until_ready(until_ready) -> None:
+    """Two gloo ranks, rank 1 6x slower per micro-batch: both ranks' advisors read the slowest
+    and the fastest rank's compute from the engine's collective, and rank 0 (which reports)
+    warns with accumulate_until_ready unless the engine runs with it."""
+    (figures0, lines0), (figures1, lines1) = run_distributed(
+        "tests.engine.test_advisor:unequal_ranks", 2, until_ready)
+    for figures in (figures0, figures1):
+        assert figures["slowest_over_fastest"] >= 2.0, figures  # 0.12 s against 0.02 s
+    assert lines1 == []  # rank 0 reports for the job
+    named = [line for line in lines0 if "accumulate_until_ready=True" in line]
+    assert len(named) == (0 if until_ready else 1), lines0
 
 
 def _firsts(rows: dict) -> set[str]:
