@@ -306,9 +306,10 @@ def seed_checkpoint(seed: int) -> pathlib.Path:
     ``--checkpoint.create_seed_checkpoint``; made once, then kept under the work folder).
 
     A run whose replicas are split by FSDP or TP starts from them: torchtitan initializes a
-    sharded model with other random values than a whole one (the same seed gave a held-out
-    loss of 7.936 under FSDP and 7.940 under TP before the first update, 7.902 whole), so a
-    layout's runs would not start where the convergence runs of one rank a replica did."""
+    sharded model with other random values than a whole one (the engine's ddp under TP, whose
+    ranks read the data of one rank a replica, scored 7.940 after its first update against
+    7.902 whole; started from this checkpoint, 7.902 and after 5 updates the same 6.591), so
+    a layout's runs would not start where the convergence runs of one rank a replica did."""
     dump = WORKDIR / "seed_checkpoints" / f"seed{seed}"
     path = dump / "checkpoint" / "step-0"
     if path.is_dir():
