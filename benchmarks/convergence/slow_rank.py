@@ -173,9 +173,16 @@ def install() -> None:
         slow_steps = range(int(first), int(end))
     if not getattr(Validator.validate, _PATCHED, False):
         Validator.validate = _rewind_before_each(Validator.validate)
-    build = validate_module.build_text_validation_dataloader
-    if (ranks := os.environ.get(HELDOUT_RANKS_ENV)) and not getattr(build, _PATCHED, False):
-        validate_module.build_text_validation_dataloader = _as_if_on(int(ranks), build)
+    if ranks := os.environ.get(HELDOUT_RANKS_ENV):
+        # looked up only when asked for: importing this module's names (benchmarks/diloco.py
+        # does) must not need torchtitan 0.2.2's validation builder
+        build = getattr(validate_module, "build_text_validation_dataloader", None)
+        if build is None:
+            raise RuntimeError(f"{HELDOUT_RANKS_ENV} needs torchtitan 0.2.2's "
+                               "build_text_validation_dataloader; install torchtitan==0.2.2 "
+                               "(bash scripts/setup.sh) or unset it")  # fmt: skip
+        if not getattr(build, _PATCHED, False):
+            validate_module.build_text_validation_dataloader = _as_if_on(int(ranks), build)
     stats = _open_stats(rank)
     if slow_factor == 1 and stats is None:
         return  # nothing to time or log: the training step stays torchtitan's own
