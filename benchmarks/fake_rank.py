@@ -84,7 +84,7 @@ ENGINE_MEMORY = re.compile(r"ACCO engine memory per rank \(MiB\): (?P<figures>.*
 PREDICTED_AS = {"params": ("model",), "grads": ("grad_accumulator",),
                 "comm_buffer": ("comm_buffer",),
                 "optimizer": ("master_shard", "optimizer_state", "shard_staging",
-                              "carried_shard", "estimate_wire")}  # fmt: skip
+                              "carried_shard", "estimate_wire", "whole_on_owner")}  # fmt: skip
 
 
 def job_config(config: str, overrides: dict[str, object]) -> dict:

@@ -54,8 +54,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from acco_hooks.engine.layout import ShardLayout, flat_layout, whole_parameter_layout
+from acco_hooks.engine.layout import (
+    ShardLayout,
+    balanced_owners,
+    flat_layout,
+    whole_parameter_layout,
+)
 from acco_hooks.engine.shard_optimizer import GroupedOptimizer, build_shard_optimizer
+from acco_hooks.engine.whole_pieces import PieceExchange, dim0_piece
 
 __all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
            "normalize_param_groups"]  # fmt: skip
@@ -128,8 +134,10 @@ class GroupBuffers:
         # Shard-size buffers (the communication side); ``carried`` in acco only
         "shard_sum", "master", "gather_input", "carried",
         # What the shard optimizer steps: the master itself (flat), or a view of it per
-        # parameter this rank owns, in the parameter's shape (whole parameters)
-        "stepped",
+        # parameter this rank owns, in the parameter's shape (whole parameters); ``owned``: the
+        # indices of those parameters. Under FSDP (``exchange``) the parameters it owns are
+        # held whole, beside the master's pieces (``whole_pieces``)
+        "stepped", "owned", "exchange",
         # A narrow estimate round's (``wire``): None when the engine never sends one
         "wire_front", "wire_tail", "difference", "encoded_shard",
     )  # fmt: skip
@@ -138,10 +146,13 @@ class GroupBuffers:
         self, params: list[Tensor], names: list[str], world_size: int, rank: int,
         reduce_dtype: torch.dtype, data_parallel_ranks: tuple[int, ...], carry: bool = False,
         wire_bytes: Callable[[int], int] | None = None, layout: ShardLayout | None = None,
+        exchange: PieceExchange | None = None,
     ) -> None:  # fmt: skip
         """``wire_bytes(n)``: the most bytes n values take in a narrow format the engine may
         send its estimate in (None: it never does). ``layout``: where the parameters lie in
-        the vector (default: the flat layout)."""
+        the vector (default: the flat layout). ``exchange``: whole parameters under FSDP, whose
+        pieces this rank brings to their owners and back; the whole tensors it steps are then
+        filled by the engine (``gather_whole_masters``)."""
         self.params, self.names = params, names
         self.locals = [local_tensor(p) for p in params]
         device = self.locals[0].device
@@ -182,12 +193,23 @@ class GroupBuffers:
             self.encoded_shard = torch.empty(wire_bytes(self.shard_numel), dtype=torch.uint8,
                                              device=device)  # fmt: skip
         self.reset_master(rank)
-        self.stepped = self.shard_views(self.master)
+        self.exchange = exchange
+        if exchange is None:
+            self.owned = layout.owned(rank) if layout.whole else []
+            self.stepped = self.shard_views(self.master)
+        else:  # the whole fp32 master and gradient of each parameter this rank owns
+            self.owned = exchange.owned
+            self.stepped = [torch.zeros(exchange.shapes[i], dtype=torch.float32, device=device)
+                            for i in self.owned]  # fmt: skip
+            for whole in self.stepped:
+                whole.grad = torch.zeros_like(whole)
 
     def shard_views(self, shard: Tensor) -> list[Tensor]:
         """What of ``shard`` (one of this rank's shard-sized buffers) the optimizer steps, as
         :attr:`stepped` is of the master: ``shard`` itself in the flat layout; in the
-        whole-parameter layout a view per parameter this rank owns, in its local shape."""
+        whole-parameter layout a view per parameter this rank owns, in its local shape (not
+        under FSDP, where the shard holds pieces)."""
+        assert self.exchange is None, "under FSDP the shard holds pieces, not what is stepped"
         if not self.layout.whole:
             return [shard]
         return [shard[p.at_shard : p.at_shard + p.numel].view(self.locals[p.index].shape)
@@ -242,7 +264,7 @@ def build_shard(
     wire_bytes: Callable[[int], int] | None,
     classes: list[type], class_kwargs: dict[type, dict[str, Any]],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
-    whole: list[bool] | None = None,
+    whole: list[bool] | None = None, fsdp_ranks: tuple[int, ...] = (), fsdp_rank: int = 0,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
     """Lay each parameter group out in its buffers; build the shard optimizer (and its
     scheduler) over this rank's fp32 master shard.
@@ -261,17 +283,23 @@ def build_shard(
             arguments (``shard_optimizer.constructor_kwargs``).
         lr_scheduler: builds the shard optimizer's scheduler.
         whole: per group, whether it lies on the whole-parameter layout (default: flat).
+        fsdp_ranks, fsdp_rank: HSDP: the global ranks FSDP splits this replica over, and this
+            rank's index among them; a whole-parameter group's owners are then on the
+            replicas × FSDP grid (``whole_pieces``).
 
     Returns:
         ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group that
         has parameters; the optimizer has every group, at its index.
     """
     whole = whole or [False] * len(param_groups)
-    buffers = [
-        GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype, data_parallel_ranks,
-                     carry, wire_bytes, _layout(g["params"], world_size, kept))  # fmt: skip
-        for g, kept in zip(param_groups, whole) if g["params"]
-    ]
+    buffers = []
+    for g, kept in zip(param_groups, whole):
+        if not g["params"]:
+            continue
+        layout, exchange = _layout(g, world_size, rank, kept, fsdp_ranks, fsdp_rank)
+        buffers.append(GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype,
+                                    data_parallel_ranks, carry, wire_bytes, layout, exchange))
+
     # every group, at its index: an empty one (all its parameters frozen) steps nothing
     stepped = iter(b.stepped for b in buffers)
     shard_groups = [
@@ -284,9 +312,32 @@ def build_shard(
     return buffers, optimizer, scheduler
 
 
-def _layout(params: list[Tensor], world_size: int, whole: bool) -> ShardLayout:
+def _layout(
+    group: dict[str, Any], world_size: int, rank: int, whole: bool,
+    fsdp_ranks: tuple[int, ...], fsdp_rank: int,
+) -> tuple[ShardLayout, PieceExchange | None]:  # fmt: skip
+    """A group's layout, and under FSDP a whole-parameter group's :class:`PieceExchange`."""
+    params = group["params"]
     numels = [local_tensor(p).numel() for p in params]
-    return (whole_parameter_layout if whole else flat_layout)(numels, world_size)
+    if not whole:
+        return flat_layout(numels, world_size), None
+    if len(fsdp_ranks) <= 1:
+        return whole_parameter_layout(numels, world_size), None
+    parts = [dim0_piece(p, local_tensor(p), fsdp_ranks) for p in params]
+    for name, part in zip(group["names"], parts):
+        if part is None:
+            raise ValueError(
+                f"acco_hooks: {name} is stepped whole, and FSDP did not split it along dim 0 "
+                "as torch.chunk does (fully_shard's default): the engine brings a matrix "
+                "together from such pieces only. Shard it on dim 0 (drop shard_placement_fn for "
+                "it), or step its group with a per-element optimizer (torch.optim.AdamW)"
+            )
+    shapes = [shape for shape, _ in parts]
+    size = len(fsdp_ranks)
+    slots = balanced_owners([math.prod(shape) for shape in shapes], world_size * size)
+    owners = [(slot // size, slot % size) for slot in slots]
+    layout = whole_parameter_layout(numels, world_size, owners=[r for r, _ in owners])
+    return layout, PieceExchange(layout, rank, owners, fsdp_rank, size, shapes)
 
 
 def _build_scheduler(
@@ -356,6 +407,9 @@ def memory_bytes(
         "estimate_wire": nbytes(t for g in buffers for t in (g.wire_tail, g.difference,
                                                                g.encoded_shard) if t is not None),
         "master_shard": nbytes(g.master for g in buffers),
+        # under FSDP, the matrices this rank steps whole: their fp32 master and gradient
+        "whole_on_owner": nbytes(t for g in buffers if g.exchange is not None
+                                 for whole in g.stepped for t in (whole, whole.grad)),
         "carried_shard": nbytes(g.carried for g in buffers if g.carried is not None),
         "optimizer_state": nbytes(state),
         "shard_staging": nbytes({  # each tensor once: with fp32 on the wire the

@@ -27,6 +27,9 @@ destroys them when it closes:
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
   ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
   any part of the model is skipped by every part;
+- ``fsdp`` (only where FSDP splits parameters that an optimizer steps whole): the FSDP ranks
+  of this replica, over which each such matrix's pieces are brought to its owner and sent back
+  (``whole_pieces``);
 - ``replica`` (the training loop's; only under ``accumulate_until_ready``): the ranks of one
   model replica where it spans several (FSDP shards, tensor-parallel ranks, pipeline stages):
   they agree there after each micro-batch whether to run another, so that they run the same
@@ -42,6 +45,9 @@ assumed to be a ``DeviceMesh``'s.
     reduce-scatter Σ gradients ─► ÷ global weight ─► clip ─► UPDATE: step the shard optimizer
                                                              ESTIMATE: Peek (no state changes)
                                ─► all-gather the new shard (θ_{t+1} or θ̃_{t+1})
+
+Under FSDP, matrices stepped whole are brought to their owners after the clip and sent back
+before the all-gather (``whole_pieces``).
 
 An estimate sent narrower than the update (``estimate_dtype``) travels as encoded bytes both
 ways and gathers θ̃ − θ instead of θ̃ (``wire``). Under a torchft manager the reduce-scattered
@@ -281,6 +287,10 @@ class EngineGroups:
     rank: int
     fsdp_world_size: int
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
+    # HSDP with parameters stepped whole: the worker's copy of this replica's FSDP group, and
+    # this rank's index in it
+    fsdp: dist.ProcessGroup | None = None
+    fsdp_rank: int = 0
     # torchft: this group is one replica group of several, summed over through their manager
     replicas: ReplicaGroups | None = None
     # The ranks of this model replica (its FSDP shards, tensor-parallel ranks and pipeline
@@ -293,8 +303,8 @@ class EngineGroups:
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
         """Each group once, in creation order: what :meth:`release` destroys."""
-        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm, self.replica)
-                                   if g is not None))  # fmt: skip
+        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm, self.fsdp,
+                                               self.replica) if g is not None))  # fmt: skip
 
     def replica_waits(self, in_flight: bool, device: torch.device) -> bool:
         """Whether this model replica's communication is still in flight on any of its ranks:
@@ -317,7 +327,7 @@ class EngineGroups:
         ("Connection closed by peer"), and the failure travels round the ring in milliseconds.
         """
         owned, self.released = self.owned, True
-        self.data = self.count = self.norm = self.replica = None
+        self.data = self.count = self.norm = self.fsdp = self.replica = None
         if not dist.is_available() or not dist.is_initialized():
             return  # the user already destroyed every group, ours included
         for group in owned:
@@ -330,9 +340,11 @@ class EngineGroups:
 def build_engine_groups(
     process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None,
     replicas: ReplicaGroups | None = None, until_ready: bool = False,
+    whole_parameters: bool = False,
 ) -> EngineGroups:  # fmt: skip
     """Dedicated copies of the data-parallel, count and norm groups (see the module docstring),
-    and with ``until_ready`` (``accumulate_until_ready``) the replica's own group."""
+    with ``whole_parameters`` under FSDP the FSDP group, and with ``until_ready``
+    (``accumulate_until_ready``) the replica's own group."""
     data_parallel_ranks = _ranks_of(process_group)
     data = _dedicated_group(data_parallel_ranks, timeout)
     count, count_ranks, fsdp_world_size, fsdp_ranks = data, data_parallel_ranks, 1, ()
@@ -343,6 +355,9 @@ def build_engine_groups(
         fsdp_world_size = len(fsdp_ranks)
         count_ranks = _product_ranks(data_parallel_ranks, fsdp_ranks)
         count = _dedicated_group(count_ranks, timeout)
+    fsdp = None
+    if whole_parameters and fsdp_world_size > 1:
+        fsdp = _dedicated_group(fsdp_ranks, timeout)
     norm_ranks = None if norm_process_group is None else _ranks_of(norm_process_group)
     norm = count if norm_ranks is None else _dedicated_group(norm_ranks, timeout)
     replica = None
@@ -353,7 +368,8 @@ def build_engine_groups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
         rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
-        fsdp_ranks=fsdp_ranks, replicas=replicas, replica=replica,
+        fsdp_ranks=fsdp_ranks, fsdp=fsdp, fsdp_rank=0 if fsdp is None else dist.get_rank(fsdp),
+        replicas=replicas, replica=replica,
     )  # fmt: skip
 
 
@@ -661,23 +677,31 @@ def communicate(
             total.add_(g.carried)
         g.master.grad = total.div_(global_count)
         grads.append(g.master.grad)
-        if g.layout.whole:  # each parameter this rank owns, stepped in its shape
+        if g.layout.whole and g.exchange is None:  # each parameter it owns, in its shape
             for param, grad in zip(g.stepped, g.shard_views(total)):
                 param.grad = grad
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = _clip_(grads, buffers, max_grad_norm, groups.norm)
+    for g in buffers:  # FSDP: each matrix stepped whole onto its owner
+        if g.exchange is not None:
+            with record_function("acco::gather_whole"):
+                g.exchange.gather(g.master.grad, [p.grad for p in g.stepped], groups.fsdp)
 
     if job is Job.UPDATE:
         with record_function("acco::shard_step"):
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()
+        for g in buffers:  # FSDP: the new values' pieces back
+            if g.exchange is not None:
+                with record_function("acco::scatter_whole"):
+                    g.exchange.scatter(g.stepped, g.master, groups.fsdp)
         for g in buffers:
             g.gather_input.copy_(g.master)
     elif wire is not None:  # θ̃ − θ, narrow: θ stays exact on every rank
         with record_function("acco::estimate_step"):
-            peek(optimizer, _estimate_outputs(buffers, "difference"))
+            _estimate(optimizer, buffers, "difference", groups)
         with record_function("acco::all_gather"):
             for g in buffers:
                 all_gather_difference(g.gathered, g.difference.sub_(g.master), wire,
@@ -686,7 +710,7 @@ def communicate(
                            True, choice, unit_weights, (), speeds)  # fmt: skip
     else:
         with record_function("acco::estimate_step"):
-            peek(optimizer, _estimate_outputs(buffers, "gather_input"))
+            _estimate(optimizer, buffers, "gather_input", groups)
     with record_function("acco::all_gather"):
         all_gather_shards(buffers, groups)
     return RoundResult(global_count, grad_norm, False, job is Job.UPDATE,
@@ -694,17 +718,34 @@ def communicate(
                        speeds)  # fmt: skip
 
 
-def _estimate_outputs(buffers: list[GroupBuffers], name: str) -> list[Tensor]:
-    """Where the estimate step writes θ̃, one tensor per tensor the optimizer steps: the shard
-    buffer ``name`` itself (flat), or its view per parameter this rank owns (whole parameters;
-    the rest of the buffer, the padding, becomes the master's)."""
-    outputs = []
+def _estimate(
+    optimizer: torch.optim.Optimizer, buffers: list[GroupBuffers], name: str, groups: EngineGroups
+) -> None:  # fmt: skip
+    """θ̃ into each group's shard buffer ``name``: the estimate step writes it there (flat), or
+    into its view per parameter this rank owns (whole parameters; the rest of the buffer, the
+    padding, becomes the master's), or under FSDP into whole temporaries on the owners, whose
+    pieces are then sent back into every rank's buffer (``whole_pieces``)."""
+    outputs, wholes = [], []
     for g in buffers:
         shard = getattr(g, name)
         if g.layout.whole:
             shard.copy_(g.master)
-        outputs += g.shard_views(shard)
-    return outputs
+        if g.exchange is None:
+            outputs += g.shard_views(shard)
+        else:
+            wholes.append((g, shard, [torch.empty_like(p) for p in g.stepped]))
+            outputs += wholes[-1][2]
+    peek(optimizer, outputs)
+    for g, shard, estimates in wholes:
+        g.exchange.scatter(estimates, shard, groups.fsdp)
+
+
+def gather_whole_masters(buffers: list[GroupBuffers], groups: EngineGroups) -> None:
+    """Under FSDP, each whole-stepped parameter's fp32 master on its owner = the pieces of the
+    masters of its FSDP peers (after they were set: built, reset, loaded)."""
+    for g in buffers:
+        if g.exchange is not None:
+            g.exchange.gather(g.master, g.stepped, groups.fsdp)
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

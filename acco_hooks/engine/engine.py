@@ -88,6 +88,7 @@ from acco_hooks.engine.communication import (
     broadcast_from_first_rank,
     build_engine_groups,
     communicate,
+    gather_whole_masters,
     release_communication,
     round_weights,
 )
@@ -238,9 +239,12 @@ class ACCOEngine:
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
-        split_by = [name for name, group in (("fsdp_process_group", fsdp_process_group),
-                                             ("norm_process_group", norm_process_group))
-                    if group is not None]  # fmt: skip
+        # what whole parameters do not run beside yet (check_whole_parameters)
+        split_by = [name for name, group in (
+            ("norm_process_group (tensor or pipeline parallelism)", norm_process_group),
+            ("fsdp_process_group under a torchft manager",
+             None if manager is None else fsdp_process_group),
+        ) if group is not None]  # fmt: skip
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
@@ -298,7 +302,7 @@ class ACCOEngine:
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
             process_group, fsdp_process_group, norm_process_group, settings.timeout, replicas,
-            until_ready=settings.accumulate_until_ready,
+            until_ready=settings.accumulate_until_ready, whole_parameters=any(whole),
         )
         self.world_size, self.rank = self._groups.world_size, self._groups.rank
         self.fsdp_world_size = self._groups.fsdp_world_size
@@ -328,9 +332,11 @@ class ACCOEngine:
                 carry=settings.reduce_format in formats,
                 wire_bytes=(lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 classes=classes, class_kwargs=class_kwargs, lr_scheduler=lr_scheduler,
-                whole=whole,
+                whole=whole, fsdp_ranks=self._groups.fsdp_ranks if self._groups.fsdp else (),
+                fsdp_rank=self._groups.fsdp_rank,
             )  # fmt: skip
             groups = self._groups
+            self._gather_whole_masters()
             self._placement = ShardPlacement(
                 self._buffers, self.rank, groups.data, groups.data_parallel_ranks,
                 groups.fsdp_ranks, groups.count,
@@ -483,6 +489,13 @@ class ACCOEngine:
         parameters lie in its padded vector (``layout``): ``kind`` ("flat" or "whole"), which
         parameters each rank ``owned()``, and the ``padding`` the vector sends."""
         return [g.layout for g in self._buffers]
+
+    @property
+    def owned_whole(self) -> list[str]:
+        """The names of the parameters this rank steps whole (groups on the whole-parameter
+        layout): those whole in its shard, or under FSDP those it owns on the replicas × FSDP
+        grid, which it brings together from their pieces each round (``whole_pieces``)."""
+        return [g.names[i] for g in self._buffers for i in g.owned]
 
     def hook_param_grads(
         self, on_grad: Callable[[Tensor], None] | None = None, *, placeholders: bool = True
@@ -1032,6 +1045,7 @@ class ACCOEngine:
             warnings.filterwarnings("ignore", message="Please use DTensor instead")
             pending = load_state(self._state_parts(), state)  # a state refused changes nothing
         self._in_flight = None
+        self._gather_whole_masters()  # FSDP: the owners' whole masters, from the loaded pieces
         if self._groups.replicas is not None:
             self._groups.replicas.resume_at(self.round_index)
         if pending is not None:
@@ -1055,6 +1069,13 @@ class ACCOEngine:
             )
         for g in self._buffers:
             g.reset_master(self.rank)
+        self._gather_whole_masters()
+
+    def _gather_whole_masters(self) -> None:
+        """Under FSDP, the whole fp32 masters of the parameters this rank steps whole, from
+        its FSDP peers' master pieces (``whole_pieces``): after those were set."""
+        if any(g.exchange is not None for g in self._buffers):
+            self._run_on_thread(gather_whole_masters, self._buffers, self._groups)
 
     def load_optimizer_state_by_name(self, state: dict[str, dict[str, Any]]) -> None:
         """Take the shard optimizer's state from per-parameter state keyed by parameter name.

@@ -20,7 +20,16 @@ inside it. Two layouts:
   place whole parameters; every shard is padded to the largest one, so the collectives stay
   the equal-sized reduce-scatter and all-gather (:attr:`ShardLayout.padding` says how much).
 
-A layout is a pure function of the tensors' sizes and N: every rank computes the same one.
+**With FSDP inside a replica** (HSDP: R replicas of S FSDP ranks) a rank holds FSDP's pieces of
+each parameter, not the parameter. Each whole-stepped matrix then gets one owner on the R × S
+grid (:func:`balanced_owners` over the matrices' global sizes, the same on every rank), and
+every FSDP rank lays its piece of the matrix in the shard of the owner's replicate index: after
+the reduce-scatter, the owner's S FSDP peers hold the matrix's summed gradient, piece by piece,
+and bring it together on the owner over the replica's own group
+(:mod:`acco_hooks.engine.whole_pieces`).
+
+A layout is a pure function of the tensors' sizes and N (and the owners given): every rank
+computes the same one.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-__all__ = ["Piece", "ShardLayout", "flat_layout", "whole_parameter_layout"]
+__all__ = ["Piece", "ShardLayout", "balanced_owners", "flat_layout", "whole_parameter_layout"]
 
 
 class Piece(NamedTuple):
@@ -106,19 +115,32 @@ def flat_layout(numels: Sequence[int], world_size: int) -> ShardLayout:
     return ShardLayout(numels, offsets, shard_numel, world_size, whole=False)
 
 
-def whole_parameter_layout(
-    numels: Sequence[int], world_size: int, costs: Sequence[float] | None = None
-) -> ShardLayout:
-    """Each tensor whole in one rank's shard, the owners balanced by ``costs`` (default: the
-    elements), largest first onto the least loaded rank (the lowest on a tie); inside a shard the
-    tensors keep the group's order. Every shard is as long as the longest (module docstring)."""
+def balanced_owners(
+    numels: Sequence[int], slots: int, costs: Sequence[float] | None = None
+) -> list[int]:
+    """An owner among ``slots`` for each tensor, balanced by ``costs`` (default: the elements):
+    largest first onto the least loaded slot (fewest elements, then the lowest, on a tie)."""
     costs = list(numels) if costs is None else list(costs)
-    load, elements = [0.0] * world_size, [0] * world_size
+    load, elements = [0.0] * slots, [0] * slots
     owner = [0] * len(numels)
     for index in sorted(range(len(numels)), key=lambda i: (-costs[i], -numels[i], i)):
-        rank = min(range(world_size), key=lambda r: (load[r], elements[r], r))
-        owner[index] = rank
-        load[rank] += costs[index]
+        slot = min(range(slots), key=lambda r: (load[r], elements[r], r))
+        owner[index] = slot
+        load[slot] += costs[index]
+        elements[slot] += numels[index]
+    return owner
+
+
+def whole_parameter_layout(
+    numels: Sequence[int], world_size: int, costs: Sequence[float] | None = None,
+    owners: Sequence[int] | None = None,
+) -> ShardLayout:  # fmt: skip
+    """Each tensor whole in one rank's shard: ``owners[i]``'s, or balanced by ``costs``
+    (:func:`balanced_owners`); inside a shard the tensors keep the group's order. Every shard
+    is as long as the longest (module docstring)."""
+    owner = list(balanced_owners(numels, world_size, costs) if owners is None else owners)
+    elements = [0] * world_size
+    for index, rank in enumerate(owner):
         elements[rank] += numels[index]
     shard_numel = max(1, *elements)
     offsets, filled = [0] * len(numels), [0] * world_size

@@ -56,6 +56,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from acco_hooks.engine.buffers import GroupBuffers, is_dtensor
+from acco_hooks.engine.whole_pieces import chunk_rows, dim0_piece
 
 __all__ = ["LocalChunk", "ShardPlacement", "to_local_chunks"]
 
@@ -255,26 +256,13 @@ def _fsdp_split(g: GroupBuffers, fsdp_ranks: tuple[int, ...]) -> list[tuple[int,
     them); ``None`` if FSDP did not split some parameter's dim 0 as ``torch.chunk`` does."""
     out = []
     for param, local in zip(g.params, g.locals):
-        if not is_dtensor(param) or param.dim() == 0:
+        piece = dim0_piece(param, local, fsdp_ranks)
+        if piece is None:
             return None
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        mesh = param.device_mesh
-        dims = [d for d in range(mesh.ndim) if _ranks(mesh, d) == fsdp_ranks]
-        if len(dims) != 1 or not param.placements[dims[0]].is_shard(0):
-            return None
-        (dim,) = dims
-        unsharded = list(param.placements)
-        unsharded[dim] = Replicate()
-        shape, _ = compute_local_shape_and_global_offset(param.shape, mesh, unsharded)
-        rows, rest = shape[0], math.prod(shape[1:])
-        size, index = mesh.size(dim), mesh.get_local_rank(dim)
-        per_rank = math.ceil(rows / size)
-        held = max(0, min(per_rank, rows - index * per_rank))
-        if tuple(local.shape) != (held, *shape[1:]):
-            return None
-        out.append((rows * rest, min(index * per_rank, rows) * rest))
+        shape, index = piece
+        rest = math.prod(shape[1:])
+        first, _ = chunk_rows(shape[0], len(fsdp_ranks), index)
+        out.append((shape[0] * rest, first * rest))
     return out
 
 

@@ -428,16 +428,18 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
 
 def check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
-    """Refuse, by name, what the whole-parameter layout does not do yet: a parameter that FSDP
-    or tensor parallelism splits (``split_by``: the engine's arguments that do) is not whole on
-    any rank (its step would need the matrix gathered inside that group first). ``first_names``
-    and ``classes``: of each group that steps whole parameters."""
+    """Refuse, by name, what the whole-parameter layout does not run beside yet: tensor and
+    pipeline parallelism (``norm_process_group``: a tensor-parallel matrix is not whole on any
+    rank of its replica's FSDP group), and FSDP inside torchft replica groups (a group that
+    heals has not been tried with matrices brought together). FSDP inside a replica runs
+    (``whole_pieces``). ``split_by``: what of those the engine was given; ``first_names`` and
+    ``classes``: of each group that steps whole parameters."""
     if first_names and split_by:
         raise ValueError(
             f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
-            f"{first_names[0]}), and {' and '.join(split_by)} split(s) each parameter over "
-            "other ranks: no rank holds a whole one. Train it without FSDP or tensor and "
-            "pipeline parallelism, or step that group with a per-element optimizer "
+            f"{first_names[0]}), which the engine does not run beside {' or '.join(split_by)} "
+            "yet. Train it over data parallelism with FSDP inside each replica "
+            "(ACCOHSDPOptimizer) or without, or step that group with a per-element optimizer "
             "(torch.optim.AdamW)"
         )
 

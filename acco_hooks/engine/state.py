@@ -184,8 +184,9 @@ def _optimizer_state(parts: StateParts, agree: bool = True) -> dict[str, Any]:
     stepped = bool(saved["state"])
     data = parts.groups.data
     if agree and data is not None and any(g.layout.whole for g in buffers):
+        # over every rank that may own a parameter: the FSDP ranks too (``whole_pieces``)
         flag = torch.tensor([float(stepped)], dtype=torch.float64, device=parts.device)
-        parts.run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, data)
+        parts.run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, parts.groups.count)
         stepped = bool(flag.item())
     state = saved["state"] if saved["state"] or stepped else first_step_state(
         optimizer, layouts[0].optimizer_kwargs)  # fmt: skip
@@ -198,7 +199,7 @@ def _optimizer_state(parts: StateParts, agree: bool = True) -> dict[str, Any]:
         for g, layout, states in zip(buffers, layouts, held):
             found = [s.get(name) for s in states]
             if g.layout.whole:  # by name: each key only where a parameter keeps it
-                for pi, value in zip(g.layout.owned(parts.groups.rank), found):
+                for pi, value in zip(g.owned, found):
                     if value is not None:
                         owned.setdefault(g.names[pi], {})[name] = value
                 vectors.append(None)
@@ -319,7 +320,7 @@ def _load_optimizer_state(parts: StateParts, saved: dict[str, Any], rank_key: st
     owned = saved.get("owned", {})  # whole parameters: each one's own, by name
     for g in buffers:
         if g.layout.whole:
-            for p, pi in zip(g.stepped, g.layout.owned(parts.groups.rank)):
+            for p, pi in zip(g.stepped, g.owned):
                 state[index[id(p)]].update(owned.get(g.names[pi], {}))
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -336,7 +337,14 @@ def load_optimizer_state_by_name(parts: StateParts, state: dict[str, dict[str, A
             raise KeyError(f"acco_hooks: load_optimizer_state_by_name: no {missing[0]} "
                            f"(and {len(missing) - 1} more) in the state given")  # fmt: skip
         if layout.layout == "whole":  # each owned parameter's own, in its shape
-            for param, pi in zip(g.stepped, g.layout.owned(rank)):
+            if g.exchange is not None:
+                raise ValueError(
+                    f"acco_hooks: load_optimizer_state_by_name: {g.names[0]}'s group is stepped "
+                    "whole, and FSDP splits it: the state by name of an FSDP run holds pieces, "
+                    "not the matrices its owners step. Load a checkpoint of the engine "
+                    "(state_dict), or start the optimizer afresh"
+                )
+            for param, pi in zip(g.stepped, g.owned):
                 shard_state[index[id(param)]] = {  # copies: torch steps them in place
                     key: copy.deepcopy(local_tensor(value) if isinstance(value, Tensor) else value)
                     for key, value in state[g.names[pi]].items() if key in keys

@@ -21,25 +21,28 @@ from tests.scenario import (
 )
 
 
-def sharded_tiny_net(replicas: int, shards: int, device: str = "cpu"):
+def sharded_tiny_net(replicas: int, shards: int, device: str = "cpu", model: str = "tiny"):
+    """The scenario's ``model`` (TinyNet, or DeepNet: "deep", "deep_on_grid") under FSDP2 on a
+    (replicate, shard) mesh: TinyNet's linear layers a unit each, DeepNet one unit (its forward
+    reads its layers' weights without calling them, so only the root's hooks gather them)."""
     mesh = init_device_mesh(device, (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
-    model = make_model().to(device)
-    fully_shard(model.fc1, mesh=mesh)
-    fully_shard(model.fc2, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root holds `gain` (1 element: one shard is empty)
-    return model, mesh
+    net = make_model(model=model).to(device)
+    for layer in (() if model.startswith("deep") else (net.fc1, net.fc2)):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)  # the root holds `gain` (1 element: one shard is empty)
+    return net, mesh
 
 
 def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every: bool = False) -> dict[str, Any]:
     """The scenario's training with ACCOHSDPOptimizer; every rank is one worker of ``cfg``."""
     from acco_hooks import ACCOHSDPOptimizer
 
-    model, _ = sharded_tiny_net(replicas, world_size // replicas, cfg.device)
+    model, _ = sharded_tiny_net(replicas, world_size // replicas, cfg.device, cfg.model)
     opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = ACCOHSDPOptimizer(
-        model, opt_class, params=param_groups(model, cfg.two_groups), mode=cfg.mode,
-        accumulation_steps=cfg.micro[rank], max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler=make_scheduler if cfg.scheduler else None,
+        model, opt_class, params=param_groups(model, cfg.two_groups, cfg.optimizer),
+        mode=cfg.mode, accumulation_steps=cfg.micro[rank], max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler=make_scheduler if cfg.scheduler else None, estimate_dtype=cfg.estimate_dtype,
         sync_every_microbatch=sync_every, **kwargs, **cfg.optimizer_kwargs,
     )  # fmt: skip
     weight = cfg.weights[rank] if cfg.weights else 1.0
@@ -54,6 +57,7 @@ def hsdp_run(rank: int, world_size: int, cfg: Config, replicas: int, sync_every:
             n: p.full_tensor().detach().to("cpu", copy=True) for n, p in model.named_parameters()
         },
         "memory": opt.engine.memory_bytes(),
+        "owned_whole": opt.engine.owned_whole,
         "num_updates": opt.num_updates,
         "lr": [g["lr"] for g in opt.param_groups],
     }
@@ -234,3 +238,27 @@ def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
     except ValueError as exc:
         errors["not_sharded"] = str(exc)
     return errors
+
+
+def replica_as_one_rank_run(rank: int, world_size: int, cfg: Config, per_replica: int) -> dict[str, Any]:
+    """``cfg`` (whose workers are the ranks of an HSDP run) on ``world_size`` plain
+    ``ACCOOptimizer`` ranks, each running the micro-batches of one replica's ``per_replica``
+    workers: the gradient a replica's FSDP ranks sum is then each rank's own accumulation, so
+    what a narrow estimate encodes per rank (that sum) is the same as under HSDP."""
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model(cfg.dtype, cfg.model)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    workers = range(rank * per_replica, (rank + 1) * per_replica)
+    opt = ACCOOptimizer(param_groups(model, cfg.two_groups, cfg.optimizer), opt_class,
+                        mode=cfg.mode, accumulation_steps=sum(cfg.micro[w] for w in workers),
+                        estimate_dtype=cfg.estimate_dtype, **kwargs)  # fmt: skip
+    for r in range(cfg.rounds):
+        for worker in workers:
+            for micro in range(cfg.micro[worker]):
+                microbatch_loss(model, worker, r, micro).backward()
+                opt.step()
+    opt.flush()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return {"params": params}

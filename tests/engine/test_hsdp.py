@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.scenario import Config, reference_run
+from tests.scenario import Config, reference_run, relative_error
 
 WORLD, REPLICAS = 4, 2
 
@@ -61,6 +61,63 @@ def test_hsdp_master_and_optimizer_state_are_sharded_over_every_rank(hsdp_result
     for rank, (count, results) in enumerate(zip(elements, hsdp_results)):
         assert count < 67 / REPLICAS / 1.5, f"rank {rank}: {count} master elements"
         assert results[0]["memory"]["optimizer_state"] >= 2 * 4 * count  # AdamW's two moments
+
+
+# Muon on DeepNet's four matrices, each whole on one rank of the 2 × 2 grid (AdamW on the rest,
+# in the FSDP pieces): its gradients on a grid, so that the pieces brought together hand Muon the
+# bits the reference's whole matrices hold (tests/scenario.py, DeepNet)
+MUON_RUNS = [
+    Config(mode=mode, world_size=WORLD, rounds=rounds, micro=[2] * WORLD, optimizer="muon",
+           model="deep_on_grid", **extra)
+    for mode, rounds, extra in (("acco", 6, {}), ("dpu", 5, {}), ("ddp", 4, {}),
+                                ("acco", 6, dict(max_grad_norm=0.05)))
+]  # fmt: skip
+# acco's estimate sent in bfloat16 (θ̃ − θ, scattered from the owners, then encoded)
+MUON_NARROW = Config(mode="acco", world_size=WORLD, rounds=6, micro=[2] * WORLD,
+                     optimizer="muon", model="deep_on_grid", estimate_dtype="bfloat16")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def muon_results():
+    runs = [(cfg, False) for cfg in [*MUON_RUNS, MUON_NARROW]]
+    return run_distributed("tests.engine.hsdp_workers:hsdp_runs", WORLD, runs, REPLICAS)
+
+
+@pytest.mark.parametrize("index", range(len(MUON_RUNS)),
+                         ids=[f"{c.mode}-{i}" for i, c in enumerate(MUON_RUNS)])  # fmt: skip
+def test_muon_on_whole_matrices_under_hsdp_equals_the_reference(muon_results, index) -> None:
+    """Each matrix's FSDP pieces brought to its owner, stepped whole by torch's Muon, sent back:
+    in ddp, torch's Muon and AdamW on the full matrices over the same micro-batches; in dpu and
+    acco, the spec's recursion with them (also clipping, by the norm over the pieces)."""
+    cfg = MUON_RUNS[index]
+    ref = reference_run(cfg)
+    for rank, results in enumerate(muon_results):
+        out = results[index]
+        error = relative_error(out["params"], ref["params"])
+        assert error <= 1e-6, (rank, error)
+        assert out["num_updates"] == (cfg.rounds // 2 if cfg.mode == "acco" else cfg.rounds)
+    # the four matrices, one on each rank of the 2 × 2 grid, held whole there
+    owned = [results[index]["owned_whole"] for results in muon_results]
+    assert sorted(name for names in owned for name in names) == [
+        f"layers.{i}.weight" for i in range(4)], owned
+    assert all(len(names) == 1 for names in owned), owned
+    for results in muon_results:
+        assert results[index]["memory"]["whole_on_owner"] > 0
+
+
+def test_a_narrow_estimate_of_whole_matrices_under_hsdp_equals_replicas_without_fsdp(
+    muon_results,
+) -> None:
+    """acco's estimate round in bfloat16: each replica encodes its FSDP-summed gradient, and
+    each matrix's θ̃ − θ, computed on its owner and scattered back, is encoded element by
+    element. The 2 × 2 grid then trains as 2 plain ranks that each run a replica's micro-batches
+    and own the matrices whole (4 plain ranks would round each rank's gradient on its own: a
+    legitimately other run, 3e-3 apart after 6 rounds through Muon's Newton–Schulz)."""
+    plain = run_distributed("tests.engine.hsdp_workers:replica_as_one_rank_run", REPLICAS,
+                            MUON_NARROW, WORLD // REPLICAS)[0]  # fmt: skip
+    for rank, results in enumerate(muon_results):
+        error = relative_error(results[-1]["params"], plain["params"])
+        assert error <= 1e-6, (rank, error)
 
 
 RESUMES = [  # (config, save after this many micro-batches, sync_every_microbatch)

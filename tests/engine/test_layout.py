@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acco_hooks.engine.layout import flat_layout, whole_parameter_layout
+from acco_hooks.engine.layout import balanced_owners, flat_layout, whole_parameter_layout
 
 sizes = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=12)
 ranks = st.integers(min_value=1, max_value=5)
@@ -68,3 +68,22 @@ def test_views_place_each_tensor_and_pieces_cut_at_shard_boundaries():
     assert whole.shard_numel == 10 and whole.padding == 1
     assert whole.owned(0) == [2] and whole.owned(1) == [0, 1]
     assert whole.views(vector, shapes)[0].flatten().tolist() == list(range(10, 16))
+
+
+@settings(max_examples=100, deadline=None)
+@given(numels=sizes, replicas=ranks, shards=st.integers(min_value=1, max_value=4))
+def test_owners_on_a_grid_keep_each_fsdp_piece_in_its_owners_replica(numels, replicas, shards):
+    """Under FSDP each matrix gets an owner among replicas × FSDP ranks; every FSDP rank lays its
+    piece of the matrix in the shard of the owner's replica (``whole_pieces``)."""
+    slots = balanced_owners(numels, replicas * shards)
+    assert all(0 <= slot < replicas * shards for slot in slots)
+    # no slot holds more than the mean plus the largest matrix
+    load = [sum(n for n, s in zip(numels, slots) if s == slot) for slot in range(replicas * shards)]
+    assert max(load) <= sum(numels) / (replicas * shards) + max(numels)
+    layout = whole_parameter_layout(numels, replicas, owners=[s // shards for s in slots])
+    for index, slot in enumerate(slots):
+        assert index in layout.owned(slot // shards)
+    # one slot a replica: the owners of the layout that balances by itself
+    if shards == 1:
+        alone = whole_parameter_layout(numels, replicas)
+        assert layout.offsets == alone.offsets and layout.shard_numel == alone.shard_numel

@@ -270,29 +270,34 @@ def test_the_same_global_batch_on_fewer_ranks_is_more_microbatches_per_rank(
         assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
 
 
-def hsdp_split_run(rank: int, world_size: int, ckpt: str, replicas: int, phase: str) -> dict:
+def hsdp_split_run(rank: int, world_size: int, ckpt: str, replicas: int, phase: str,
+                   recipe: str = "adamw", saves: tuple[tuple[str, int], ...] = tuple(
+                       (mode, AT_UPDATE) for mode in MODES)) -> dict:  # fmt: skip
     """ACCOHSDPOptimizer over ``replicas`` × (world_size / replicas) FSDP shards: train and save
-    at an update boundary, or load it; then train to the end."""
+    after the micro-batch of each of ``saves`` (mode, micro-batches), or load it; then train to
+    the end. ``recipe`` "muon": DeepNet, Muon on its matrices (stepped whole), AdamW on the
+    rest."""
     from acco_hooks import ACCOHSDPOptimizer
     from tests.engine.hsdp_workers import sharded_tiny_net
 
     out = {}
-    for mode in MODES:
-        model, _ = sharded_tiny_net(replicas, world_size // replicas)
-        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=param_groups(model, True),
+    for mode, at in saves:
+        model, _ = sharded_tiny_net(replicas, world_size // replicas,
+                                    model="deep" if recipe == "muon" else "tiny")  # fmt: skip
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=param_groups(model, True, recipe),
                                 mode=mode, accumulation_steps=MICRO, lr_scheduler=make_scheduler,
                                 lr=3e-2, weight_decay=0.1)  # fmt: skip
         if phase == "save":
-            train(model, opt, rank, world_size, 0, AT_UPDATE)
-            save(model, opt, f"{ckpt}/hsdp-{mode}")
+            train(model, opt, rank, world_size, 0, at)
+            save(model, opt, f"{ckpt}/hsdp-{recipe}-{mode}-{at}")
         else:
-            opt.load_state_dict(load(model, opt, f"{ckpt}/hsdp-{mode}"))
-        train(model, opt, rank, world_size, AT_UPDATE, ROUNDS * MICRO)
+            opt.load_state_dict(load(model, opt, f"{ckpt}/hsdp-{recipe}-{mode}-{at}"))
+        train(model, opt, rank, world_size, at, ROUNDS * MICRO)
         opt.flush()
         params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
         params["lr"] = torch.tensor(opt.engine.lr_scheduler.get_last_lr())
         opt.close()
-        out[mode] = params
+        out[f"{mode}-{at}"] = params
     return out
 
 
@@ -313,9 +318,39 @@ def test_hsdp_resumes_on_other_replicas_and_fsdp_degrees(hsdp_checkpoint, replic
     ckpt, straight = hsdp_checkpoint
     resumed = run_distributed("tests.engine.test_resharding:hsdp_split_run", replicas * shards,
                               ckpt, replicas, "load")[0]  # fmt: skip
-    for mode in MODES:
-        assert relative_error(resumed[mode], straight[mode]) <= 1e-5, mode
-        assert torch.equal(resumed[mode]["lr"], straight[mode]["lr"])
+    for case in straight:
+        assert relative_error(resumed[case], straight[case]) <= 1e-5, case
+        assert torch.equal(resumed[case]["lr"], straight[case]["lr"])
+
+
+# Muon's matrices stepped whole under FSDP: saved between acco's estimate and its update (the
+# carried half-batch, the update in flight) and at a ddp update
+WHOLE_SAVES = (("acco", 7 * MICRO), ("ddp", AT_UPDATE))
+
+
+@pytest.fixture(scope="module")
+def hsdp_muon_checkpoint(tmp_path_factory) -> tuple[str, dict]:
+    ckpt = str(tmp_path_factory.mktemp("hsdp_muon"))
+    straight = run_distributed("tests.engine.test_resharding:hsdp_split_run", 4, ckpt, 2,
+                               "save", "muon", WHOLE_SAVES)[0]  # fmt: skip
+    return ckpt, straight
+
+
+@pytest.mark.parametrize("replicas, shards", [(2, 2), (1, 2), (2, 1), (1, 1)])
+def test_whole_matrices_under_hsdp_resume_on_other_replicas_and_fsdp_degrees(
+    hsdp_muon_checkpoint, replicas, shards
+) -> None:
+    """Muon's matrices owned on the 2 × 2 grid, each whole on one rank: the same grid resumes
+    bit for bit; fewer replicas, another FSDP degree (1: no rank brings pieces together) and one
+    process own them elsewhere and read each one's state by name, its master from the pieces."""
+    ckpt, straight = hsdp_muon_checkpoint
+    resumed = run_distributed("tests.engine.test_resharding:hsdp_split_run", replicas * shards,
+                              ckpt, replicas, "load", "muon", WHOLE_SAVES)[0]  # fmt: skip
+    for case in straight:
+        error = relative_error(resumed[case], straight[case])
+        print(case, replicas, shards, f"{error:.2e}")
+        assert error == 0.0 if (replicas, shards) == (2, 2) else error <= 1e-5, (case, error)
+        assert torch.equal(resumed[case]["lr"], straight[case]["lr"])
 
 
 # ------------------------------------------------- the carried half-batch's weight, resharded

@@ -273,8 +273,9 @@ def test_every_muon_update_averages_all_its_gradients(settings: dict) -> None:
 
 
 def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
-    """Before any process group exists: a Muon group that holds a bias; FSDP, which leaves no
-    rank a whole parameter."""
+    """Before any process group exists: a Muon group that holds a bias; tensor and pipeline
+    parallelism (``norm_process_group``), and FSDP inside torchft replica groups, which whole
+    parameters do not run beside yet (FSDP inside a replica runs: tests/engine/test_hsdp.py)."""
     from acco_hooks import ACCOOptimizer
 
     model = nn.Linear(4, 3)
@@ -285,8 +286,12 @@ def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
     matrices = [{"params": [("weight", model.weight)], "optimizer_class": torch.optim.Muon},
                 {"params": [("bias", model.bias)]}]  # fmt: skip
     with pytest.raises(ValueError, match=r"Muon steps whole parameters \(the group of weight\), "
-                                         r"and fsdp_process_group split\(s\) each parameter"):
-        ACCOOptimizer(matrices, torch.optim.AdamW, fsdp_process_group=object())
+                                         r"which the engine does not run beside "
+                                         r"norm_process_group \(tensor or pipeline parallelism\)"):
+        ACCOOptimizer(matrices, torch.optim.AdamW, norm_process_group=object())
+    with pytest.raises(ValueError, match=r"does not run beside fsdp_process_group under a "
+                                         r"torchft manager yet.*ACCOHSDPOptimizer"):
+        ACCOOptimizer(matrices, torch.optim.AdamW, fsdp_process_group=object(), manager=object())
 
 
 # ---------------------------------------------------------------- a torch optimizer's state, by name
