@@ -262,17 +262,16 @@ def validate_acco(
                if whole_parameter_optimizers else "")
         )
     whole = sorted({name for name in optimizer_names if name in whole_parameter_optimizers})
-    # FSDP splits every matrix too (each rank of a replica holds a shard of it)
-    split_whole = ([f"data_parallel_shard_degree = {shard}"] if shard > 1 else []) + split_by
-    if whole and (split_whole or ft is not None):
+    # FSDP inside a replica runs (the engine brings each matrix together on its owner); tensor
+    # and pipeline parallelism and torchft's groups do not run beside whole matrices yet
+    if whole and (split_by or ft is not None):
         raise ValueError(
-            f"optimizer.param_groups: {whole[0]} steps each matrix whole on the data-parallel "
-            "rank that owns it, and "
-            + (f"{' and '.join(split_whole)} split(s) every matrix over other ranks"
-               if split_whole else "[fault_tolerance] (torchft replica groups) is not tested with "
-               "whole parameters in the torchtitan trainer yet (ACCOOptimizer runs it)")
-            + f": train the {whole[0]} recipe over data_parallel_replicate_degree alone"
-            + ("" if split_whole else " without [fault_tolerance]")
+            f"optimizer.param_groups: {whole[0]} steps each matrix whole on the rank that owns "
+            "it, which the ACCO engine does not run beside "
+            + (" or ".join(split_by) if split_by else "[fault_tolerance] (torchft replica "
+               "groups; ACCOOptimizer runs them)")
+            + f" yet: train the {whole[0]} recipe over data_parallel_replicate_degree and "
+            "data_parallel_shard_degree" + ("" if split_by else " without [fault_tolerance]")
             + ", or step every group with 'AdamW'"
         )
     if early_step_in_backward:

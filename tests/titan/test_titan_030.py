@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -315,8 +316,8 @@ def test_acco_runs_on_spmd_types_and_partial_dtensor_and_refuses_full_dtensor() 
 
 def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_cannot() -> None:
     """Several groups, each its class (Muon by torchtitan's name DistMuon, or Muon, for the
-    matrices; Adam or AdamW for the rest), ending with the catch-all; Muon where no rank holds a
-    whole matrix (FSDP, tensor or pipeline parallelism) or under torchft, an optimizer torchtitan
+    matrices; Adam or AdamW for the rest), ending with the catch-all; Muon beside FSDP (each matrix
+    brought together on its owner); beside tensor or pipeline parallelism, an optimizer torchtitan
     or the engine does not have, and groups that leave parameters out: refused by name before
     anything is built."""
     from torchtitan.components.optimizer import ParamGroupConfig
@@ -340,12 +341,15 @@ def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_can
     config.optimizer.param_groups = [ParamGroupConfig(pattern=MATRICES, optimizer_name="DistMuon",
                                                       optimizer_kwargs=MUON), rest]  # fmt: skip
     config.parallelism.data_parallel_shard_degree = 2
-    config.training.global_batch_size = 16  # 2 replicas of 2 FSDP ranks
-    with pytest.raises(ValueError, match=r"DistMuon steps each matrix whole on the data-parallel "
-                                         r"rank that owns it, and data_parallel_shard_degree = 2 "
-                                         r"split\(s\) every matrix"):
-        validate_acco_config(config, world_size=2)
+    config.training.global_batch_size = 16  # 2 replicas of 2 FSDP ranks: each matrix brought
+    validate_acco_config(config, world_size=4)  # together on its owner (whole_pieces)
     config.parallelism.data_parallel_shard_degree = 1
+    config.parallelism.tensor_parallel_degree = 2
+    with pytest.raises(ValueError, match=r"DistMuon steps each matrix whole on the rank that owns "
+                                         r"it, which the ACCO engine does not run beside "
+                                         r"tensor_parallel_degree = 2 yet"):
+        validate_acco_config(config, world_size=4)
+    config.parallelism.tensor_parallel_degree = 1
     rest.pattern = r"layers\."
     config.optimizer.param_groups = [rest]
     with pytest.raises(ValueError, match=r"end the groups with the catch-all pattern '\.\*'"):
@@ -375,6 +379,20 @@ def debug_cpu_ddp_adamw():  # the shipped recipe, AdamW on every parameter
 '''
 
 
+def _recipe_losses(tmp_path: pathlib.Path, nproc: int, config: str,
+                   module: str = "examples.titan_muon_recipe",
+                   extra: Sequence[str] = ()) -> tuple[dict[int, tuple[str, str]], str]:  # fmt: skip
+    """4 steps of ``module``'s ``config`` on ``nproc`` ranks (``extra``: more overrides; a
+    module in ``tmp_path`` may be named): the losses and norms per step, and the log."""
+    log = tmp_path / f"{config}.log"
+    losses = _forked_losses(nproc, ["train_titan.py", "--module", module, "--config", config,
+                                    "--training.steps", "4", "--dump-folder",
+                                    str(tmp_path / config), "--metrics.disable-color-printing",
+                                    *extra, *backend_overrides("-")], log,
+                            pythonpath=tmp_path)  # fmt: skip
+    return losses, log.read_text()
+
+
 @pytest.mark.spmd_backends("spmd_types")  # the optimizer's groups, not the layout
 def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path) -> None:
     """The debug model with DistMuon on its 42 matrices and AdamW on the rest, under [acco]:
@@ -384,12 +402,7 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
     (tmp_path / "muon_recipe.py").write_text(_MUON_RECIPE)
 
     def run(config: str, module: str = "examples.titan_muon_recipe") -> tuple[dict, str]:
-        log = tmp_path / f"{config}.log"
-        losses = _forked_losses(2, ["train_titan.py", "--module", module, "--config", config,
-                                    "--training.steps", "4", "--dump-folder",
-                                    str(tmp_path / config), "--metrics.disable-color-printing",
-                                    *backend_overrides("-")], log, pythonpath=tmp_path)  # fmt: skip
-        return losses, log.read_text()
+        return _recipe_losses(tmp_path, 2, config, module)
 
     ours, output = run("debug_cpu_ddp_muon")
     assert "Muon+AdamW" in output and "whole parameters in 1 group(s)" in output
@@ -404,6 +417,28 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
     assert abs(float(adamw[4][0]) - float(ours[4][0])) > 1e-2
     acco, _ = run("debug_cpu_acco_muon")
     assert float(acco[4][0]) < float(acco[1][0])
+
+
+@pytest.mark.spmd_backends("spmd_types")  # the optimizer's groups, not the layout
+def test_the_muon_recipe_under_hsdp_steps_as_torchtitans_own_hsdp(tmp_path) -> None:
+    """2 replicas of 2 FSDP ranks (data_parallel_shard_degree = 2): no rank holds a whole matrix,
+    and the engine brings each one's pieces together on the rank of the 2 × 2 grid that owns it,
+    steps it with torch's Muon there and sends the pieces back. In ``ddp`` mode it prints the
+    losses and gradient norms of torchtitan's own HSDP trainer stepping torch's Muon on the same
+    layout (there DTensor runs Newton–Schulz's products on the sharded matrices, with their
+    collectives: the whole matrix, in another order of bfloat16 sums)."""
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2"]
+    ours, output = _recipe_losses(tmp_path, 4, "debug_cpu_ddp_muon", extra=hsdp)
+    assert "fsdp_world_size=2" in output and "whole parameters in 1 group(s)" in output
+    theirs, _ = _recipe_losses(tmp_path, 4, "debug_cpu_titan_ddp_muon", extra=hsdp)
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
+    assert ours[1] == theirs[1]  # same initial weights and data
+    # measured: 3e-5, 1.2e-4, 3.9e-4 at steps 2-4 (Newton–Schulz in bfloat16, summed in
+    # another order, amplifies float rounding); AdamW instead of Muon moves step 4 by > 1e-2
+    for step in (2, 3, 4):
+        assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-3), step
+        assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
 
 
 def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_path) -> None:
