@@ -222,12 +222,14 @@ def run(cmd: Sequence[str], timeout_s: float = 900, env: dict | None = None,
     return output
 
 
-def run_on_link(link, argv: Sequence[str], env: dict | None = None, timeout_s: float = 1800) -> str:
-    """Rank 0's output of ``argv`` run as two ranks on the netbed ``link``; a failure of either
-    rank raises with both outputs' ends."""
+def run_on_link(link, argv: Sequence[str], env: dict | None = None, timeout_s: float = 1800,
+                ranks_per_host: int = 1) -> str:  # fmt: skip
+    """Rank 0's output of ``argv`` run as two ranks on the netbed ``link`` (or two hosts of
+    ``ranks_per_host`` ranks each); a failure of any rank raises with two outputs' ends."""
     from benchmarks.netbed import run_two_ranks
 
-    status, out0, out1 = run_two_ranks(link, argv, env=env, timeout_s=timeout_s)
+    status, out0, out1 = run_two_ranks(link, argv, env=env, timeout_s=timeout_s,
+                                       ranks_per_host=ranks_per_host)  # fmt: skip
     if status:
         raise RuntimeError(f"{' '.join(argv)[:300]} at {link.rate} failed ({status}):\n"
                            f"{out0[-3000:]}\n{out1[-2000:]}")  # fmt: skip

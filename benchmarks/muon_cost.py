@@ -22,6 +22,13 @@ overlap; on a GPU it is a kernel stream of its own (Moonlight reports Newton–S
 of forward and backward). Also the layout's padding by world size, for this model and for
 Llama 3 8B (``--padding-only`` computes it alone). Writes ``outputs/results/muon_cost.json``
 (``--out``).
+
+``--layout hsdp``: each host one replica of 2 FSDP ranks (both on its core), through
+``ACCOHSDPOptimizer``: no rank holds a whole matrix, and each round brings every Muon matrix
+together on the rank of the 2 × 2 grid that owns it and sends it back (two all-to-alls over the
+replica's FSDP group, inside the host: ``acco_hooks/engine/whole_pieces.py``). Per arm also the
+seconds of those exchanges per round and the bytes each rank sends in them, beside the round's
+whole time on the communication thread. Its results go under ``"hsdp"`` in the same file.
 """
 
 from __future__ import annotations
@@ -78,12 +85,17 @@ def padding_by_world_size() -> dict:
     return out
 
 
-def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: int) -> dict:
+LAYOUTS = ("rank", "hsdp")  # one rank a replica; 2 FSDP ranks a replica (module docstring)
+
+
+def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: int,
+           layout: str = "rank") -> dict:  # fmt: skip
     """One rank of one arm, its process group set up: its timings and sizes."""
     import torch
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    from acco_hooks import ACCOOptimizer
+    from acco_hooks import ACCOHSDPOptimizer, ACCOOptimizer
+    from acco_hooks.engine.whole_pieces import PieceExchange
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -91,8 +103,32 @@ def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: 
     with torch.no_grad():
         model.init_weights()
     per_round = k * MODES[mode]
-    opt = ACCOOptimizer(recipe_groups(model, recipe), torch.optim.AdamW, mode=mode,
-                        accumulation_steps=per_round, **ADAMW_OPTIONS)  # fmt: skip
+    options = dict(mode=mode, accumulation_steps=per_round, **ADAMW_OPTIONS)
+    exchanges: list[tuple[float, int]] = []  # (seconds, bytes sent to the other FSDP ranks)
+    if layout == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, world_size // 2),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))  # fmt: skip
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # each exchange of whole matrices, timed on the communication thread
+        for name in ("gather", "scatter"):
+            plain = getattr(PieceExchange, name)
+
+            def timed(self, *args, plain=plain):
+                started = time.perf_counter()
+                plain(self, *args)
+                exchanges.append((time.perf_counter() - started, self.bytes_per_exchange()))
+
+            setattr(PieceExchange, name, timed)
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=recipe_groups(model, recipe),
+                                **options)  # fmt: skip
+        warm_exchanges = len(exchanges)  # the masters' gather when the engine was built
+    else:
+        opt = ACCOOptimizer(recipe_groups(model, recipe), torch.optim.AdamW, **options)
     # each class's steps on the communication thread: real updates, and acco's estimates of a
     # class without a copy-free one (Muon's: a step of a snapshot)
     steps: dict[str, list[float]] = {}
@@ -130,6 +166,11 @@ def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: 
         "bytes_per_round": 2 * reduce_bytes * sum(layout.padded_numel for layout in layouts),
         "advisor": opt.engine.advisor.figures,
     }  # fmt: skip
+    if layout == "hsdp":
+        rounds = (WARMUP_UPDATES + updates) * rounds_per_update
+        timed = exchanges[warm_exchanges:]
+        result["whole_exchange_s_per_round"] = sum(t for t, _ in timed) / rounds
+        result["whole_exchange_bytes_per_round"] = sum(b for _, b in timed) / rounds
     opt.close()
     return result
 
@@ -146,23 +187,37 @@ def measure(args: argparse.Namespace) -> dict:
         "adamw": ADAMW_OPTIONS,
         "rates": {}, "padding_fraction": padding_by_world_size(),
     }  # fmt: skip
+    if args.layout == "hsdp":  # beside the one-rank-a-replica figures of the same file
+        previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+        results = {**previous, "hsdp": {**results, "layout": "2 replicas x 2 FSDP ranks"}}
+        table = results["hsdp"]
+    else:
+        table = results
+    per_host = 2 if args.layout == "hsdp" else 1
     with two_host_link() as link:
         for rate in args.rates:
             link.set_rate(rate)
-            row = results["rates"][rate] = {"runs": {}}
+            row = table["rates"][rate] = {"runs": {}}
             for repeat in range(args.repeats):  # the arms in turn, so that load falls on all
                 for recipe in RECIPES:
                     for mode in MODES:
                         argv = [sys.executable, "-m", "benchmarks.muon_cost", "--worker", recipe,
-                                mode, str(k), str(args.updates)]  # fmt: skip
-                        output = harness.run_on_link(link, argv, timeout_s=1800)
+                                mode, str(k), str(args.updates), args.layout]  # fmt: skip
+                        output = harness.run_on_link(link, argv, timeout_s=1800,
+                                                     ranks_per_host=per_host)  # fmt: skip
                         run = harness.result_lines(output)[-1]
                         row["runs"].setdefault(f"{recipe}_{mode}", []).append(run)
                         steps = ", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms"
                                           for name, t in run["shard_step_s_all"].items())
+                        exchange = ("" if "whole_exchange_s_per_round" not in run else
+                                    f"; whole matrices brought together and back "
+                                    f"{run['whole_exchange_s_per_round'] * 1e3:.0f} ms, "
+                                    f"{run['whole_exchange_bytes_per_round'] / 2**20:.2f} MiB "
+                                    f"sent a round")  # fmt: skip
                         print(f"{rate:>8} #{repeat} {recipe:>6} {mode:>5}: "
                               f"{statistics.median(run['update_s_all']):.3f} s/update; steps on "
-                              f"the communication thread: {steps}", flush=True)  # fmt: skip
+                              f"the communication thread: {steps}{exchange}",
+                              flush=True)  # fmt: skip
             for recipe in RECIPES:
                 per_repeat = [
                     statistics.median(d["update_s_all"]) / statistics.median(a["update_s_all"])
@@ -189,13 +244,13 @@ def measure(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        recipe, mode, k, updates = argv[1], argv[2], int(argv[3]), int(argv[4])
+        recipe, mode, k, updates, layout = argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5]
         import torch.distributed as dist
 
         from scaffolding.process_exit import finish
 
         dist.init_process_group("gloo")
-        result = worker(dist.get_rank(), dist.get_world_size(), recipe, mode, k, updates)
+        result = worker(dist.get_rank(), dist.get_world_size(), recipe, mode, k, updates, layout)
         harness.emit(result)
         finish()  # scaffolding/process_exit.py: no abort at exit
         return
@@ -206,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="k: micro-batches per acco round (ddp: 2k per update)")
     parser.add_argument("--updates", type=int, default=6, help="timed updates per arm")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every arm per cap")
+    parser.add_argument("--layout", choices=LAYOUTS, default="rank",
+                        help="rank: one rank a replica; hsdp: 2 FSDP ranks a replica, the Muon "
+                             "matrices brought together on their owners (module docstring)")
     parser.add_argument("--padding-only", action="store_true",
                         help="(re)compute the padding table into --out, time nothing")
     harness.add_out_option(parser, "muon_cost")
@@ -217,9 +275,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(results["padding_fraction"], indent=1))
         return
     results = measure(args)
+    table = results["hsdp"] if args.layout == "hsdp" else results
     print(json.dumps({rate: {key: value for key, value in row.items()
                              if key.endswith("speedup_per_token")}
-                      for rate, row in results["rates"].items()}))  # fmt: skip
+                      for rate, row in table["rates"].items()}))  # fmt: skip
     print(f"wrote {args.out}")
 
 

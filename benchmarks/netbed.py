@@ -99,18 +99,22 @@ def two_host_link(rate: str = "none") -> Iterator[Link]:
 
 
 def run_two_ranks(link: Link, argv: Sequence[str], env: dict[str, str] | None = None,
-                  timeout_s: float = 900) -> tuple[int, str, str]:  # fmt: skip
+                  timeout_s: float = 900, ranks_per_host: int = 1) -> tuple[int, str, str]:  # fmt: skip
     """Run ``argv`` as rank 0 on host A (core 0) and rank 1 on host B (core 1): the first
-    non-zero exit status of the two (or 0), rank 0's output, rank 1's output."""
+    non-zero exit status of the two (or 0), rank 0's output, rank 1's output. With
+    ``ranks_per_host`` > 1, each host runs that many ranks on its core (host A's first); the
+    outputs are each host's first rank's."""
     procs = []
-    for rank in (0, 1):
+    for host, local in ((h, i) for h in (0, 1) for i in range(ranks_per_host)):
+        rank = host * ranks_per_host + local
         rank_env = {
             **os.environ, **(env or {}),
-            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "RANK": str(rank), "WORLD_SIZE": str(2 * ranks_per_host), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(ranks_per_host),
             "MASTER_ADDR": link.ip[0], "MASTER_PORT": "29621",
-            "GLOO_SOCKET_IFNAME": link.ifname[rank], "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": link.ifname[host], "OMP_NUM_THREADS": "1",
         }  # fmt: skip
-        cmd = ["ip", "netns", "exec", link.ns[rank], "taskset", "-c", str(rank), *argv]
+        cmd = ["ip", "netns", "exec", link.ns[host], "taskset", "-c", str(host), *argv]
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outputs = []
@@ -123,7 +127,7 @@ def run_two_ranks(link: Link, argv: Sequence[str], env: dict[str, str] | None = 
                 proc.kill()
                 proc.wait()
     status = next((p.returncode for p in procs if p.returncode), 0)
-    return status, outputs[0], outputs[1]
+    return status, outputs[0], outputs[ranks_per_host]
 
 
 def main() -> None:

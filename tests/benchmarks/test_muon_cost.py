@@ -28,6 +28,18 @@ def test_one_arm_reports_the_layouts_the_bytes_and_each_classs_steps() -> None:
     assert ranks[1]["layouts"] == result["layouts"]
 
 
+def test_under_hsdp_each_matrix_travels_to_its_owner_and_back_once_a_round() -> None:
+    """2 replicas of 2 FSDP ranks: every Muon matrix's FSDP half that its owner does not hold
+    is sent to it and back each round (the 42 matrices have even rows: halves), in fp32."""
+    ranks = run_ranks("benchmarks.muon_cost:worker", 4, "muon", "ddp", 1, 1, "hsdp")
+    matrices = 5_111_808  # the debug model's 42 hidden matrices (benchmarks.muon_step)
+    sent = sum(rank["whole_exchange_bytes_per_round"] for rank in ranks)
+    assert sent == 2 * 4 * matrices // 2  # gather and scatter, half of each matrix, 4 bytes
+    assert all(rank["whole_exchange_s_per_round"] > 0 for rank in ranks)
+    owned = [rank["memory_bytes"]["whole_on_owner"] for rank in ranks]
+    assert sum(owned) == 2 * 4 * matrices  # each matrix's master and gradient on one rank
+
+
 def test_the_padding_table_is_the_layouts() -> None:
     """Llama 3 8B's 224 hidden matrices balance without padding up to 32 ranks; with more
     ranks than matrices of a size, shards pad to the largest (w1, w2, w3: 58.7M each)."""
