@@ -23,9 +23,10 @@ pytest.importorskip("torchft")  # the ft extra, which the README's setup install
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "multinode.md"
-# What the blocks run, and what else they may leave behind on a failure (torchrun starts
-# each worker in a session of its own: a kill of the block's session misses them)
-PROGRAMS = ("examples.torchft_train", "train_titan.py", "torchft_lighthouse")
+# Every process a block starts carries this variable (torchrun starts each worker in a session
+# of its own: a kill of the block's session misses them), so that what it leaves behind on a
+# failure is found, and no other job's processes on the machine
+BLOCK_MARK = "ACCO_DOCS_COMMANDS_BLOCK"
 
 
 def doc_block(heading: str, after: str | None = None) -> str:
@@ -42,7 +43,8 @@ def run_block(block: str, workdir: Path, timeout_s: float) -> subprocess.Complet
     (torchrun, torchft_lighthouse); whatever it started is killed at the end."""
     for name in ("examples", "scaffolding", "torchtitan_configs", "train_titan.py"):
         (workdir / name).symlink_to(ROOT / name)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           BLOCK_MARK: str(workdir)}  # fmt: skip
     env.pop("PYTHONPATH", None)  # the block runs what a user's shell runs: the installed project
     # from a file: a pattern the block kills by (pkill -f) must not match the shell running it
     (workdir / "block.sh").write_text(block)
@@ -53,16 +55,25 @@ def run_block(block: str, workdir: Path, timeout_s: float) -> subprocess.Complet
         out, _ = proc.communicate(timeout=timeout_s)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out)
     finally:
-        _kill_what_is_left(proc)
+        _kill_what_is_left(proc, workdir)
 
 
-def _kill_what_is_left(proc: subprocess.Popen) -> None:
+def _kill_what_is_left(proc: subprocess.Popen, workdir: Path) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for program in PROGRAMS:  # the workers, each in a session of its own
-        subprocess.run(["pkill", "-9", "-f", program], check=False)
+    mark = f"{BLOCK_MARK}={workdir}".encode()
+    for entry in Path("/proc").iterdir():  # the workers, each in a session of its own
+        try:
+            marked = mark in (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or gone, or not ours to read
+        if marked:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     time.sleep(0.5)
 
 

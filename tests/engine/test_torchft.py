@@ -519,7 +519,8 @@ def test_a_lost_lighthouse_is_named_within_twice_the_timeout(tmp_path: Path) -> 
         assert time.monotonic() < deadline, "the job did not reach round 5"
         time.sleep(0.05)
     lost = time.monotonic()
-    subprocess.run(["pkill", "-9", "-f", "torchft_lighthouse"], check=False)
+    # this job's lighthouse alone (a child of this process): not another job's on the machine
+    subprocess.run(["pkill", "-9", "-P", str(os.getpid()), "-f", "torchft_lighthouse"], check=False)
     assert job.result(timeout=120) == [1, 1]
     took = time.monotonic() - lost
     assert took < 2 * 5 + 15, f"{took:.0f} s from the lighthouse's loss to the groups' exit"
