@@ -325,6 +325,30 @@ def engine_run(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     return result
 
 
+def fewer_ranks_run(rank: int, world_size: int, cfg: Config, per_rank: int) -> dict[str, Any]:
+    """``cfg``'s workers (``cfg.micro`` micro-batches a round each) on ``world_size`` ranks of
+    ``ACCOOptimizer``, each running the micro-batches of ``per_rank`` consecutive workers in a
+    round: the same micro-batches in the same rounds on fewer ranks (``cfg``'s model,
+    optimizer, mode and estimate format)."""
+    from acco_hooks import ACCOOptimizer
+
+    model = make_model(cfg.dtype, cfg.model)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    workers = range(rank * per_rank, (rank + 1) * per_rank)
+    opt = ACCOOptimizer(param_groups(model, cfg.two_groups, cfg.optimizer), opt_class,
+                        mode=cfg.mode, accumulation_steps=sum(cfg.micro[w] for w in workers),
+                        estimate_dtype=cfg.estimate_dtype, **kwargs)  # fmt: skip
+    for r in range(cfg.rounds):
+        for worker in workers:
+            for micro in range(cfg.micro[worker]):
+                microbatch_loss(model, worker, r, micro).backward()
+                opt.step()
+    opt.flush()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.close()
+    return {"params": params}
+
+
 def relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     """‖actual − expected‖ / ‖expected‖ over all parameters together."""
     diff = sum(float((actual[n].double() - expected[n].double()).pow(2).sum()) for n in expected)

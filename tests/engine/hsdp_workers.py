@@ -239,26 +239,3 @@ def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         errors["not_sharded"] = str(exc)
     return errors
 
-
-def replica_as_one_rank_run(rank: int, world_size: int, cfg: Config, per_replica: int) -> dict[str, Any]:
-    """``cfg`` (whose workers are the ranks of an HSDP run) on ``world_size`` plain
-    ``ACCOOptimizer`` ranks, each running the micro-batches of one replica's ``per_replica``
-    workers: the gradient a replica's FSDP ranks sum is then each rank's own accumulation, so
-    what a narrow estimate encodes per rank (that sum) is the same as under HSDP."""
-    from acco_hooks import ACCOOptimizer
-
-    model = make_model(cfg.dtype, cfg.model)
-    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
-    workers = range(rank * per_replica, (rank + 1) * per_replica)
-    opt = ACCOOptimizer(param_groups(model, cfg.two_groups, cfg.optimizer), opt_class,
-                        mode=cfg.mode, accumulation_steps=sum(cfg.micro[w] for w in workers),
-                        estimate_dtype=cfg.estimate_dtype, **kwargs)  # fmt: skip
-    for r in range(cfg.rounds):
-        for worker in workers:
-            for micro in range(cfg.micro[worker]):
-                microbatch_loss(model, worker, r, micro).backward()
-                opt.step()
-    opt.flush()
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.close()
-    return {"params": params}

@@ -38,6 +38,21 @@ def test_reference_modes_differ() -> None:
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu", "ddp"])
+def test_the_micro_batches_count_not_the_ranks_that_run_them(mode: str) -> None:
+    """The engine's numerics depend on which micro-batches fall in which round, not on how many
+    ranks run them: 4 ranks of 2 micro-batches a round equal 2 ranks of 4 and 1 rank of 8, to
+    the order of float32 sums. More workers change a run only through what they add to each
+    round (the paper's 8 -> 32 workers grew the global batch with them)."""
+    cfg = Config(mode=mode, world_size=4, micro=[2] * 4, rounds=12)
+    four = run_distributed(ENGINE_RUN, 4, cfg)[0]
+    assert relative_error(four["params"], reference_run(cfg)["params"]) <= FP32_TOLERANCE
+    for ranks in (2, 1):
+        fewer = run_distributed("tests.scenario:fewer_ranks_run", ranks, cfg, 4 // ranks)[0]
+        error = relative_error(fewer["params"], four["params"])
+        assert error <= FP32_TOLERANCE, (ranks, error)
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "ddp"])
 def test_adamw_two_groups_matches_reference_on_2_ranks(mode: str) -> None:
     assert_matches_reference(Config(mode=mode, world_size=2, micro=[2, 2], rounds=13))
 

@@ -113,8 +113,8 @@ def test_a_narrow_estimate_of_whole_matrices_under_hsdp_equals_replicas_without_
     element. The 2 × 2 grid then trains as 2 plain ranks that each run a replica's micro-batches
     and own the matrices whole (4 plain ranks would round each rank's gradient on its own: a
     legitimately other run, 3e-3 apart after 6 rounds through Muon's Newton–Schulz)."""
-    plain = run_distributed("tests.engine.hsdp_workers:replica_as_one_rank_run", REPLICAS,
-                            MUON_NARROW, WORLD // REPLICAS)[0]  # fmt: skip
+    plain = run_distributed("tests.scenario:fewer_ranks_run", REPLICAS, MUON_NARROW,
+                            WORLD // REPLICAS)[0]  # fmt: skip
     for rank, results in enumerate(muon_results):
         error = relative_error(results[-1]["params"], plain["params"])
         assert error <= 1e-6, (rank, error)
