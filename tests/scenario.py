@@ -72,8 +72,43 @@ class GridGradient(torch.autograd.Function):
         return torch.round(grad.clamp(-4.0, 4.0) * 2.0**18) / 2.0**18
 
 
+class GridLinear(nn.Linear):
+    """``nn.Linear`` whose weight and bias gradients lie on :class:`GridGradient`'s grid: a
+    module call, so that a tensor-parallel plan (``ColwiseParallel``, ``RowwiseParallel``)
+    splits it as it splits ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, GridGradient.apply(self.weight),
+                                    GridGradient.apply(self.bias))  # fmt: skip
+
+
+class SplitNet(nn.Module):
+    """Four linear layers for a tensor-parallel plan, column- then row-wise twice as torchtitan
+    splits a feed-forward (``layers.0`` and ``layers.2`` by rows of the weight, ``layers.1`` and
+    ``layers.3`` by columns; 7 rows and 7 columns split unevenly over 2 ranks, 4 + 3), and a
+    scalar gain; gradients on the grid (:class:`GridLinear`)."""
+
+    SHAPES = ((5, 8), (8, 6), (6, 7), (7, 3))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GridLinear(a, b) for a, b in self.SHAPES)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.tanh(x) if i < len(self.layers) - 1 else x
+        # under tensor parallelism a DTensor replicated over the TP ranks (its gradient the same
+        # on each, counted once in the gradient norm), read as the local tensor it is
+        gain = self.gain.to_local() if hasattr(self.gain, "to_local") else self.gain
+        return x * GridGradient.apply(gain)
+
+
 def make_model(dtype: torch.dtype = torch.float32, model: str = "tiny") -> nn.Module:
     torch.manual_seed(1234)
+    if model == "split":
+        return SplitNet().to(dtype)
     if model.startswith("deep"):  # "deep_on_grid": DeepNet(on_grid=True)
         return DeepNet(on_grid=model == "deep_on_grid").to(dtype)
     return TinyNet().to(dtype)
@@ -184,7 +219,8 @@ class Config:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     # The engine run's estimate round on the wire (acco_hooks' estimate_dtype); None: exact.
     estimate_dtype: str | None = None
-    model: str = "tiny"  # or "deep" (DeepNet), "deep_on_grid" (its gradients on a grid)
+    # or "deep" (DeepNet), "deep_on_grid" (its gradients on a grid), "split" (SplitNet)
+    model: str = "tiny"
 
 
 OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {

@@ -61,7 +61,7 @@ from acco_hooks.engine.layout import (
     whole_parameter_layout,
 )
 from acco_hooks.engine.shard_optimizer import GroupedOptimizer, build_shard_optimizer
-from acco_hooks.engine.whole_pieces import PieceExchange, dim0_piece
+from acco_hooks.engine.whole_pieces import PieceExchange, split_of
 
 __all__ = ["GroupBuffers", "build_shard", "is_dtensor", "local_tensor", "memory_bytes",
            "normalize_param_groups"]  # fmt: skip
@@ -135,8 +135,8 @@ class GroupBuffers:
         "shard_sum", "master", "gather_input", "carried",
         # What the shard optimizer steps: the master itself (flat), or a view of it per
         # parameter this rank owns, in the parameter's shape (whole parameters); ``owned``: the
-        # indices of those parameters. Under FSDP (``exchange``) the parameters it owns are
-        # held whole, beside the master's pieces (``whole_pieces``)
+        # indices of those parameters. Split inside a replica (FSDP, tensor parallelism:
+        # ``exchange``) the parameters it owns are held whole, beside the master's pieces (``whole_pieces``)
         "stepped", "owned", "exchange",
         # A narrow estimate round's (``wire``): None when the engine never sends one
         "wire_front", "wire_tail", "difference", "encoded_shard",
@@ -150,8 +150,8 @@ class GroupBuffers:
     ) -> None:  # fmt: skip
         """``wire_bytes(n)``: the most bytes n values take in a narrow format the engine may
         send its estimate in (None: it never does). ``layout``: where the parameters lie in
-        the vector (default: the flat layout). ``exchange``: whole parameters under FSDP, whose
-        pieces this rank brings to their owners and back; the whole tensors it steps are then
+        the vector (default: the flat layout). ``exchange``: whole parameters split inside a replica
+        (FSDP, tensor parallelism), whose pieces this rank brings to their owners and back; the whole tensors it steps are then
         filled by the engine (``gather_whole_masters``)."""
         self.params, self.names = params, names
         self.locals = [local_tensor(p) for p in params]
@@ -208,8 +208,8 @@ class GroupBuffers:
         """What of ``shard`` (one of this rank's shard-sized buffers) the optimizer steps, as
         :attr:`stepped` is of the master: ``shard`` itself in the flat layout; in the
         whole-parameter layout a view per parameter this rank owns, in its local shape (not
-        under FSDP, where the shard holds pieces)."""
-        assert self.exchange is None, "under FSDP the shard holds pieces, not what is stepped"
+        where a replica splits them: the shard then holds pieces)."""
+        assert self.exchange is None, "split inside a replica, the shard holds pieces"
         if not self.layout.whole:
             return [shard]
         return [shard[p.at_shard : p.at_shard + p.numel].view(self.locals[p.index].shape)
@@ -264,7 +264,7 @@ def build_shard(
     wire_bytes: Callable[[int], int] | None,
     classes: list[type], class_kwargs: dict[type, dict[str, Any]],
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None,
-    whole: list[bool] | None = None, fsdp_ranks: tuple[int, ...] = (), fsdp_rank: int = 0,
+    whole: list[bool] | None = None, piece_ranks: tuple[int, ...] = (), piece_rank: int = 0,
 ) -> tuple[list[GroupBuffers], torch.optim.Optimizer, Any]:  # fmt: skip
     """Lay each parameter group out in its buffers; build the shard optimizer (and its
     scheduler) over this rank's fp32 master shard.
@@ -283,9 +283,10 @@ def build_shard(
             arguments (``shard_optimizer.constructor_kwargs``).
         lr_scheduler: builds the shard optimizer's scheduler.
         whole: per group, whether it lies on the whole-parameter layout (default: flat).
-        fsdp_ranks, fsdp_rank: HSDP: the global ranks FSDP splits this replica over, and this
-            rank's index among them; a whole-parameter group's owners are then on the
-            replicas × FSDP grid (``whole_pieces``).
+        piece_ranks, piece_rank: the global ranks a replica splits its whole-stepped
+            parameters over (FSDP's, or tensor parallelism's), and this rank's index among
+            them; a whole-parameter group's owners are then on the replicas × piece ranks grid
+            (``whole_pieces``).
 
     Returns:
         ``(buffers, optimizer, lr_scheduler)``, one ``GroupBuffers`` per parameter group that
@@ -296,7 +297,7 @@ def build_shard(
     for g, kept in zip(param_groups, whole):
         if not g["params"]:
             continue
-        layout, exchange = _layout(g, world_size, rank, kept, fsdp_ranks, fsdp_rank)
+        layout, exchange = _layout(g, world_size, rank, kept, piece_ranks, piece_rank)
         buffers.append(GroupBuffers(g["params"], g["names"], world_size, rank, reduce_dtype,
                                     data_parallel_ranks, carry, wire_bytes, layout, exchange))
 
@@ -314,30 +315,38 @@ def build_shard(
 
 def _layout(
     group: dict[str, Any], world_size: int, rank: int, whole: bool,
-    fsdp_ranks: tuple[int, ...], fsdp_rank: int,
+    piece_ranks: tuple[int, ...], piece_rank: int,
 ) -> tuple[ShardLayout, PieceExchange | None]:  # fmt: skip
-    """A group's layout, and under FSDP a whole-parameter group's :class:`PieceExchange`."""
+    """A group's layout, and where a replica splits its whole-stepped parameters (FSDP, tensor
+    parallelism) its :class:`PieceExchange`."""
     params = group["params"]
     numels = [local_tensor(p).numel() for p in params]
     if not whole:
         return flat_layout(numels, world_size), None
-    if len(fsdp_ranks) <= 1:
+    if len(piece_ranks) <= 1:
         return whole_parameter_layout(numels, world_size), None
-    parts = [dim0_piece(p, local_tensor(p), fsdp_ranks) for p in params]
-    for name, part in zip(group["names"], parts):
-        if part is None:
+    splits = [split_of(p, local_tensor(p), piece_ranks) for p in params]
+    for name, split in zip(group["names"], splits):
+        if isinstance(split, str):
             raise ValueError(
-                f"acco_hooks: {name} is stepped whole, and FSDP did not split it along dim 0 "
-                "as torch.chunk does (fully_shard's default): the engine brings a matrix "
-                "together from such pieces only. Shard it on dim 0 (drop shard_placement_fn for "
-                "it), or step its group with a per-element optimizer (torch.optim.AdamW)"
+                f"acco_hooks: {name} is stepped whole, and {split}: the engine brings a matrix "
+                "together from the pieces of one set of ranks that torch.chunk cuts (FSDP's "
+                "dim 0, or a tensor-parallel Shard). Step its group with a per-element "
+                "optimizer (torch.optim.AdamW), or split it over one set of ranks"
             )
-    shapes = [shape for shape, _ in parts]
-    size = len(fsdp_ranks)
-    slots = balanced_owners([math.prod(shape) for shape in shapes], world_size * size)
-    owners = [(slot // size, slot % size) for slot in slots]
+    size = len(piece_ranks)
+    # a split tensor: one owner on the replicas x piece ranks grid; one whole on every piece
+    # rank: each steps its own copy, in one replica
+    split, kept = ([i for i, s in enumerate(splits) if (s.dim is None) == unsplit]
+                   for unsplit in (False, True))  # fmt: skip
+    owners: list[tuple[int, int]] = [(0, 0)] * len(params)
+    slots = balanced_owners([math.prod(splits[i].shape) for i in split], world_size * size)
+    for i, slot in zip(split, slots):
+        owners[i] = (slot // size, slot % size)
+    for i, replica in zip(kept, balanced_owners([numels[i] for i in kept], world_size)):
+        owners[i] = (replica, piece_rank)
     layout = whole_parameter_layout(numels, world_size, owners=[r for r, _ in owners])
-    return layout, PieceExchange(layout, rank, owners, fsdp_rank, size, shapes)
+    return layout, PieceExchange(layout, rank, owners, piece_rank, size, splits)
 
 
 def _build_scheduler(
@@ -407,7 +416,7 @@ def memory_bytes(
         "estimate_wire": nbytes(t for g in buffers for t in (g.wire_tail, g.difference,
                                                                g.encoded_shard) if t is not None),
         "master_shard": nbytes(g.master for g in buffers),
-        # under FSDP, the matrices this rank steps whole: their fp32 master and gradient
+        # split inside a replica, the matrices this rank steps whole: their fp32 master and gradient
         "whole_on_owner": nbytes(t for g in buffers if g.exchange is not None
                                  for whole in g.stepped for t in (whole, whole.grad)),
         "carried_shard": nbytes(g.carried for g in buffers if g.carried is not None),

@@ -17,7 +17,7 @@ early and the advisor would time the enqueueing.
 
 **Its process groups.** Two threads issuing collectives on one group deadlock, and
 ``init_device_mesh`` hands out the WORLD group for a dimension that spans every rank: the
-thread therefore never shares a group with the training loop. The engine builds up to three
+thread therefore never shares a group with the training loop. The engine builds up to four
 groups for it, and one for the training loop (once, in the same order on every rank), and
 destroys them when it closes:
 
@@ -27,9 +27,9 @@ destroys them when it closes:
 - ``norm``: the ranks whose shards make up the whole model (times tensor/pipeline parallel
   ranks): the squared gradient norm is summed there, and a round with a non-finite gradient in
   any part of the model is skipped by every part;
-- ``fsdp`` (only where FSDP splits parameters that an optimizer steps whole): the FSDP ranks
-  of this replica, over which each such matrix's pieces are brought to its owner and sent back
-  (``whole_pieces``);
+- ``pieces`` (only where a replica splits parameters that an optimizer steps whole: FSDP, tensor
+  parallelism): the ranks of this replica that hold their pieces, over which each such
+  matrix's pieces are brought to its owner and sent back (``whole_pieces``);
 - ``replica`` (the training loop's; only under ``accumulate_until_ready``): the ranks of one
   model replica where it spans several (FSDP shards, tensor-parallel ranks, pipeline stages):
   they agree there after each micro-batch whether to run another, so that they run the same
@@ -46,8 +46,8 @@ assumed to be a ``DeviceMesh``'s.
                                                              ESTIMATE: Peek (no state changes)
                                ─► all-gather the new shard (θ_{t+1} or θ̃_{t+1})
 
-Under FSDP, matrices stepped whole are brought to their owners after the clip and sent back
-before the all-gather (``whole_pieces``).
+Split inside a replica (FSDP, tensor parallelism), matrices stepped whole are brought to their
+owners after the clip and sent back before the all-gather (``whole_pieces``).
 
 An estimate sent narrower than the update (``estimate_dtype``) travels as encoded bytes both
 ways and gathers θ̃ − θ instead of θ̃ (``wire``). Under a torchft manager the reduce-scattered
@@ -69,7 +69,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, NamedTuple
@@ -83,6 +83,7 @@ from acco_hooks.engine.buffers import GroupBuffers
 from acco_hooks.engine.collectives import all_gather, reduce_scatter_sum
 from acco_hooks.engine.peek import peek
 from acco_hooks.engine.replicas import ReplicaGroups
+from acco_hooks.engine.whole_pieces import piece_ranks
 from acco_hooks.engine.wire import (
     WireFormat,
     all_gather_difference,
@@ -287,10 +288,12 @@ class EngineGroups:
     rank: int
     fsdp_world_size: int
     fsdp_ranks: tuple[int, ...] = ()  # HSDP: the global ranks FSDP shards this replica over
-    # HSDP with parameters stepped whole: the worker's copy of this replica's FSDP group, and
-    # this rank's index in it
-    fsdp: dist.ProcessGroup | None = None
-    fsdp_rank: int = 0
+    # Parameters stepped whole that a replica splits (FSDP, tensor parallelism): the global
+    # ranks that hold their pieces (``whole_pieces.piece_ranks``), the worker's group over them,
+    # and this rank's index in it
+    piece_ranks: tuple[int, ...] = ()
+    pieces: dist.ProcessGroup | None = None
+    piece_rank: int = 0
     # torchft: this group is one replica group of several, summed over through their manager
     replicas: ReplicaGroups | None = None
     # The ranks of this model replica (its FSDP shards, tensor-parallel ranks and pipeline
@@ -303,7 +306,7 @@ class EngineGroups:
     @property
     def owned(self) -> tuple[dist.ProcessGroup, ...]:
         """Each group once, in creation order: what :meth:`release` destroys."""
-        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm, self.fsdp,
+        return tuple(dict.fromkeys(g for g in (self.data, self.count, self.norm, self.pieces,
                                                self.replica) if g is not None))  # fmt: skip
 
     def replica_waits(self, in_flight: bool, device: torch.device) -> bool:
@@ -327,7 +330,7 @@ class EngineGroups:
         ("Connection closed by peer"), and the failure travels round the ring in milliseconds.
         """
         owned, self.released = self.owned, True
-        self.data = self.count = self.norm = self.fsdp = self.replica = None
+        self.data = self.count = self.norm = self.pieces = self.replica = None
         if not dist.is_available() or not dist.is_initialized():
             return  # the user already destroyed every group, ours included
         for group in owned:
@@ -340,24 +343,29 @@ class EngineGroups:
 def build_engine_groups(
     process_group: Any, fsdp_process_group: Any, norm_process_group: Any, timeout: float | None,
     replicas: ReplicaGroups | None = None, until_ready: bool = False,
-    whole_parameters: bool = False,
+    whole_parameters: Sequence[Tensor] = (),
 ) -> EngineGroups:  # fmt: skip
     """Dedicated copies of the data-parallel, count and norm groups (see the module docstring),
-    with ``whole_parameters`` under FSDP the FSDP group, and with ``until_ready``
-    (``accumulate_until_ready``) the replica's own group."""
-    data_parallel_ranks = _ranks_of(process_group)
-    data = _dedicated_group(data_parallel_ranks, timeout)
-    count, count_ranks, fsdp_world_size, fsdp_ranks = data, data_parallel_ranks, 1, ()
+    over the ranks that hold pieces of the ``whole_parameters`` (the parameters stepped whole)
+    a group of those ranks, and with ``until_ready`` (``accumulate_until_ready``) the
+    replica's own group."""
+    fsdp_ranks: tuple[int, ...] = ()
     if fsdp_process_group is not None:
         fsdp_ranks = _ranks_of(fsdp_process_group)
         if fsdp_ranks is None:
             raise ValueError("acco_hooks: fsdp_process_group needs torch.distributed to be initialized")
+    # refused before any group exists: parameters split over several sets of ranks
+    split_over = piece_ranks(whole_parameters, fsdp_ranks)
+    data_parallel_ranks = _ranks_of(process_group)
+    data = _dedicated_group(data_parallel_ranks, timeout)
+    count, count_ranks, fsdp_world_size = data, data_parallel_ranks, 1
+    if fsdp_process_group is not None:
         fsdp_world_size = len(fsdp_ranks)
         count_ranks = _product_ranks(data_parallel_ranks, fsdp_ranks)
         count = _dedicated_group(count_ranks, timeout)
-    fsdp = None
-    if whole_parameters and fsdp_world_size > 1:
-        fsdp = _dedicated_group(fsdp_ranks, timeout)
+    pieces = None
+    if data_parallel_ranks is not None:  # on every rank: a pipeline stage may step none whole
+        pieces = _dedicated_group(split_over, timeout, shared_only=True)
     norm_ranks = None if norm_process_group is None else _ranks_of(norm_process_group)
     norm = count if norm_ranks is None else _dedicated_group(norm_ranks, timeout)
     replica = None
@@ -368,7 +376,8 @@ def build_engine_groups(
         data=data, count=count, norm=norm, data_parallel_ranks=data_parallel_ranks or (0,),
         world_size=1 if data is None else dist.get_world_size(data),
         rank=0 if data is None else dist.get_rank(data), fsdp_world_size=fsdp_world_size,
-        fsdp_ranks=fsdp_ranks, fsdp=fsdp, fsdp_rank=0 if fsdp is None else dist.get_rank(fsdp),
+        fsdp_ranks=fsdp_ranks, piece_ranks=split_over if pieces is not None else (),
+        pieces=pieces, piece_rank=0 if pieces is None else dist.get_rank(pieces),
         replicas=replicas, replica=replica,
     )  # fmt: skip
 
@@ -439,12 +448,13 @@ def fake_world() -> bool:
 
 
 def _dedicated_group(
-    my_ranks: tuple[int, ...] | None, timeout: float | None = None
+    my_ranks: tuple[int, ...] | None, timeout: float | None = None, shared_only: bool = False
 ) -> dist.ProcessGroup | None:
     """A new process group over ``my_ranks``, for the worker thread alone.
 
     ``new_group`` must be called by every rank for every group in the same order: the rank sets
-    of every rank are gathered first.
+    of every rank are gathered first. ``shared_only``: no group of fewer than two ranks (this
+    rank then gets ``None``).
     """
     if my_ranks is None:
         return None  # a single local worker
@@ -454,6 +464,8 @@ def _dedicated_group(
         dist.all_gather_object(every_ranks, my_ranks)
     mine = None
     for ranks in sorted(set(map(tuple, every_ranks))):
+        if shared_only and len(ranks) < 2:
+            continue
         group = dist.new_group(
             list(ranks), timeout=None if timeout is None else datetime.timedelta(seconds=timeout)
         )
@@ -683,20 +695,20 @@ def communicate(
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = _clip_(grads, buffers, max_grad_norm, groups.norm)
-    for g in buffers:  # FSDP: each matrix stepped whole onto its owner
+    for g in buffers:  # split in a replica: each matrix stepped whole onto its owner
         if g.exchange is not None:
             with record_function("acco::gather_whole"):
-                g.exchange.gather(g.master.grad, [p.grad for p in g.stepped], groups.fsdp)
+                g.exchange.gather(g.master.grad, [p.grad for p in g.stepped], groups.pieces)
 
     if job is Job.UPDATE:
         with record_function("acco::shard_step"):
             optimizer.step()
             if lr_scheduler is not None:
                 lr_scheduler.step()
-        for g in buffers:  # FSDP: the new values' pieces back
+        for g in buffers:  # split in a replica: the new values' pieces back
             if g.exchange is not None:
                 with record_function("acco::scatter_whole"):
-                    g.exchange.scatter(g.stepped, g.master, groups.fsdp)
+                    g.exchange.scatter(g.stepped, g.master, groups.pieces)
         for g in buffers:
             g.gather_input.copy_(g.master)
     elif wire is not None:  # θ̃ − θ, narrow: θ stays exact on every rank
@@ -723,7 +735,7 @@ def _estimate(
 ) -> None:  # fmt: skip
     """θ̃ into each group's shard buffer ``name``: the estimate step writes it there (flat), or
     into its view per parameter this rank owns (whole parameters; the rest of the buffer, the
-    padding, becomes the master's), or under FSDP into whole temporaries on the owners, whose
+    padding, becomes the master's), or split inside a replica into whole temporaries on the owners, whose
     pieces are then sent back into every rank's buffer (``whole_pieces``)."""
     outputs, wholes = [], []
     for g in buffers:
@@ -737,15 +749,15 @@ def _estimate(
             outputs += wholes[-1][2]
     peek(optimizer, outputs)
     for g, shard, estimates in wholes:
-        g.exchange.scatter(estimates, shard, groups.fsdp)
+        g.exchange.scatter(estimates, shard, groups.pieces)
 
 
 def gather_whole_masters(buffers: list[GroupBuffers], groups: EngineGroups) -> None:
-    """Under FSDP, each whole-stepped parameter's fp32 master on its owner = the pieces of the
-    masters of its FSDP peers (after they were set: built, reset, loaded)."""
+    """Split inside a replica, each whole-stepped parameter's fp32 master on its owner = the
+    pieces of the masters of its piece peers (after they were set: built, reset, loaded)."""
     for g in buffers:
         if g.exchange is not None:
-            g.exchange.gather(g.master, g.stepped, groups.fsdp)
+            g.exchange.gather(g.master, g.stepped, groups.pieces)
 
 
 def _agree(proposal: int, group: dist.ProcessGroup | None, device: torch.device) -> int:

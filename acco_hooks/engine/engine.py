@@ -115,6 +115,7 @@ from acco_hooks.engine.state import (
     save_live_parameters,
     save_state,
 )
+from acco_hooks.engine.whole_pieces import piece_ranks
 from acco_hooks.engine.wire import WIRE_FORMATS
 
 __all__ = ["ACCOEngine"]
@@ -239,12 +240,6 @@ class ACCOEngine:
         **kwargs: Any,
     ) -> None:
         settings, optimizer_kwargs = EngineSettings.from_keywords(settings, kwargs)
-        # what whole parameters do not run beside yet (check_whole_parameters)
-        split_by = [name for name, group in (
-            ("norm_process_group (tensor or pipeline parallelism)", norm_process_group),
-            ("fsdp_process_group under a torchft manager",
-             None if manager is None else fsdp_process_group),
-        ) if group is not None]  # fmt: skip
         if lr_scheduler is not None and not callable(lr_scheduler):
             raise TypeError(
                 "acco_hooks: lr_scheduler must be a callable that builds the scheduler from the "
@@ -276,6 +271,13 @@ class ACCOEngine:
         whole = [False] * len(param_groups)
         for gi, layout in zip(trained, layouts):
             whole[gi] = layout.layout == "whole"
+        whole_params = [p for gi in trained if whole[gi] for p in param_groups[gi]["params"]]
+        # what whole parameters do not run beside yet (check_whole_parameters): pieces brought
+        # together under a torchft manager
+        split_by = [] if manager is None or not whole_params else [name for name, split in (
+            ("fsdp_process_group", fsdp_process_group is not None),
+            ("tensor parallelism", bool(piece_ranks(whole_params, ()))),
+        ) if split]  # fmt: skip
         check_whole_parameters(
             [param_groups[gi]["names"][0] for gi in trained if whole[gi]],
             [classes[gi] for gi in trained if whole[gi]], split_by,
@@ -302,7 +304,7 @@ class ACCOEngine:
         # No local name holds the groups: a traceback through here must not keep them alive.
         self._groups = build_engine_groups(
             process_group, fsdp_process_group, norm_process_group, settings.timeout, replicas,
-            until_ready=settings.accumulate_until_ready, whole_parameters=any(whole),
+            until_ready=settings.accumulate_until_ready, whole_parameters=whole_params,
         )
         self.world_size, self.rank = self._groups.world_size, self._groups.rank
         self.fsdp_world_size = self._groups.fsdp_world_size
@@ -332,8 +334,8 @@ class ACCOEngine:
                 carry=settings.reduce_format in formats,
                 wire_bytes=(lambda n: max(w.nbytes(n) for w in narrow)) if narrow else None,
                 classes=classes, class_kwargs=class_kwargs, lr_scheduler=lr_scheduler,
-                whole=whole, fsdp_ranks=self._groups.fsdp_ranks if self._groups.fsdp else (),
-                fsdp_rank=self._groups.fsdp_rank,
+                whole=whole, piece_ranks=self._groups.piece_ranks,
+                piece_rank=self._groups.piece_rank,
             )  # fmt: skip
             groups = self._groups
             self._gather_whole_masters()

@@ -56,7 +56,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from acco_hooks.engine.buffers import GroupBuffers, is_dtensor
-from acco_hooks.engine.whole_pieces import chunk_rows, dim0_piece
+from acco_hooks.engine.whole_pieces import Split, chunk_rows, split_of
 
 __all__ = ["LocalChunk", "ShardPlacement", "to_local_chunks"]
 
@@ -256,12 +256,12 @@ def _fsdp_split(g: GroupBuffers, fsdp_ranks: tuple[int, ...]) -> list[tuple[int,
     them); ``None`` if FSDP did not split some parameter's dim 0 as ``torch.chunk`` does."""
     out = []
     for param, local in zip(g.params, g.locals):
-        piece = dim0_piece(param, local, fsdp_ranks)
-        if piece is None:
+        piece = split_of(param, local, fsdp_ranks, alone=False)
+        if not isinstance(piece, Split) or piece.dim != 0:
             return None
-        shape, index = piece
+        shape = piece.shape
         rest = math.prod(shape[1:])
-        first, _ = chunk_rows(shape[0], len(fsdp_ranks), index)
+        first, _ = chunk_rows(shape[0], len(fsdp_ranks), piece.index)
         out.append((shape[0] * rest, first * rest))
     return out
 

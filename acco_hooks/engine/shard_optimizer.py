@@ -428,19 +428,19 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
 
 def check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
-    """Refuse, by name, what the whole-parameter layout does not run beside yet: tensor and
-    pipeline parallelism (``norm_process_group``: a tensor-parallel matrix is not whole on any
-    rank of its replica's FSDP group), and FSDP inside torchft replica groups (a group that
-    heals has not been tried with matrices brought together). FSDP inside a replica runs
-    (``whole_pieces``). ``split_by``: what of those the engine was given; ``first_names`` and
-    ``classes``: of each group that steps whole parameters."""
+    """Refuse, by name, what the whole-parameter layout does not run beside yet: matrices
+    split inside a torchft replica group (``split_by``: FSDP's ``fsdp_process_group``, tensor
+    parallelism), whose healing has not been tried with matrices brought together. Data
+    parallelism, FSDP or tensor parallelism inside a replica, and pipeline stages run
+    (``whole_pieces``). ``first_names`` and ``classes``: of each group that steps whole
+    parameters."""
     if first_names and split_by:
         raise ValueError(
             f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
-            f"{first_names[0]}), which the engine does not run beside {' or '.join(split_by)} "
-            "yet. Train it over data parallelism with FSDP inside each replica "
-            "(ACCOHSDPOptimizer) or without, or step that group with a per-element optimizer "
-            "(torch.optim.AdamW)"
+            f"{first_names[0]}), which the engine does not bring together from the pieces of "
+            f"{' or '.join(split_by)} under a torchft manager yet. Train those replica groups "
+            "without splitting the matrices (data or pipeline parallelism inside a group), or "
+            "step that group with a per-element optimizer (torch.optim.AdamW)"
         )
 
 

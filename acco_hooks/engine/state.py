@@ -184,9 +184,10 @@ def _optimizer_state(parts: StateParts, agree: bool = True) -> dict[str, Any]:
     stepped = bool(saved["state"])
     data = parts.groups.data
     if agree and data is not None and any(g.layout.whole for g in buffers):
-        # over every rank that may own a parameter: the FSDP ranks too (``whole_pieces``)
+        # over every rank that may own a parameter: the FSDP and tensor-parallel ranks too
+        # (``whole_pieces``); the norm group holds them
         flag = torch.tensor([float(stepped)], dtype=torch.float64, device=parts.device)
-        parts.run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, parts.groups.count)
+        parts.run_on_thread(dist.all_reduce, flag, dist.ReduceOp.MAX, parts.groups.norm)
         stepped = bool(flag.item())
     state = saved["state"] if saved["state"] or stepped else first_step_state(
         optimizer, layouts[0].optimizer_kwargs)  # fmt: skip
@@ -340,9 +341,10 @@ def load_optimizer_state_by_name(parts: StateParts, state: dict[str, dict[str, A
             if g.exchange is not None:
                 raise ValueError(
                     f"acco_hooks: load_optimizer_state_by_name: {g.names[0]}'s group is stepped "
-                    "whole, and FSDP splits it: the state by name of an FSDP run holds pieces, "
-                    "not the matrices its owners step. Load a checkpoint of the engine "
-                    "(state_dict), or start the optimizer afresh"
+                    "whole, and the ranks of a replica split it (FSDP, tensor parallelism): the "
+                    "state by name of such a run holds pieces, not the matrices its owners "
+                    "step. Load a checkpoint of the engine (state_dict), or start the optimizer "
+                    "afresh"
                 )
             for param, pi in zip(g.stepped, g.owned):
                 shard_state[index[id(param)]] = {  # copies: torch steps them in place

@@ -246,9 +246,6 @@ def validate_acco(
             "[acco] enable supports tensor and pipeline parallelism only: set "
             "context_parallel_degree = 1 and expert_parallel_degree = 1"
         )
-    degrees = {"tensor_parallel_degree": par.tensor_parallel_degree,
-               "pipeline_parallel_degree": par.pipeline_parallel_degree}  # fmt: skip
-    split_by = [f"{name} = {degree}" for name, degree in degrees.items() if degree > 1]
     _check_global_batch(training, replicate * shard * groups, shard * groups)
     runs = ("Adam", "AdamW", *whole_parameter_optimizers)
     if (len(optimizer_names) != 1 and not whole_parameter_optimizers) or any(
@@ -262,16 +259,20 @@ def validate_acco(
                if whole_parameter_optimizers else "")
         )
     whole = sorted({name for name in optimizer_names if name in whole_parameter_optimizers})
-    # FSDP inside a replica runs (the engine brings each matrix together on its owner); tensor
-    # and pipeline parallelism and torchft's groups do not run beside whole matrices yet
-    if whole and (split_by or ft is not None):
+    # FSDP or tensor parallelism inside a replica, and pipeline stages, run (the engine brings
+    # each matrix together on its owner); FSDP over tensor-parallel matrices and torchft's
+    # groups do not yet
+    fsdp_over_tp = shard > 1 and par.tensor_parallel_degree > 1
+    if whole and (fsdp_over_tp or ft is not None):
         raise ValueError(
             f"optimizer.param_groups: {whole[0]} steps each matrix whole on the rank that owns "
             "it, which the ACCO engine does not run beside "
-            + (" or ".join(split_by) if split_by else "[fault_tolerance] (torchft replica "
-               "groups; ACCOOptimizer runs them)")
-            + f" yet: train the {whole[0]} recipe over data_parallel_replicate_degree and "
-            "data_parallel_shard_degree" + ("" if split_by else " without [fault_tolerance]")
+            + (f"data_parallel_shard_degree = {shard} with tensor_parallel_degree = "
+               f"{par.tensor_parallel_degree} (FSDP over tensor-parallel matrices: each rank "
+               "holds a piece of a piece)" if fsdp_over_tp else
+               "[fault_tolerance] (torchft replica groups; ACCOOptimizer runs them)")
+            + f" yet: train the {whole[0]} recipe with FSDP or tensor parallelism inside a "
+            "replica, not both" + ("" if fsdp_over_tp else ", without [fault_tolerance]")
             + ", or step every group with 'AdamW'"
         )
     if early_step_in_backward:

@@ -239,3 +239,63 @@ def hsdp_bad_inputs(rank: int, world_size: int) -> dict[str, str]:
         errors["not_sharded"] = str(exc)
     return errors
 
+
+
+def tensor_parallel_split_net(replicas: int, tp: int):
+    """SplitNet (tests/scenario.py) on a (replicate, tp) mesh, its layers split column- then
+    row-wise in turn as torchtitan splits a feed-forward."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("dp_replicate", "tp"))
+    # a column-wise layer's output stays a DTensor: its uneven split (4 + 3) is known to the
+    # row-wise layer that reads it
+    plan = {f"layers.{i}": ColwiseParallel(use_local_output=False) if i % 2 == 0
+            else RowwiseParallel() for i in range(4)}  # fmt: skip
+    model = parallelize_module(make_model(model="split"), mesh["tp"], plan)
+    # gain replicated over the TP ranks as a DTensor, as torchtitan's plans leave its norms: the
+    # engine counts it once in the gradient norm (a plain tensor is each rank's own)
+    model.gain = torch.nn.Parameter(distribute_tensor(model.gain.detach(), mesh["tp"], [Replicate()]))
+    return model, mesh
+
+
+def tensor_parallel_run(rank: int, world_size: int, cfg: Config, replicas: int) -> dict[str, Any]:
+    """The scenario's training on replicas of tensor-parallel ranks, the engine built as
+    torchtitan builds it (the replicas' group, every rank as ``norm_process_group``); the ranks
+    of a replica read the replica's micro-batches: replica r is worker r of ``cfg``."""
+    import torch.distributed as dist
+
+    from acco_hooks import ACCOEngine
+
+    model, mesh = tensor_parallel_split_net(replicas, world_size // replicas)
+    replica = rank // (world_size // replicas)
+    opt_class, kwargs = OPTIMIZERS[cfg.optimizer]
+    engine = ACCOEngine(
+        param_groups(model, cfg.two_groups, cfg.optimizer), opt_class,
+        process_group=mesh["dp_replicate"], norm_process_group=dist.group.WORLD, mode=cfg.mode,
+        accumulation_steps=cfg.micro[replica], max_grad_norm=cfg.max_grad_norm,
+        lr_scheduler=make_scheduler if cfg.scheduler else None, estimate_dtype=cfg.estimate_dtype,
+        **kwargs,
+    )  # fmt: skip
+    engine.hook_param_grads(placeholders=False)
+    for r in range(cfg.rounds):
+        for micro in range(cfg.micro[replica]):
+            microbatch_loss(model, replica, r, micro).backward()
+            engine.microbatch_done()
+    engine.flush()
+    result = {
+        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "memory": engine.memory_bytes(), "owned_whole": engine.owned_whole,
+        "num_updates": engine.num_updates,
+    }  # fmt: skip
+    engine.close()
+    return result
+
+
+def tensor_parallel_runs(rank: int, world_size: int, runs: list[Config], replicas: int) -> list[dict[str, Any]]:
+    """``tensor_parallel_run`` of each config, in one launch of the processes."""
+    return [tensor_parallel_run(rank, world_size, cfg, replicas) for cfg in runs]

@@ -273,9 +273,10 @@ def test_every_muon_update_averages_all_its_gradients(settings: dict) -> None:
 
 
 def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
-    """Before any process group exists: a Muon group that holds a bias; tensor and pipeline
-    parallelism (``norm_process_group``), and FSDP inside torchft replica groups, which whole
-    parameters do not run beside yet (FSDP inside a replica runs: tests/engine/test_hsdp.py)."""
+    """Before any process group exists: a Muon group that holds a bias, and matrices split
+    inside torchft replica groups (FSDP), which whole parameters do not run beside yet (FSDP
+    and tensor parallelism inside a replica run: tests/engine/test_hsdp.py,
+    tests/engine/test_tensor_parallel.py)."""
     from acco_hooks import ACCOOptimizer
 
     model = nn.Linear(4, 3)
@@ -286,11 +287,9 @@ def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
     matrices = [{"params": [("weight", model.weight)], "optimizer_class": torch.optim.Muon},
                 {"params": [("bias", model.bias)]}]  # fmt: skip
     with pytest.raises(ValueError, match=r"Muon steps whole parameters \(the group of weight\), "
-                                         r"which the engine does not run beside "
-                                         r"norm_process_group \(tensor or pipeline parallelism\)"):
-        ACCOOptimizer(matrices, torch.optim.AdamW, norm_process_group=object())
-    with pytest.raises(ValueError, match=r"does not run beside fsdp_process_group under a "
-                                         r"torchft manager yet.*ACCOHSDPOptimizer"):
+                                         r"which the engine does not bring together from the "
+                                         r"pieces of fsdp_process_group under a torchft manager "
+                                         r"yet"):
         ACCOOptimizer(matrices, torch.optim.AdamW, fsdp_process_group=object(), manager=object())
 
 
