@@ -89,8 +89,9 @@ def _ranks(mesh: Any, dim: int) -> tuple[int, ...]:
     return tuple(sorted(dist.get_process_group_ranks(mesh.get_group(dim))))
 
 
-def _splits(placement: Any) -> bool:
-    return placement.is_shard()
+def _splits(mesh: Any, dim: int, placement: Any) -> bool:
+    """Whether ``placement`` on mesh dimension ``dim`` splits the tensor (one rank: not)."""
+    return placement.is_shard() and mesh.size(dim) > 1
 
 
 def piece_ranks(params: Sequence[Tensor], fsdp_ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -103,7 +104,8 @@ def piece_ranks(params: Sequence[Tensor], fsdp_ranks: tuple[int, ...]) -> tuple[
     if len(fsdp_ranks) > 1:
         return fsdp_ranks
     found = {_ranks(p.device_mesh, d) for p in params if is_dtensor(p)
-             for d, placement in enumerate(p.placements) if _splits(placement)}  # fmt: skip
+             for d, placement in enumerate(p.placements)
+             if _splits(p.device_mesh, d, placement)}  # fmt: skip
     if len(found) > 1:
         raise ValueError(
             "acco_hooks: the parameters stepped whole are split over several sets of ranks "
@@ -134,11 +136,11 @@ def split_of(
 
     mesh, placements = param.device_mesh, list(param.placements)
     ours = [d for d in range(mesh.ndim) if _ranks(mesh, d) == ranks]
-    others = [d for d in range(mesh.ndim) if d not in ours and _splits(placements[d])]
+    others = [d for d in range(mesh.ndim) if d not in ours and _splits(mesh, d, placements[d])]
     if others and alone:
         return (f"{placements[others[0]]} splits it over ranks {_ranks(mesh, others[0])} besides "
                 f"{'the ranks ' + str(ranks) if ranks else 'no piece ranks'}")  # fmt: skip
-    if not ours or not _splits(placements[ours[0]]):
+    if not ours or not _splits(mesh, ours[0], placements[ours[0]]):
         return Split(tuple(local.shape), None, 0, size)
     (dim,) = ours
     placement = placements[dim]

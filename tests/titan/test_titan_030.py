@@ -316,10 +316,10 @@ def test_acco_runs_on_spmd_types_and_partial_dtensor_and_refuses_full_dtensor() 
 
 def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_cannot() -> None:
     """Several groups, each its class (Muon by torchtitan's name DistMuon, or Muon, for the
-    matrices; Adam or AdamW for the rest), ending with the catch-all; Muon beside FSDP (each matrix
-    brought together on its owner); beside tensor or pipeline parallelism, an optimizer torchtitan
-    or the engine does not have, and groups that leave parameters out: refused by name before
-    anything is built."""
+    matrices; Adam or AdamW for the rest), ending with the catch-all; Muon beside FSDP or tensor
+    parallelism (each matrix brought together on its owner). Beside both at once (FSDP over
+    TP-split matrices), an optimizer torchtitan or the engine does not have, and groups that
+    leave parameters out: refused by name before anything is built."""
     from torchtitan.components.optimizer import ParamGroupConfig
 
     from acco_hooks.titan.v030 import validate_acco_config
@@ -343,12 +343,15 @@ def test_acco_takes_param_groups_each_with_its_optimizer_and_refuses_what_it_can
     config.parallelism.data_parallel_shard_degree = 2
     config.training.global_batch_size = 16  # 2 replicas of 2 FSDP ranks: each matrix brought
     validate_acco_config(config, world_size=4)  # together on its owner (whole_pieces)
-    config.parallelism.data_parallel_shard_degree = 1
-    config.parallelism.tensor_parallel_degree = 2
+    config.parallelism.tensor_parallel_degree = 2  # and over the TP ranks of a replica
     with pytest.raises(ValueError, match=r"DistMuon steps each matrix whole on the rank that owns "
                                          r"it, which the ACCO engine does not run beside "
-                                         r"tensor_parallel_degree = 2 yet"):
-        validate_acco_config(config, world_size=4)
+                                         r"data_parallel_shard_degree = 2 with "
+                                         r"tensor_parallel_degree = 2 \(FSDP over tensor-parallel"):
+        validate_acco_config(config, world_size=8)
+    config.parallelism.data_parallel_shard_degree = 1
+    config.training.global_batch_size = 8
+    validate_acco_config(config, world_size=4)  # TP alone: brought together over its ranks
     config.parallelism.tensor_parallel_degree = 1
     rest.pattern = r"layers\."
     config.optimizer.param_groups = [rest]
@@ -419,23 +422,44 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
     assert float(acco[4][0]) < float(acco[1][0])
 
 
+# 2 replicas of several ranks: (ranks, overrides)
+_TP, _PP = (("--parallelism.tensor_parallel_degree", "2"),
+            ("--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_microbatch_size", "1"))  # fmt: skip
+_SPLIT_REPLICAS = {
+    "hsdp": (4, ("--parallelism.data_parallel_shard_degree", "2")),
+    "tp": (4, _TP),
+    "pp": (4, _PP),
+    "3d": (8, (*_TP, *_PP, "--training.global_batch_size", "8")),  # 4 micro-batches a stage
+}
+
+
 @pytest.mark.spmd_backends("spmd_types")  # the optimizer's groups, not the layout
-def test_the_muon_recipe_under_hsdp_steps_as_torchtitans_own_hsdp(tmp_path) -> None:
-    """2 replicas of 2 FSDP ranks (data_parallel_shard_degree = 2): no rank holds a whole matrix,
-    and the engine brings each one's pieces together on the rank of the 2 × 2 grid that owns it,
-    steps it with torch's Muon there and sends the pieces back. In ``ddp`` mode it prints the
-    losses and gradient norms of torchtitan's own HSDP trainer stepping torch's Muon on the same
-    layout (there DTensor runs Newton–Schulz's products on the sharded matrices, with their
-    collectives: the whole matrix, in another order of bfloat16 sums)."""
-    hsdp = ["--parallelism.data_parallel_replicate_degree", "2",
-            "--parallelism.data_parallel_shard_degree", "2"]
-    ours, output = _recipe_losses(tmp_path, 4, "debug_cpu_ddp_muon", extra=hsdp)
-    assert "fsdp_world_size=2" in output and "whole parameters in 1 group(s)" in output
-    theirs, _ = _recipe_losses(tmp_path, 4, "debug_cpu_titan_ddp_muon", extra=hsdp)
+@pytest.mark.parametrize("layout", sorted(_SPLIT_REPLICAS))
+def test_the_muon_recipe_on_replicas_of_several_ranks_steps_as_torchtitans_own(
+    tmp_path, layout
+) -> None:  # fmt: skip
+    """2 replicas of 2 ranks: FSDP (data_parallel_shard_degree = 2) or tensor parallelism
+    (tensor_parallel_degree = 2: each matrix split by rows or columns) leave no rank a whole
+    matrix, and the engine brings each one's pieces together on the rank of the 2 × 2 grid that
+    owns it, steps it with torch's Muon there and sends the pieces back; under pipeline
+    parallelism each stage's engine steps its own matrices, whole on their owners; and 3-D, 2
+    replicas × 2 TP ranks × 2 stages. In ``ddp`` mode it prints the losses and gradient norms of
+    torchtitan's own trainer stepping torch's Muon on the same layout (there DTensor runs
+    Newton–Schulz's products on the split matrices, with their collectives: the whole matrix,
+    in another order of bfloat16 sums)."""
+    nproc, split = _SPLIT_REPLICAS[layout]
+    extra = ["--parallelism.data_parallel_replicate_degree", "2", *split]
+    ours, output = _recipe_losses(tmp_path, nproc, "debug_cpu_ddp_muon", extra=extra)
+    if layout in ("hsdp", "tp"):  # under PP the log is the last stage's, not rank 0's report
+        assert "whole parameters in 1 group(s)" in output
+        assert ("fsdp_world_size=2" in output) == (layout == "hsdp")
+    theirs, _ = _recipe_losses(tmp_path, nproc, "debug_cpu_titan_ddp_muon", extra=extra)
     assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
     assert ours[1] == theirs[1]  # same initial weights and data
-    # measured: 3e-5, 1.2e-4, 3.9e-4 at steps 2-4 (Newton–Schulz in bfloat16, summed in
-    # another order, amplifies float rounding); AdamW instead of Muon moves step 4 by > 1e-2
+    # measured at steps 2-4: HSDP 3e-5, 1.2e-4, 3.9e-4; TP 1e-5, 1e-5, 6e-5; PP 0, 4e-5,
+    # 1e-4; 3-D 1e-5, 6e-5, 3.1e-4 (Newton–Schulz in bfloat16, summed in another order,
+    # amplifies float rounding); AdamW instead of Muon moves step 4 by > 1e-2
     for step in (2, 3, 4):
         assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-3), step
         assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
