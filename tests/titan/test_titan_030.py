@@ -465,21 +465,26 @@ def test_the_muon_recipe_on_replicas_of_several_ranks_steps_as_torchtitans_own(
         assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
 
 
-def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_path) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=["replicas", "replicas_of_2_tp_ranks"])
+def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_path, tp) -> None:
     """acco with Muon on 2 replicas, saved by torchtitan's checkpointer at step 3 (an estimate
-    in flight, its ΣG̃ carried, each matrix's momentum on the replica that owns it): resumed on
+    in flight, its ΣG̃ carried, each matrix's momentum on the rank that owns it): resumed on
     2 replicas, steps 4-6 print the straight run's losses and norms; resumed on 1 replica (the
     same global batch in 2 micro-batches a round), the one replica takes every matrix and its
     momentum, and the loss goes on from where it was (the data loader re-derives its position:
-    other samples, so near the straight run, not equal to it)."""
+    other samples, so near the straight run, not equal to it). With ``tp`` = 2 each replica is
+    2 tensor-parallel ranks: the matrices' pieces saved as the TP ranks hold them, each
+    matrix's momentum whole by its name, read by whichever rank of the grid owns it then."""
     (tmp_path / "muon_recipe.py").write_text(_MUON_RECIPE)
     dump = tmp_path / "run"
 
     def run(replicas: int, name: str) -> dict[int, tuple[str, str]]:
-        return _forked_losses(replicas, ["train_titan.py", "--module", "muon_recipe", "--config",
-                                         "debug_cpu_acco_muon_checkpointed", "--dump-folder",
-                                         str(dump), "--metrics.disable-color-printing",
-                                         *backend_overrides("-")],
+        return _forked_losses(replicas * tp, ["train_titan.py", "--module", "muon_recipe",
+                                              "--config", "debug_cpu_acco_muon_checkpointed",
+                                              "--dump-folder", str(dump),
+                                              "--metrics.disable-color-printing",
+                                              "--parallelism.tensor_parallel_degree", str(tp),
+                                              *backend_overrides("-")],
                               tmp_path / f"{name}.log", pythonpath=tmp_path)  # fmt: skip
 
     straight = run(2, "straight")
@@ -498,8 +503,11 @@ def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_p
     straight_after = [float(straight[step][0]) for step in on_one]
     # A run that lost its state would start again from the first steps' losses (8.16, 8.20,
     # 8.11 for steps 1-3): three steps in, it would not be below 8.0; this one is where the
-    # straight run is at step 6 (measured: 7.94 both), on other samples
-    assert float(on_one[6][0]) < float(straight[1][0]) - 0.15, (straight, on_one)
+    # straight run is at step 6 (measured: 7.94 both), on other samples. Under TP the first
+    # six steps move the loss too little to tell (8.14, 8.08, 8.10, 8.24 for steps 1-4): there
+    # the resharded resume is held to the straight run only
+    if tp == 1:
+        assert float(on_one[6][0]) < float(straight[1][0]) - 0.15, (straight, on_one)
     assert abs(sum(after) - sum(straight_after)) / len(after) < 0.05, (straight, on_one)
 
 
