@@ -18,6 +18,9 @@ Phases (run them in order; each skips runs already complete in ``--out``)::
     # within 3x its spread)
     python -m benchmarks.convergence.gap_map map --batches 8 32 128 --seeds 0 1
 
+``map`` takes ddp's best learning rate from every complete ddp run at seed 0 in ``--out``, the
+map's own included: where its ``ddp`` runs at 2x or 4x beat the sweep's best, the best moves,
+and running ``map`` again adds the runs the new best needs (run it until it has none to add).
 ``--jobs 2`` runs two at once (one core each). Results: ``docs/results/gap_map.json`` (every
 run's curves, settings and command; ``run.py``'s records), keyed
 ``gap/b<batch>-lr<lr>/<data>/<arm>/seed<N>``. Wall times in it are not comparable (runs
