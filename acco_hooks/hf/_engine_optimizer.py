@@ -132,22 +132,25 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
             "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})"
         )
     device = next(model.parameters()).device
-    try:  # the engine's own decision, with the Trainer's two groups' options
-        layout = check_optimizer(optimizer_cls, [{"weight_decay": trainer.args.weight_decay},
-                                                 {"weight_decay": 0.0}], kwargs, device)  # fmt: skip
+    decay = set(trainer.get_decay_parameter_names(model))
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # the Trainer's two groups (weight decay / none), the empty one left out
+    groups = [({"weight_decay": weight_decay},
+               [tuple(p.shape) for n, p in trained if (n in decay) == decaying])
+              for decaying, weight_decay in ((True, trainer.args.weight_decay), (False, 0.0))]
+    groups = [(options, shapes) for options, shapes in groups if shapes]  # fmt: skip
+    # the engine's own decision at the Trainer's groups' options and shapes: per element (a
+    # flat shard), whole parameters (each stepped on the rank that owns it: torch's
+    # Adafactor), or refused (torch's Muon, which steps 2-D matrices only, over the biases too)
+    try:
+        check_optimizer(optimizer_cls, [o for o, _ in groups], kwargs, device,
+                        [s for _, s in groups])  # fmt: skip
     except TypeError as refusal:
         raise ValueError(
             f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which the ACCO engine "
             f"cannot run ({refusal}). Use optim='adamw_torch_fused' (the default), "
             "'adamw_torch' or 'sgd'"
         ) from refusal
-    if layout.layout == "whole":  # exact in the engine, not yet held to the Trainer's oracle
-        raise ValueError(
-            f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which steps each parameter "
-            "whole (on the rank that owns it): the ACCO engine runs it through ACCOOptimizer "
-            "and the DDP hook, not yet through ACCOTrainer. Use optim='adamw_torch_fused' (the "
-            "default), 'adamw_torch' or 'sgd'"
-        )
     return optimizer_cls, kwargs
 
 

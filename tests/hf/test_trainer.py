@@ -94,10 +94,10 @@ REFUSALS = {  # setting: (how to spoil the run, what the message must name)
                            "optimizer_cls_and_kwargs gives MatrixDecayAdamW, which the ACCO "
                            "engine cannot run (acco_hooks: tests.hf.test_trainer."
                            "MatrixDecayAdamW is not known to step each parameter element"),
-    "torch_adafactor": ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {})}},
-                        "optimizer_cls_and_kwargs gives Adafactor, which steps each parameter "
-                        "whole (on the rank that owns it): the ACCO engine runs it through "
-                        "ACCOOptimizer and the DDP hook, not yet through ACCOTrainer"),
+    # torch's Muon steps 2-D matrices only: over the Trainer's groups, the biases and norms too
+    "torch_muon": ({"trainer": {"optimizer_cls_and_kwargs": (torch.optim.Muon, {})}},
+                   "optimizer_cls_and_kwargs gives Muon, which the ACCO engine cannot run "
+                   "(acco_hooks: torch.optim.Muon refused the parameters of its group(s)"),
     "not_an_optimizer": ({"trainer": {"optimizer_cls_and_kwargs": (dict, {})}},
                          "optimizer_cls_and_kwargs"),
     "optimizers": ({"trainer": {"optimizers": "an SGD instance"}}, "optimizers="),
@@ -150,6 +150,10 @@ DDP_VARIANTS = [
     # BatchNorm's running statistics (buffers, which DDP broadcasts from rank 0 before each
     # step's first forward), and the evaluation each rank runs with its own
     dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, batchnorm=True),
+    # torch's Adafactor, whose factored second moment and RMS scaling see each parameter
+    # whole: the engine steps each on the rank that owns it (the whole-parameter layout)
+    dict(learning_rate=5e-2, max_grad_norm=0.5, ragged=True,
+         optimizer_cls_and_kwargs=(torch.optim.Adafactor, {"lr": 5e-2})),
 ]  # fmt: skip
 
 

@@ -104,6 +104,8 @@ def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) ->
             ragged = variant.pop("ragged", False)
             mean_loss = variant.pop("mean_loss", False)
             batchnorm = variant.pop("batchnorm", False)
+            optimizer = {"optimizer_cls_and_kwargs": variant.pop("optimizer_cls_and_kwargs")
+                         } if "optimizer_cls_and_kwargs" in variant else {}  # fmt: skip
             data = byte_dataset(32, ragged=ragged)
             out = {}
             for name in ("hf", "acco"):
@@ -114,10 +116,10 @@ def ddp_vs_hf_ddp(rank: int, world_size: int, variants: list[dict[str, Any]]) ->
                         model.model.embed_tokens, BatchNormOverHidden(model.config.hidden_size)
                     )
                 if name == "hf":
-                    trainer = Trainer(model=model, args=args, train_dataset=data)
+                    trainer = Trainer(model=model, args=args, train_dataset=data, **optimizer)
                 else:
                     trainer = ACCOTrainer(model=model, args=args, train_dataset=data,
-                                          acco_args=ACCOArguments(mode="ddp"))  # fmt: skip
+                                          acco_args=ACCOArguments(mode="ddp"), **optimizer)  # fmt: skip
                 if mean_loss:  # the Trainer then divides each micro-batch's mean loss by GA
                     trainer.model_accepts_loss_kwargs = False
                 trainer.train()
