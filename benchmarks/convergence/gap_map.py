@@ -45,9 +45,10 @@ OUT = "docs/results/gap_map.json"
 SEQ_LEN = 64
 HELDOUT_SEQUENCES = 512  # the same held-out sequences for every run
 MICROBATCHES_PER_UPDATE = 4
-# sequences per update -> real updates per run: about as many tokens as the gate's runs (200
-# updates of 16) at the small batches, half again as many at the large one
-UPDATES = {8: 400, 16: 200, 32: 200, 128: 100}
+# sequences per update -> (real updates per run, updates between validations, which divides
+# them: torchtitan validates at multiples of it, and the last one scores the run): about as
+# many tokens as the gate's runs (200 updates of 16) at the small batches, more at the large one
+UPDATES = {8: (400, 50), 16: (200, 25), 32: (200, 25), 128: (100, 10)}
 SWEEP_LRS = (4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3)  # the gate's 8e-4 x 1/2 ... 8
 MAP_ARMS = ("ddp", "acco", "acco_split_fp8")
 LR_FACTORS = (1, 2, 4)
@@ -73,10 +74,10 @@ def spec_for(point: Point, arm: str, seed: int, corpus: str = "stdlib") -> run.R
     """``run.py``'s settings for one run of ``arm`` at ``point`` (one rank)."""
     if point.batch % (2 * MICROBATCHES_PER_UPDATE) or point.batch not in UPDATES:
         raise ValueError(f"batch {point.batch}: one of {sorted(UPDATES)}")
-    updates = UPDATES[point.batch]
+    updates, heldout_every = UPDATES[point.batch]
     args = argparse.Namespace(
         heterogeneous=False, batch_per_update=point.batch, nproc=1, updates=updates,
-        heldout_every=updates // 8, heldout_steps=HELDOUT_SEQUENCES // point.local_batch,
+        heldout_every=heldout_every, heldout_steps=HELDOUT_SEQUENCES // point.local_batch,
         data_seed=None,
     )  # fmt: skip
     overrides = ("--training.seq_len", str(SEQ_LEN),
