@@ -353,6 +353,84 @@ def test_whole_matrices_under_hsdp_resume_on_other_replicas_and_fsdp_degrees(
         assert torch.equal(resumed[case]["lr"], straight[case]["lr"])
 
 
+# Muon's matrices under tensor parallelism: each split by rows or columns over a replica's TP
+# ranks and whole on its owner of the replicas × TP grid (tests/engine/test_tensor_parallel.py)
+
+
+def tp_split_run(rank: int, world_size: int, ckpt: str, replicas: int, phase: str) -> dict:
+    """The engine as torchtitan builds it over ``replicas`` × (world_size / replicas) TP ranks,
+    SplitNet with Muon on its matrices: train and save after each of :data:`WHOLE_SAVES`, or
+    load it; then train to the end. Each global micro-batch is cut in the saving run's 2
+    shares, and a replica runs its shares as micro-batches of its own: the same micro-batches
+    in the same rounds on any number of replicas (SplitNet rounds each micro-batch's gradient
+    to its grid: a batch cut otherwise would be another run)."""
+    import torch.distributed as dist
+
+    from acco_hooks import ACCOEngine
+    from tests.engine.hsdp_workers import tensor_parallel_split_net
+
+    tp, shares = world_size // replicas, 2 // replicas
+    replica = rank // tp
+    out = {}
+
+    def train_tp(engine, first: int, last: int) -> None:
+        size = GLOBAL_BATCH // 2
+        for i in range(first, last):
+            g = torch.Generator().manual_seed(7919 * i)
+            x, y = torch.randn(GLOBAL_BATCH, 5, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+            for share in range(replica * shares, (replica + 1) * shares):
+                mine = slice(share * size, (share + 1) * size)
+                torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+                engine.microbatch_done()
+
+    for mode, at in WHOLE_SAVES:
+        model, mesh = tensor_parallel_split_net(replicas, tp)
+        engine = ACCOEngine(param_groups(model, True, "muon"), torch.optim.AdamW,
+                            process_group=mesh["dp_replicate"],
+                            norm_process_group=dist.group.WORLD, mode=mode,
+                            accumulation_steps=MICRO * shares, lr_scheduler=make_scheduler,
+                            lr=3e-2, weight_decay=0.1)  # fmt: skip
+        engine.hook_param_grads(placeholders=False)
+        path = f"{ckpt}/tp-{mode}-{at}"
+        if phase == "save":
+            train_tp(engine, 0, at)
+            save(model, engine, path)
+        else:
+            engine.load_state_dict(load(model, engine, path))
+        train_tp(engine, at, ROUNDS * MICRO)
+        engine.flush()
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        params["lr"] = torch.tensor(engine.lr_scheduler.get_last_lr())
+        engine.close()
+        out[f"{mode}-{at}"] = params
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_muon_checkpoint(tmp_path_factory) -> tuple[str, dict]:
+    ckpt = str(tmp_path_factory.mktemp("tp_muon"))
+    straight = run_distributed("tests.engine.test_resharding:tp_split_run", 4, ckpt, 2,
+                               "save")[0]  # fmt: skip
+    return ckpt, straight
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_tensor_parallel_matrices_resume_on_other_replicas(tp_muon_checkpoint, replicas) -> None:
+    """Saved by 2 replicas × 2 TP ranks (between acco's estimate and its update, and at a ddp
+    update), each matrix's pieces in the TP ranks' master shards and its momentum whole by name
+    on its owner: the same grid resumes bit for bit; one replica of 2 TP ranks owns every
+    matrix on its two ranks, reads each one's momentum by name and brings its master together
+    from the pieces, and goes on as the straight run."""
+    ckpt, straight = tp_muon_checkpoint
+    resumed = run_distributed("tests.engine.test_resharding:tp_split_run", replicas * 2, ckpt,
+                              replicas, "load")[0]  # fmt: skip
+    for case in straight:
+        error = relative_error(resumed[case], straight[case])
+        print(case, replicas, f"{error:.2e}")
+        assert error == 0.0 if replicas == 2 else error <= 1e-5, (case, error)
+        assert torch.equal(resumed[case]["lr"], straight[case]["lr"])
+
+
 # ------------------------------------------------- the carried half-batch's weight, resharded
 
 RUN = "tests.engine.resume_cases:run"
