@@ -47,7 +47,7 @@ def test_muon_on_tensor_parallel_matrices_equals_the_reference(tp_results, index
     pieces, the scheduler once per real update."""
     cfg = RUNS[index]
     ref = reference_run(cfg)
-    initial = dict(make_model(model="split").named_parameters())
+    initial = {n: p.detach() for n, p in make_model(model="split").named_parameters()}
     assert relative_error(initial, ref["params"]) > 50 * 1e-3  # what the training moved
     for rank, results in enumerate(tp_results):
         out = results[index]
