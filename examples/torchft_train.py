@@ -88,7 +88,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--muon", action="store_true",
                    help="torch.optim.Muon on the two matrices (whole parameters, each on the "
-                   "rank that owns it), AdamW on the biases")
+                   "rank that owns it; with --fsdp brought together from the FSDP pieces), "
+                   "AdamW on the biases")
     p.add_argument("--seed", type=int, default=0, help="of the initial parameters")
     p.add_argument("--init-sync", action="store_true",
                    help="torchft's init_sync=True: every group takes the first group's "
@@ -269,16 +270,15 @@ def main() -> None:
                     if step_size else None)  # fmt: skip
     if args.start_together is not None and manager is not None:
         settings["replica_groups"] = len(args.start_together) or args.groups
+    params = list(model.named_parameters())
+    if args.muon:  # the matrices in Muon's group, the rest in AdamW's
+        params = [{"params": [(n, p) for n, p in params if p.ndim == 2],
+                   "optimizer_class": torch.optim.Muon, "lr": 0.02},
+                  {"params": [(n, p) for n, p in params if p.ndim != 2]}]  # fmt: skip
     if args.fsdp:
-        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, **settings)
-    elif args.muon:
-        named = list(model.named_parameters())
-        opt = ACCOOptimizer([{"params": [(n, p) for n, p in named if p.ndim == 2],
-                              "optimizer_class": torch.optim.Muon, "lr": 0.02},
-                             {"params": [(n, p) for n, p in named if p.ndim != 2]}],
-                            torch.optim.AdamW, **settings)  # fmt: skip
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=params, **settings)
     else:
-        opt = ACCOOptimizer(model.named_parameters(), torch.optim.AdamW, **settings)
+        opt = ACCOOptimizer(params, torch.optim.AdamW, **settings)
     engine = opt.engine
     if args.resume is not None:  # every group loads the same checkpoint, before its first round
         state = {"model": model.state_dict(), "optim": opt.state_dict()}

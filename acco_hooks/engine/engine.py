@@ -102,7 +102,6 @@ from acco_hooks.engine.settings import EngineSettings, Mode
 from acco_hooks.engine.shard_optimizer import (
     ShardStateLayout,
     check_optimizers,
-    check_whole_parameters,
     constructor_kwargs,
 )
 from acco_hooks.engine.state import (
@@ -115,7 +114,6 @@ from acco_hooks.engine.state import (
     save_live_parameters,
     save_state,
 )
-from acco_hooks.engine.whole_pieces import piece_ranks
 from acco_hooks.engine.wire import WIRE_FORMATS
 
 __all__ = ["ACCOEngine"]
@@ -272,16 +270,6 @@ class ACCOEngine:
         for gi, layout in zip(trained, layouts):
             whole[gi] = layout.layout == "whole"
         whole_params = [p for gi in trained if whole[gi] for p in param_groups[gi]["params"]]
-        # what whole parameters do not run beside yet (check_whole_parameters): pieces brought
-        # together under a torchft manager
-        split_by = [] if manager is None or not whole_params else [name for name, split in (
-            ("fsdp_process_group", fsdp_process_group is not None),
-            ("tensor parallelism", bool(piece_ranks(whole_params, ()))),
-        ) if split]  # fmt: skip
-        check_whole_parameters(
-            [param_groups[gi]["names"][0] for gi in trained if whole[gi]],
-            [classes[gi] for gi in trained if whole[gi]], split_by,
-        )  # fmt: skip
 
         replicas = None
         if replica_groups is not None and manager is None:
@@ -439,6 +427,7 @@ class ACCOEngine:
         if handover is None:
             return
         load_handover(self._state_parts(), handover)
+        self._gather_whole_masters()  # the group loads together: its piece ranks too
         self._handover_counters = self.rounds.state_dict()
         if joined_round is None:  # init_sync at the start: one group's state, the same in all
             return
@@ -467,6 +456,7 @@ class ACCOEngine:
         counted = self.rounds.microbatches
         self._in_flight = None
         load_handover(self._state_parts(), handover)
+        self._gather_whole_masters()  # the whole group rejoins: its piece ranks too
         self._handover_counters = self.rounds.state_dict()
         self.joined_round = joined_round
         self.rounds.microbatches = counted
@@ -1047,7 +1037,7 @@ class ACCOEngine:
             warnings.filterwarnings("ignore", message="Please use DTensor instead")
             pending = load_state(self._state_parts(), state)  # a state refused changes nothing
         self._in_flight = None
-        self._gather_whole_masters()  # FSDP: the owners' whole masters, from the loaded pieces
+        self._gather_whole_masters()  # the owners' whole masters, from the loaded pieces
         if self._groups.replicas is not None:
             self._groups.replicas.resume_at(self.round_index)
         if pending is not None:
@@ -1074,8 +1064,9 @@ class ACCOEngine:
         self._gather_whole_masters()
 
     def _gather_whole_masters(self) -> None:
-        """Under FSDP, the whole fp32 masters of the parameters this rank steps whole, from
-        its FSDP peers' master pieces (``whole_pieces``): after those were set."""
+        """Where a replica splits them (FSDP, tensor parallelism), the whole fp32 masters of
+        the parameters this rank steps whole, from its piece peers' master pieces
+        (``whole_pieces``): after those were set (built, reset, loaded, handed over)."""
         if any(g.exchange is not None for g in self._buffers):
             self._run_on_thread(gather_whole_masters, self._buffers, self._groups)
 

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["PER_ELEMENT", "PER_PARAMETER", "REFUSED", "GroupedOptimizer", "ShardStateLayout",
-           "build_shard_optimizer", "check_optimizer", "check_optimizers", "check_whole_parameters",
+           "build_shard_optimizer", "check_optimizer", "check_optimizers",
            "constructor_kwargs", "declare_per_element_optimizer", "declare_per_parameter_optimizer",
            "first_step_state", "state_index", "step_and_restore"]  # fmt: skip
 
@@ -425,23 +425,6 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return "GroupedOptimizer(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
-
-
-def check_whole_parameters(first_names: list[str], classes: list[type], split_by: list[str]) -> None:
-    """Refuse, by name, what the whole-parameter layout does not run beside yet: matrices
-    split inside a torchft replica group (``split_by``: FSDP's ``fsdp_process_group``, tensor
-    parallelism), whose healing has not been tried with matrices brought together. Data
-    parallelism, FSDP or tensor parallelism inside a replica, and pipeline stages run
-    (``whole_pieces``). ``first_names`` and ``classes``: of each group that steps whole
-    parameters."""
-    if first_names and split_by:
-        raise ValueError(
-            f"acco_hooks: {classes[0].__name__} steps whole parameters (the group of "
-            f"{first_names[0]}), which the engine does not bring together from the pieces of "
-            f"{' or '.join(split_by)} under a torchft manager yet. Train those replica groups "
-            "without splitting the matrices (data or pipeline parallelism inside a group), or "
-            "step that group with a per-element optimizer (torch.optim.AdamW)"
-        )
 
 
 def build_shard_optimizer(

@@ -60,7 +60,9 @@ def _assert_equal_to_reference(out: Path, groups: list[int], group_size: int) ->
      # HSDP inside each group: 2 replicas x 2 FSDP shards, against HSDP over 4 x 2
      (2, 4, "acco", ["--fsdp", "2", "--max-grad-norm", "0.5"]),
      # Muon on whole matrices: each group's 2 ranks own one each, the reference's 4 ranks 2
-     (2, 2, "acco", ["--muon"])],
+     (2, 2, "acco", ["--muon"]),
+     # both: each matrix brought together from its FSDP pieces on its owner in each group
+     (2, 4, "acco", ["--fsdp", "2", "--muon"])],
 )  # fmt: skip
 def test_every_group_alive_equals_one_run_over_every_rank(
     tmp_path: Path, groups: int, group_size: int, mode: str, extra: list[str]
@@ -305,8 +307,11 @@ def test_a_group_that_joins_a_running_job_heals_and_trains_exactly(
 @pytest.mark.parametrize(
     ("kill_at", "group_size", "mode", "stop", "extra"),
     [("in_reduction", 2, "acco", 4, []), ("mid_round", 1, "dpu", 4, []),
-     ("in_reduction", 2, "acco", 4, ["--fsdp", "2"])],  # HSDP: each rank heals its FSDP shard
-    ids=["in_reduction-acco", "mid_round-dpu", "in_reduction-acco-hsdp"],
+     ("in_reduction", 2, "acco", 4, ["--fsdp", "2"]),  # HSDP: each rank heals its FSDP shard
+     # and with Muon: the owner's whole matrix brought together again from the healed pieces
+     ("in_reduction", 2, "acco", 4, ["--fsdp", "2", "--muon"])],
+    ids=["in_reduction-acco", "mid_round-dpu", "in_reduction-acco-hsdp",
+         "in_reduction-acco-hsdp-muon"],
 )
 def test_a_lost_group_restarted_heals_and_holds_the_same_parameters(
     tmp_path: Path, kill_at: str, group_size: int, mode: str, stop: int, extra: list[str]

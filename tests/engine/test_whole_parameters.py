@@ -272,11 +272,10 @@ def test_every_muon_update_averages_all_its_gradients(settings: dict) -> None:
 # ---------------------------------------------------------------- refused by name
 
 
-def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
-    """Before any process group exists: a Muon group that holds a bias, and matrices split
-    inside torchft replica groups (FSDP), which whole parameters do not run beside yet (FSDP
-    and tensor parallelism inside a replica run: tests/engine/test_hsdp.py,
-    tests/engine/test_tensor_parallel.py)."""
+def test_a_muon_group_that_holds_a_bias_is_refused_by_name() -> None:
+    """Before any process group exists. (Every layout runs whole parameters: FSDP and tensor
+    parallelism inside a replica, tests/engine/test_hsdp.py and test_tensor_parallel.py; inside
+    torchft groups, test_torchft.py.)"""
     from acco_hooks import ACCOOptimizer
 
     model = nn.Linear(4, 3)
@@ -284,13 +283,6 @@ def test_what_whole_parameters_cannot_do_yet_is_refused_by_name() -> None:
                                         r"group\(s\), shaped \[\(3,\), \(3, 4\)\].*2-D matrices"):
         ACCOOptimizer([{"params": list(model.named_parameters()),
                         "optimizer_class": torch.optim.Muon}], torch.optim.AdamW)  # fmt: skip
-    matrices = [{"params": [("weight", model.weight)], "optimizer_class": torch.optim.Muon},
-                {"params": [("bias", model.bias)]}]  # fmt: skip
-    with pytest.raises(ValueError, match=r"Muon steps whole parameters \(the group of weight\), "
-                                         r"which the engine does not bring together from the "
-                                         r"pieces of fsdp_process_group under a torchft manager "
-                                         r"yet"):
-        ACCOOptimizer(matrices, torch.optim.AdamW, fsdp_process_group=object(), manager=object())
 
 
 # ---------------------------------------------------------------- a torch optimizer's state, by name
