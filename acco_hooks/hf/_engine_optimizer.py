@@ -149,7 +149,10 @@ def optimizer_cls_and_kwargs(trainer: Any, model: nn.Module) -> tuple[type, dict
         raise ValueError(
             f"ACCOTrainer: {source} gives {optimizer_cls.__name__}, which the ACCO engine "
             f"cannot run ({refusal}). Use optim='adamw_torch_fused' (the default), "
-            "'adamw_torch' or 'sgd'"
+            "'adamw_torch' or 'sgd', or torch.optim.Adafactor; a class for some parameters "
+            "only (torch.optim.Muon on the matrices) beside AdamW on the rest needs parameter "
+            "groups, which ACCOOptimizer and torchtitan's optimizer.param_groups take and "
+            "ACCOTrainer does not yet"
         ) from refusal
     return optimizer_cls, kwargs
 
