@@ -6,7 +6,9 @@ the samples of an update are far from independent (``docs/results.md`` section 4
 module's data reproduces). By default (``order="sequences"``) the training set is the corpus cut
 into chunks that encode to exactly one sequence (``seq_len - 1`` tokens, plus torchtitan's BOS
 and EOS), shuffled by the run's seed; ``order="documents"`` shuffles whole documents, the
-document stream as a control. The held-out set is the validation documents cut the same way and
+document stream as a control; ``order="parts<R>x<B>"`` (:func:`replica_parts`) is the non-i.i.d.
+stream of R data-parallel replicas that each read their own part of the corpus, for one rank that
+runs every replica's micro-batches. The held-out set is the validation documents cut the same way and
 shuffled with a fixed seed: every run of a corpus and ``seq_len`` scores the same sequences.
 
 Corpora, nothing downloaded: ``stdlib``, the Python standard library's sources
@@ -26,13 +28,15 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CORPORA = ("stdlib", "torch")
-ORDERS = ("sequences", "documents")
+ORDERS = ("sequences", "documents")  # and replica_parts(R, B)
+_PARTS = re.compile(r"parts(?P<replicas>[1-9]\d*)x(?P<block>[1-9]\d*)")
 OUT_DIR = "outputs/convergence_data"
 HELDOUT_SEED = 0
 _VALIDATION_EVERY = 20
@@ -71,7 +75,7 @@ def _tokenizer():
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
-def sequence_chunks(texts: Iterable[str], text_tokens: int) -> list[str]:
+def document_chunks(texts: Iterable[str], text_tokens: int) -> list[list[str]]:
     """Each text cut at token boundaries into pieces of ``text_tokens`` tokens (a text's last,
     shorter piece is dropped): with torchtitan's BOS and EOS, one piece is one sequence."""
     texts = list(texts)
@@ -80,25 +84,61 @@ def sequence_chunks(texts: Iterable[str], text_tokens: int) -> list[str]:
     for text, encoding in zip(texts, _tokenizer().encode_batch(texts, add_special_tokens=False)):
         offsets = encoding.offsets
         starts = [offsets[i][0] for i in range(0, len(offsets), text_tokens)]
-        full = len(offsets) // text_tokens
-        for i in range(full):
+        pieces = []
+        for i in range(len(offsets) // text_tokens):
             end = starts[i + 1] if i + 1 < len(starts) else len(text)
-            chunks.append(text[starts[i]:end])
+            pieces.append(text[starts[i]:end])
+        chunks.append(pieces)
     return chunks
 
 
 @functools.lru_cache(maxsize=4)
-def _split_chunks(corpus: str, split: str, text_tokens: int) -> tuple[str, ...]:
-    """A split of ``corpus`` cut by :func:`sequence_chunks`, once per process: a sweep (or a
-    test) prepares several seeds of one length, which differ only in the order."""
+def _split_chunks(corpus: str, split: str, text_tokens: int) -> tuple[tuple[str, ...], ...]:
+    """Each document of a split of ``corpus`` cut by :func:`document_chunks`, once per process:
+    a sweep (or a test) prepares several seeds of one length, which differ only in the order."""
     train, validation = corpus_documents(corpus)
-    return tuple(sequence_chunks(train if split == "train" else validation, text_tokens))
+    pieces = document_chunks(train if split == "train" else validation, text_tokens)
+    return tuple(tuple(p) for p in pieces)
+
+
+def replica_parts(replicas: int, block: int) -> str:
+    """The order in which ``replicas`` data-parallel replicas each read their own part of the
+    corpus (non-i.i.d. replicas), as one rank that runs all their micro-batches reads it.
+
+    The training documents, in the corpus's source order (sorted paths: a part is a range of
+    packages), are cut into ``replicas`` contiguous parts of nearly equal sequence counts; each
+    part's sequences are shuffled by the seed. The stream then takes ``block`` sequences from
+    each part in turn, so one rank's micro-batch of ``replicas * block`` sequences holds what the
+    replicas' micro-batches of ``block`` would hold in one round: the engine's updates depend on
+    which micro-batches fall in which round, not on how many ranks run them
+    (``tests/engine/test_engine_reference.py``), and a micro-batch's mean loss over equal
+    sequence counts is the replicas' mean. Give ``block`` = the local batch / ``replicas``.
+    """
+    return f"parts{replicas}x{block}"
+
+
+def replica_stream(documents: Sequence[Sequence[str]], seed: int, replicas: int,
+                   block: int) -> list[str]:  # fmt: skip
+    """:func:`replica_parts`' stream of ``documents`` (each a list of sequences)."""
+    total = sum(map(len, documents))
+    parts: list[list[str]] = [[] for _ in range(replicas)]
+    before = 0
+    for pieces in documents:  # a document goes whole to the part its middle falls in
+        parts[min(replicas - 1, (2 * before + len(pieces)) * replicas // (2 * total))].extend(pieces)
+        before += len(pieces)
+    rng = random.Random(seed)
+    for part in parts:
+        rng.shuffle(part)
+    blocks = min(map(len, parts)) // block
+    return [s for k in range(blocks) for part in parts for s in part[k * block:(k + 1) * block]]
 
 
 def prepare(corpus: str, order: str, seed: int, seq_len: int) -> pathlib.Path:
     """The dataset directory of a run (built on first use); see the module docstring."""
-    if order not in ORDERS:
-        raise ValueError(f"order {order!r} is not one of {ORDERS}")
+    parts = _PARTS.fullmatch(order)
+    if order not in ORDERS and not parts:
+        raise ValueError(f"order {order!r} is not one of {ORDERS} or parts<R>x<B> "
+                         "(replica_parts)")  # fmt: skip
     if seq_len < 2:
         raise ValueError(f"seq_len {seq_len} must be >= 2")
     import torch
@@ -110,12 +150,16 @@ def prepare(corpus: str, order: str, seed: int, seq_len: int) -> pathlib.Path:
     built = out / _BUILD
     if built.is_file() and json.loads(built.read_text()) == params:
         return out
-    if order == "sequences":
-        train = list(_split_chunks(corpus, "train", seq_len - 1))
+    if parts:
+        train = replica_stream(_split_chunks(corpus, "train", seq_len - 1), seed,
+                                int(parts["replicas"]), int(parts["block"]))  # fmt: skip
     else:
-        train = corpus_documents(corpus)[0]
-    random.Random(seed).shuffle(train)
-    validation = list(_split_chunks(corpus, "validation", seq_len - 1))
+        if order == "sequences":
+            train = [s for pieces in _split_chunks(corpus, "train", seq_len - 1) for s in pieces]
+        else:
+            train = corpus_documents(corpus)[0]
+        random.Random(seed).shuffle(train)
+    validation = [s for pieces in _split_chunks(corpus, "validation", seq_len - 1) for s in pieces]
     random.Random(HELDOUT_SEED).shuffle(validation)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

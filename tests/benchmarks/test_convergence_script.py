@@ -182,6 +182,20 @@ def test_sequence_data_is_one_sequence_per_line_in_a_seeded_order() -> None:
     assert sorted(lines(docs, "train.jsonl")) == sorted(originals)
     assert data.describe(a)["train_documents"] == len(train_a)
 
+    # 2 replicas each on its own half of the files, blocks of 3 sequences in turn: every line
+    # is a sequence of the corpus, the even blocks from the first half of the files (by their
+    # sequence counts, counted here from the tokenizer), the odd ones from the second
+    parts = lines(data.prepare("stdlib", data.replica_parts(2, 3), 0, seq_len), "train.jsonl")
+    assert len(parts) % 6 == 0 and len(parts) >= 0.95 * len(train_a)
+    assert not set(parts) - set(train_a)
+    counts = [len(e.ids) // (seq_len - 1)
+              for e in tokenizer.encode_batch(originals, add_special_tokens=False)]
+    half = next(i for i in range(len(counts)) if 2 * sum(counts[:i]) + counts[i] >= sum(counts))
+    for block in (0, 1, 2, 3, len(parts) // 3 - 2, len(parts) // 3 - 1):
+        for line in parts[3 * block : 3 * block + 3]:
+            homes = [i for i, doc in enumerate(originals) if line in doc]
+            assert homes and (min(homes) <= half if block % 2 == 0 else max(homes) >= half)
+
 
 def test_curves_from_stats_weights_by_tokens() -> None:
     def rows(*items: tuple[int, int, float, float]) -> dict[int, run.StepStats]:
