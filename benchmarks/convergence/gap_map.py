@@ -9,21 +9,31 @@ held-out sequences. Each point is a batch (sequences of 64 tokens per update) an
 rate; every run of a batch has 4 micro-batches per update (``ddp``: 4 in one round; ``acco``:
 2 + 2; ``acco_split_fp8``: 3 + 1 with the estimate round in float8, the split and format
 ``mode="auto"`` picks most), so the estimate θ̃ sees half an update's sequences, or 3/4.
+``--data parts``: the same runs on the stream of 2 replicas that each read their own half of the
+corpus (``data.replica_parts``: each of the rank's micro-batches is both replicas' micro-batches
+of one round); ``--width``: the debug model at another width (``slow_rank.WIDE_FLAVORS``), with
+its own ddp sweep.
 
 Phases (run them in order; each skips runs already complete in ``--out``)::
 
     # ddp alone over a grid of learning rates, per batch: its best one
     python -m benchmarks.convergence.gap_map sweep --batches 8 32 128
     # every arm at 1x, 2x and 4x ddp's best, seeds 0 and 1 (add --seeds 2 where the gap is
-    # within 3x its spread)
+    # within 3x its spread); each arm's own best: --lr-factors 0.5 0.25; the control:
+    # --arms dpu --lr-factors 1
     python -m benchmarks.convergence.gap_map map --batches 8 32 128 --seeds 0 1
+    # non-i.i.d. replicas at ddp's best (of its i.i.d. sweep)
+    python -m benchmarks.convergence.gap_map map --data parts --lr-factors 1 --seeds 0 1
+    # a wider model: its own sweep, then the map
+    python -m benchmarks.convergence.gap_map sweep --width 768 --lrs 8e-4 1.6e-3 3.2e-3
+    python -m benchmarks.convergence.gap_map map --width 768 --lr-factors 1 --seeds 0 1
 
-``map`` takes ddp's best learning rate from every complete ddp run at seed 0 in ``--out``, the
-map's own included: where its ``ddp`` runs at 2x or 4x beat the sweep's best, the best moves,
+``map`` takes ddp's best learning rate from every complete i.i.d. ddp run of the model's width
+at seed 0 in ``--out``, the map's own included: where its ``ddp`` runs at 2x or 4x beat the sweep's best, the best moves,
 and running ``map`` again adds the runs the new best needs (run it until it has none to add).
 ``--jobs 2`` runs two at once (one core each). Results: ``docs/results/gap_map.json`` (every
 run's curves, settings and command; ``run.py``'s records), keyed
-``gap/b<batch>-lr<lr>/<data>/<arm>/seed<N>``. Wall times in it are not comparable (runs
+``gap/b<batch>-lr<lr>[-w<width>]/<corpus>-<order>/<arm>/seed<N>``. Wall times in it are not comparable (runs
 share the machine; this map is numerics only). ``plot.py`` draws and tabulates the map.
 """
 
@@ -34,11 +44,13 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.convergence import run
+from benchmarks.convergence import data, run
+from benchmarks.convergence.slow_rank import WIDE_FLAVORS
 from benchmarks.harness import write_result
 
 OUT = "docs/results/gap_map.json"
@@ -52,28 +64,41 @@ UPDATES = {8: (400, 50), 16: (200, 25), 32: (200, 25), 128: (100, 10)}
 SWEEP_LRS = (4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3)  # the gate's 8e-4 x 1/2 ... 8
 MAP_ARMS = ("ddp", "acco", "acco_split_fp8")
 LR_FACTORS = (1, 2, 4)
+DEBUG_WIDTH = 256  # torchtitan's debugmodel
+WIDTHS = (DEBUG_WIDTH, *WIDE_FLAVORS.values())
+REPLICAS = 2  # --data parts: the replicas that each read their own part of the corpus
+DATA = ("iid", "parts")
+_EXPERIMENT = re.compile(r"gap/b(?P<batch>\d+)-lr(?P<lr>[^-/]+(?:e-\d+)?)(?:-w(?P<width>\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One place on the map: sequences per update and the learning rate."""
+    """One place on the map: sequences per update, the learning rate and the model's width."""
 
     batch: int
     lr: float
+    width: int = DEBUG_WIDTH
 
     @property
     def name(self) -> str:
-        return f"gap/b{self.batch}-lr{self.lr:g}"
+        wide = "" if self.width == DEBUG_WIDTH else f"-w{self.width}"
+        return f"gap/b{self.batch}-lr{self.lr:g}{wide}"
 
     @property
     def local_batch(self) -> int:
         return self.batch // MICROBATCHES_PER_UPDATE
 
 
-def spec_for(point: Point, arm: str, seed: int, corpus: str = "stdlib") -> run.RunSpec:
-    """``run.py``'s settings for one run of ``arm`` at ``point`` (one rank)."""
+def spec_for(point: Point, arm: str, seed: int, data_kind: str = "iid",
+             corpus: str = "stdlib") -> run.RunSpec:  # fmt: skip
+    """``run.py``'s settings for one run of ``arm`` at ``point`` (one rank) on ``data_kind``:
+    ``"iid"`` (sequences shuffled) or ``"parts"`` (:data:`REPLICAS` replicas each on its part)."""
     if point.batch % (2 * MICROBATCHES_PER_UPDATE) or point.batch not in UPDATES:
         raise ValueError(f"batch {point.batch}: one of {sorted(UPDATES)}")
+    if point.width not in WIDTHS:
+        raise ValueError(f"width {point.width}: one of {WIDTHS}")
+    if data_kind not in DATA:
+        raise ValueError(f"data {data_kind!r}: one of {DATA}")
     updates, heldout_every = UPDATES[point.batch]
     args = argparse.Namespace(
         heterogeneous=False, batch_per_update=point.batch, nproc=1, updates=updates,
@@ -84,7 +109,12 @@ def spec_for(point: Point, arm: str, seed: int, corpus: str = "stdlib") -> run.R
                  "--training.local_batch_size", str(point.local_batch),
                  "--parallelism.data_parallel_replicate_degree", "1",
                  "--optimizer.lr", f"{point.lr:g}")  # fmt: skip
-    spec = run.plan_one(args, overrides, corpus, "sequences", seed, arm)
+    if point.width != DEBUG_WIDTH:
+        overrides += ("--model.flavor", f"debugmodel_w{point.width}")
+    # a batch is a multiple of 8: each micro-batch splits evenly between the 2 replicas
+    order = ("sequences" if data_kind == "iid"
+             else data.replica_parts(REPLICAS, point.local_batch // REPLICAS))  # fmt: skip
+    spec = run.plan_one(args, overrides, corpus, order, seed, arm)
     return dataclasses.replace(spec, experiment=point.name)
 
 
@@ -94,29 +124,42 @@ def heldout_final(record: dict[str, Any] | None) -> float:
     return float(record["summary"].get("heldout_loss_final", math.nan))
 
 
-def best_lr(results: dict[str, Any], batch: int, arm: str = "ddp", seed: int = 0) -> float | None:
-    """The learning rate of ``arm``'s lowest final held-out loss at ``batch`` among the runs in
-    ``results``, or ``None`` if it has none there (a diverged run reads nan: never the best)."""
-    scored = [(heldout_final(r), float(r["overrides"][r["overrides"].index("--optimizer.lr") + 1]))
-              for r in results["runs"].values()
-              if r["experiment"].startswith(f"gap/b{batch}-") and r["arm"] == arm
-              and r["seed"] == seed]  # fmt: skip
+def point_of(record: dict[str, Any]) -> Point:
+    """The :class:`Point` a record of this map ran."""
+    match = _EXPERIMENT.fullmatch(record["experiment"])
+    if match is None:
+        raise ValueError(f"{record['experiment']!r} is not a point of the gap map")
+    return Point(int(match["batch"]), float(match["lr"]), int(match["width"] or DEBUG_WIDTH))
+
+
+def best_lr(results: dict[str, Any], batch: int, arm: str = "ddp", seed: int = 0,
+            width: int = DEBUG_WIDTH) -> float | None:  # fmt: skip
+    """The learning rate of ``arm``'s lowest final held-out loss at ``batch`` and ``width`` on
+    i.i.d. data among the runs in ``results``, or ``None`` if it has none there (a diverged run
+    reads nan: never the best)."""
+    points = {key: point_of(r) for key, r in results["runs"].items()}
+    scored = [(heldout_final(r), points[key].lr) for key, r in results["runs"].items()
+              if (points[key].batch, points[key].width) == (batch, width) and r["arm"] == arm
+              and r["seed"] == seed and r["data_order"] == "sequences"]  # fmt: skip
     scored = [(loss, lr) for loss, lr in scored if math.isfinite(loss)]
     return min(scored)[1] if scored else None
 
 
 def plan(args: argparse.Namespace, results: dict[str, Any]) -> list[run.RunSpec]:
     if args.phase == "sweep":
-        return [spec_for(Point(b, lr), "ddp", 0) for b in args.batches for lr in args.lrs]
+        return [spec_for(Point(b, lr, args.width), "ddp", 0) for b in args.batches
+                for lr in args.lrs]  # fmt: skip
     specs = []
     for batch in args.batches:
-        best = best_lr(results, batch)
+        best = best_lr(results, batch, width=args.width)
         if best is None:
-            raise SystemExit(f"no complete ddp sweep at batch {batch} in {args.out}: run the "
-                             "sweep phase first")  # fmt: skip
+            wide = f" --width {args.width}" if args.width != DEBUG_WIDTH else ""
+            raise SystemExit(f"no complete ddp sweep at batch {batch}{wide} in {args.out}: run "
+                             f"the sweep phase first (sweep --batches {batch}{wide})")  # fmt: skip
         for seed in args.seeds:
             for factor in args.lr_factors:
-                specs += [spec_for(Point(batch, best * factor), arm, seed) for arm in args.arms]
+                point = Point(batch, best * factor, args.width)
+                specs += [spec_for(point, arm, seed, args.data) for arm in args.arms]
     return specs
 
 
@@ -132,11 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="map: multiples of ddp's best learning rate at the batch")
     add("--arms", nargs="+", default=list(MAP_ARMS), choices=[*run.MODES, *run.SCHEDULE_ARMS])
     add("--seeds", nargs="+", type=int, default=[0, 1])
+    add("--data", choices=DATA, default="iid",
+        help="map: i.i.d. sequences, or 2 replicas that each read their own half of the corpus")
+    add("--width", type=int, choices=WIDTHS, default=DEBUG_WIDTH,
+        help="the model's width (the debug model's: 256)")
     add("--jobs", type=int, default=2, help="runs at once (one rank, one core each)")
     add("--out", default=OUT)
     add("--workdir", default="outputs/gap_map")
     add("--print-every", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.phase == "sweep" and args.data != "iid":
+        parser.error("--data parts is for the map: its learning rates come from ddp's i.i.d. sweep")
     out = run.REPO / args.out
     args.workdir = str(run.REPO / args.workdir)
     args.nproc = 1

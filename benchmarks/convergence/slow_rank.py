@@ -1,7 +1,8 @@
-"""Benchmark hooks for torchtitan runs: a slow rank, per-micro-batch logs, a fixed held-out set.
+"""Benchmark hooks for torchtitan runs: a slow rank, per-micro-batch logs, a fixed held-out set,
+wider debug models.
 
 ``benchmarks/convergence/run.py`` makes every rank import it (``--experimental.custom_import``);
-``docs/results.md`` section 5 uses all three:
+``docs/results.md`` section 5 uses the first three, ``gap_map.py``'s width point the last:
 
 * Slow rank: on global rank ``ACCO_BENCH_SLOW_RANK`` (default 1) each micro-batch of
   ``Trainer.forward_backward_step`` (which ``ACCOTrainer`` inherits) takes
@@ -30,17 +31,21 @@
   ``r * n // W`` of n: with 4 ranks (two replicas of two FSDP ranks) ranks 0 and 1 score the
   batches of the first of 2 and ranks 2 and 3 those of the second; the mean is the 2-rank
   run's.
+* Wider models: the llama3 flavors ``debugmodel_w<dim>`` (:data:`WIDE_FLAVORS`) are the debug
+  model (6 layers, 16 heads, vocabulary 2048) at another width; ``--model.flavor`` names them.
 
 Assumptions (torchtitan 0.2.2): ``Trainer.__init__`` imports the module on every rank before it
 builds the validator; the loop calls ``self.forward_backward_step(input_dict=..., labels=...,
 global_valid_tokens=...)`` once per micro-batch, with ``self.step`` the current step (an ACCO
-round); the validation dataset has ``state_dict()``/``load_state_dict()``. The global rank is
+round); the validation dataset has ``state_dict()``/``load_state_dict()``; the train spec looks its
+flavor up in ``torchtitan.models.llama3.llama3_args`` after the import. The global rank is
 torchrun's ``RANK``.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -65,6 +70,9 @@ SLOW_RANK_ENV = "ACCO_BENCH_SLOW_RANK"
 SLOW_STEPS_ENV = "ACCO_BENCH_SLOW_STEPS"
 HELDOUT_RANKS_ENV = "ACCO_BENCH_HELDOUT_RANKS"
 STATS_DIR_ENV = "ACCO_BENCH_STATS_DIR"
+# the debug model at these widths (non-embedding parameters: 5.6M at its own 256; 21.5M, 44M,
+# 79M at these)
+WIDE_FLAVORS = {f"debugmodel_w{dim}": dim for dim in (512, 768, 1024)}
 _PATCHED = "_acco_bench_slow_rank_patched"
 _HELDOUT_START = "_acco_bench_heldout_start"
 
@@ -160,8 +168,20 @@ def _as_if_on(ranks: int, build: Callable[..., Any]) -> Callable[..., Any]:
     return build_as_if_on
 
 
+def _register_wide_flavors() -> None:
+    from torchtitan.models import llama3
+
+    flavors = getattr(llama3, "llama3_args", None)  # 0.2.2's registry; 0.3.0 builds models apart
+    if flavors is None:
+        return
+    for name, dim in WIDE_FLAVORS.items():
+        flavors.setdefault(name, dataclasses.replace(flavors["debugmodel"], dim=dim))
+
+
 def install() -> None:
-    """Patch ``forward_backward_step`` (and an ACCOTrainer override) and ``Validator.validate``."""
+    """Patch ``forward_backward_step`` (and an ACCOTrainer override) and ``Validator.validate``;
+    register :data:`WIDE_FLAVORS`."""
+    _register_wide_flavors()
     rank = int(os.environ.get("RANK", "0"))
     slow_rank = int(os.environ.get(SLOW_RANK_ENV, "1"))
     slow_factor = float(os.environ.get(SLOW_FACTOR_ENV, "1") or 1) if rank == slow_rank else 1.0

@@ -38,7 +38,7 @@ def test_every_arm_of_a_point_runs_its_batch_in_four_micro_batches_on_one_rank(b
 
 def record(batch: float, lr: float, arm: str, loss: float, complete: bool = True) -> dict:
     return {"experiment": f"gap/b{batch}-lr{lr:g}", "arm": arm, "seed": 0, "complete": complete,
-            "overrides": ["--optimizer.lr", f"{lr:g}"],
+            "overrides": ["--optimizer.lr", f"{lr:g}"], "data_order": "sequences",
             "summary": {"heldout_loss_final": loss}}  # fmt: skip
 
 
@@ -49,14 +49,64 @@ def test_the_best_learning_rate_is_ddps_lowest_held_out_loss_that_finished() -> 
         record(32, 6.4e-3, "ddp", 4.1, complete=False),  # cut short
         record(32, 3.2e-3, "acco", 4.0),  # another arm
         record(8, 3.2e-3, "ddp", 4.0),  # another batch
+        {**record(32, 8e-4, "ddp", 3.9), "data_order": "parts2x4"},  # non-i.i.d.
+        {**record(32, 8e-4, "ddp", 3.8), "experiment": "gap/b32-lr0.0008-w768"},  # wider
     ])}}  # fmt: skip
     assert gap_map.best_lr(results, 32) == 1.6e-3
     assert gap_map.best_lr(results, 128) is None
+    assert gap_map.best_lr(results, 32, width=768) == 8e-4
     args = argparse.Namespace(phase="map", batches=[32], seeds=[0], lr_factors=[1, 2],
-                              arms=["ddp", "acco"], out="x")  # fmt: skip
+                              arms=["ddp", "acco"], out="x", data="iid", width=256)  # fmt: skip
     planned = {spec.key for spec in gap_map.plan(args, results)}
     assert planned == {f"gap/b32-lr{lr:g}/stdlib-sequences/{arm}/seed0"
                        for lr in (1.6e-3, 3.2e-3) for arm in ("ddp", "acco")}  # fmt: skip
     args.batches = [128]
     with pytest.raises(SystemExit, match="no complete ddp sweep at batch 128"):
         gap_map.plan(args, results)
+
+
+def test_replicas_on_their_own_parts_read_whole_documents_in_turns_of_a_block() -> None:
+    from benchmarks.convergence import data
+
+    documents = [[f"d{d}s{s}" for s in range(n)] for d, n in enumerate([5, 1, 4, 6, 2, 3])]
+    stream = data.replica_stream(documents, seed=3, replicas=2, block=2)
+    first = {s for doc in documents[:3] for s in doc}  # 10 sequences before the 4th document
+    second = {s for doc in documents[3:] for s in doc}  # 11
+    assert len(stream) == 20 and len(set(stream)) == 20  # 5 blocks of 2 from each part
+    for k in range(0, 20, 2):
+        assert set(stream[k : k + 2]) <= (first if k % 4 == 0 else second)
+    assert stream[::4] != sorted(stream[::4])  # shuffled within the part
+    assert stream == data.replica_stream(documents, seed=3, replicas=2, block=2)
+    assert stream != data.replica_stream(documents, seed=4, replicas=2, block=2)
+
+
+def test_the_non_iid_and_wide_points_change_the_data_and_the_model_only() -> None:
+    point = gap_map.Point(32, 6.4e-3)
+    iid = gap_map.spec_for(point, "acco", 1)
+    parts = gap_map.spec_for(point, "acco", 1, "parts")
+    wide = gap_map.spec_for(gap_map.Point(32, 6.4e-3, 768), "acco", 1)
+    # each replica's micro-batch is half the rank's: 4 of its 8 sequences
+    assert parts.key == "gap/b32-lr0.0064/stdlib-parts2x4/acco/seed1"
+    assert value(parts.overrides, "--training.dataset_path").endswith("parts2x4-seed1-len64")
+    assert wide.key == "gap/b32-lr0.0064-w768/stdlib-sequences/acco/seed1"
+    assert value(wide.overrides, "--model.flavor") == "debugmodel_w768"
+    for spec in (parts, wide):
+        changed = {o for o in spec.overrides if o.startswith("--")} ^ {
+            o for o in iid.overrides if o.startswith("--")}
+        assert changed <= {"--model.flavor"}
+    assert gap_map.point_of({"experiment": wide.experiment}) == gap_map.Point(32, 6.4e-3, 768)
+    assert gap_map.point_of({"experiment": parts.experiment}) == point
+    with pytest.raises(ValueError, match="width 300"):
+        gap_map.spec_for(gap_map.Point(32, 6.4e-3, 300), "acco", 0)
+
+
+def test_the_wide_flavors_are_the_debug_model_at_another_width() -> None:
+    from torchtitan.models import llama3
+
+    import benchmarks.convergence.slow_rank  # noqa: F401  (registers them, as custom_import does)
+
+    debug = llama3.llama3_args["debugmodel"]
+    for dim in (512, 768, 1024):
+        wide = llama3.llama3_args[f"debugmodel_w{dim}"]
+        assert wide.dim == dim and (wide.n_layers, wide.n_heads, wide.vocab_size) == (
+            debug.n_layers, debug.n_heads, debug.vocab_size)
