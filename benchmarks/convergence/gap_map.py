@@ -34,7 +34,9 @@ and running ``map`` again adds the runs the new best needs (run it until it has 
 ``--jobs 2`` runs two at once (one core each). Results: ``docs/results/gap_map.json`` (every
 run's curves, settings and command; ``run.py``'s records), keyed
 ``gap/b<batch>-lr<lr>[-w<width>]/<corpus>-<order>/<arm>/seed<N>``. Wall times in it are not comparable (runs
-share the machine; this map is numerics only). ``plot.py`` draws and tabulates the map.
+share the machine; this map is numerics only). ``report`` tabulates the map (printed, and the
+file's top-level ``"summary"``) and draws ``docs/figures/gap_map.png``: every run's final
+held-out loss against the learning rate, one panel per batch, data and width.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import pathlib
 import re
 import sys
 from collections.abc import Sequence
@@ -51,9 +54,10 @@ from typing import Any
 
 from benchmarks.convergence import data, run
 from benchmarks.convergence.slow_rank import WIDE_FLAVORS
-from benchmarks.harness import write_result
+from benchmarks.harness import pyplot, save_figure, write_result
 
 OUT = "docs/results/gap_map.json"
+FIGURE = "docs/figures/gap_map.png"
 SEQ_LEN = 64
 HELDOUT_SEQUENCES = 512  # the same held-out sequences for every run
 MICROBATCHES_PER_UPDATE = 4
@@ -163,12 +167,143 @@ def plan(args: argparse.Namespace, results: dict[str, Any]) -> list[run.RunSpec]
     return specs
 
 
+# ----------------------------------------------------------------------------- the report
+
+
+def finals(results: dict[str, Any]) -> dict[tuple[Point, str, str], dict[int, float]]:
+    """``(point, data order, arm) -> {seed: final held-out loss}`` of the complete runs (a run
+    that diverged reads nan)."""
+    out: dict[tuple[Point, str, str], dict[int, float]] = {}
+    for record in results["runs"].values():
+        if record.get("complete"):
+            key = (point_of(record), record["data_order"], record["arm"])
+            out.setdefault(key, {})[record["seed"]] = heldout_final(record)
+    return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n if n else math.nan
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    return mean, std
+
+
+def _gap(losses: dict[int, float], reference: dict[int, float]) -> dict[str, Any]:
+    """The gap of ``losses`` to ``reference`` in % of the reference, paired by seed; ``seeds``:
+    how many the issue's rule asks for (3 where the mean is within 3x its spread)."""
+    per_seed = {s: 100 * (losses[s] - reference[s]) / reference[s]
+                for s in sorted(losses) if s in reference}  # fmt: skip
+    mean, std = _mean_std(list(per_seed.values()))
+    wanted = 3 if len(per_seed) < 2 or not abs(mean) > 3 * std else 2
+    return {"gap_pct": {str(s): g for s, g in per_seed.items()}, "gap_pct_mean": mean,
+            "gap_pct_std": std, "seeds_wanted": wanted}  # fmt: skip
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Every point's arms against ``ddp`` at the same learning rate (``points``), and every arm
+    at its own best learning rate against ``ddp`` at its own (``own_best``: among the rates run
+    on 2 or more seeds, the lowest mean over the seeds all of them ran; the gap paired by
+    seed)."""
+    table = finals(results)
+    points = []
+    for (point, order, arm), losses in sorted(table.items(), key=lambda kv: (
+            kv[0][0].width, kv[0][1], kv[0][0].batch, kv[0][0].lr, MAP_ARMS.index(kv[0][2])
+            if kv[0][2] in MAP_ARMS else 9)):  # fmt: skip
+        best = best_lr(results, point.batch, width=point.width)
+        row = {"batch": point.batch, "lr": point.lr, "width": point.width, "data": order,
+               "arm": arm, "lr_factor": point.lr / best if best else None,
+               "loss": {str(s): v for s, v in sorted(losses.items())}}  # fmt: skip
+        if arm != "ddp" and (point, order, "ddp") in table:
+            row |= _gap(losses, table[(point, order, "ddp")])
+        points.append(row)
+    own_best = []
+    for batch, width, order in sorted({(p.batch, p.width, o) for p, o, _ in table}):
+        best: dict[str, tuple[float, dict[int, float]]] = {}  # arm -> (lr, losses)
+        for arm in {a for p, o, a in table if (p.batch, p.width, o) == (batch, width, order)}:
+            candidates = {p.lr: losses for (p, o, a), losses in table.items()
+                          if (p.batch, p.width, o, a) == (batch, width, order, arm)
+                          and len(losses) >= 2}  # fmt: skip
+            # compared on the seeds every candidate ran: a third seed must not decide it
+            common = set.intersection(*(set(v) for v in candidates.values())) if candidates else ()
+            means = {lr: _mean_std([v[s] for s in common])[0] for lr, v in candidates.items()}
+            means = {lr: m for lr, m in means.items() if math.isfinite(m)}
+            if means:
+                lr = min(means, key=means.get)
+                best[arm] = (lr, candidates[lr])
+        if "ddp" not in best:
+            continue
+        for arm, (lr, losses) in best.items():
+            row = {"batch": batch, "width": width, "data": order, "arm": arm, "lr": lr,
+                   "ddp_lr": best["ddp"][0], "loss": {str(s): v for s, v in losses.items()}}
+            if arm != "ddp":
+                row |= _gap(losses, best["ddp"][1])
+            own_best.append(row)
+    return {"points": points, "own_best": own_best}
+
+
+def _fmt_gap(row: dict[str, Any]) -> str:
+    if "gap_pct_mean" not in row:
+        return ""
+    per_seed = ", ".join(f"{g:+.2f}" for g in row["gap_pct"].values())
+    spread = "" if math.isnan(row["gap_pct_std"]) else f" ± {row['gap_pct_std']:.2f}"
+    return f"{row['gap_pct_mean']:+.2f}{spread} % ({per_seed})"
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print("| batch | data | width | lr (x ddp's best) | arm | final held-out loss per seed "
+          "| gap to ddp, mean ± std (per seed) | seeds the rule wants |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in summary["points"]:
+        factor = f" ({row['lr_factor']:g}x)" if row["lr_factor"] else ""
+        losses = " / ".join(f"{v:.4f}" for v in row["loss"].values())
+        wanted = row.get("seeds_wanted", "")
+        print(f"| {row['batch']} | {row['data']} | {row['width']} | {row['lr']:g}{factor} | "
+              f"{row['arm']} | {losses} | {_fmt_gap(row)} | {wanted} |")
+    print("\neach arm at its own best learning rate (lowest mean over >= 2 seeds):")
+    for row in summary["own_best"]:
+        print(f"  b{row['batch']} {row['data']} w{row['width']} {row['arm']}: lr {row['lr']:g} "
+              f"(ddp {row['ddp_lr']:g}) {_fmt_gap(row)}")
+
+
+def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+    """Every run's final held-out loss against the learning rate, one panel per batch, data
+    and width; a line through each arm's mean over its seeds."""
+    plt = pyplot()
+    from matplotlib.ticker import NullFormatter
+
+    table = finals(results)
+    panels = sorted({(p.width, o, p.batch) for p, o, _ in table})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    colors = {"ddp": "#264653", "acco": "#e76f51", "acco_split_fp8": "#e9c46a", "dpu": "#2a9d8f"}
+    for ax, (width, order, batch) in zip(axes[0], panels):
+        for arm in sorted({a for p, o, a in table}, key=lambda a: (a not in MAP_ARMS, a)):
+            runs = sorted((p.lr, losses) for (p, o, a), losses in table.items()
+                          if (p.width, o, p.batch, a) == (width, order, batch, arm))  # fmt: skip
+            if not runs:
+                continue
+            color = colors.get(arm, "gray")
+            for lr, losses in runs:
+                finite = [v for v in losses.values() if math.isfinite(v)]
+                ax.scatter([lr] * len(finite), finite, s=14, color=color, alpha=0.6)
+            means = [(lr, _mean_std(list(losses.values()))[0]) for lr, losses in runs]
+            ax.plot(*zip(*means), color=color, label=arm, marker="_")
+        best = best_lr(results, batch, width=width)
+        if best:
+            ax.axvline(best, color="gray", lw=0.6, ls=":")
+        data_name = "i.i.d." if order == "sequences" else f"non-i.i.d. ({order})"
+        ax.set(xscale="log", xlabel="learning rate (dotted: ddp's best)",
+               ylabel="final held-out loss", title=f"{batch} seq/update, {data_name}, w{width}")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.convergence.gap_map",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
-    add("phase", choices=("sweep", "map"))
+    add("phase", choices=("sweep", "map", "report"))
     add("--batches", nargs="+", type=int, default=[32], help="sequences per update")
     add("--lrs", nargs="+", type=float, default=list(SWEEP_LRS), help="sweep: ddp's grid")
     add("--lr-factors", nargs="+", type=float, default=list(LR_FACTORS),
@@ -183,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--out", default=OUT)
     add("--workdir", default="outputs/gap_map")
     add("--print-every", type=int, default=0)
+    add("--figure", default=FIGURE, help="report: the figure")
     args = parser.parse_args(argv)
     if args.phase == "sweep" and args.data != "iid":
         parser.error("--data parts is for the map: its learning rates come from ddp's i.i.d. sweep")
@@ -190,6 +326,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.workdir = str(run.REPO / args.workdir)
     args.nproc = 1
     results = json.loads(out.read_text()) if out.exists() else {"version": 1, "runs": {}}
+    if args.phase == "report":
+        results["summary"] = summarize(results)
+        print_summary(results["summary"])
+        plot(results, run.REPO / args.figure)
+        write_result(out, results)
+        return 0
     todo = []
     for spec in plan(args, results):
         old = results["runs"].get(spec.key)

@@ -110,3 +110,38 @@ def test_the_wide_flavors_are_the_debug_model_at_another_width() -> None:
         wide = llama3.llama3_args[f"debugmodel_w{dim}"]
         assert wide.dim == dim and (wide.n_layers, wide.n_heads, wide.vocab_size) == (
             debug.n_layers, debug.n_heads, debug.vocab_size)
+
+
+def test_the_report_pairs_gaps_by_seed_and_asks_for_a_third_seed_where_the_gap_is_in_the_noise(
+        tmp_path) -> None:  # fmt: skip
+    def run_of(lr, arm, seed, loss):
+        return {**record(32, lr, arm, loss), "seed": seed}
+
+    runs = [run_of(1.6e-3, "ddp", 0, 4.0),  # the sweep: ddp's best (seed 0)
+            run_of(8e-4, "ddp", 0, 4.2), run_of(8e-4, "ddp", 1, 4.4),
+            run_of(8e-4, "acco", 0, 4.0), run_of(8e-4, "acco", 1, 4.3),
+            run_of(1.6e-3, "ddp", 1, 4.4),
+            run_of(1.6e-3, "acco", 0, 4.04), run_of(1.6e-3, "acco", 1, 4.444),  # +1 %, +1 %
+            run_of(1.6e-3, "acco_split_fp8", 0, 4.0), run_of(1.6e-3, "acco_split_fp8", 1, 4.4),
+            run_of(1.6e-3, "acco_split_fp8", 2, 9.9)]  # a third seed without ddp's: unpaired
+    results = {"runs": {str(i): r for i, r in enumerate(runs)}}
+    summary = gap_map.summarize(results)
+    rows = {(r["lr"], r["arm"]): r for r in summary["points"]}
+    acco = rows[(1.6e-3, "acco")]
+    assert acco["lr_factor"] == 1
+    assert acco["gap_pct"] == pytest.approx({"0": 1.0, "1": 1.0})
+    assert acco["gap_pct_mean"] == pytest.approx(1.0) and acco["seeds_wanted"] == 2
+    split = rows[(1.6e-3, "acco_split_fp8")]
+    assert set(split["gap_pct"]) == {"0", "1"} and split["seeds_wanted"] == 3  # 0 ± 0: in noise
+    low = rows[(8e-4, "acco")]  # -4.76 %, -2.27 %: mean -3.5, std 1.8: within 3x its spread
+    assert low["lr_factor"] == 0.5 and low["seeds_wanted"] == 3
+    best = {r["arm"]: r for r in summary["own_best"]}
+    # ddp: 1.6e-3 (mean 4.2 over seeds 0 1) beats 8e-4 (4.3); acco: 8e-4 (4.15) beats 4.242
+    assert best["ddp"]["lr"] == 1.6e-3 and best["acco"]["lr"] == 8e-4
+    assert best["acco"]["gap_pct"] == pytest.approx({"0": 0.0, "1": 100 * (4.3 - 4.4) / 4.4})
+    # the split arm's best compares seeds 0 and 1 only (the one rate it ran on 2+ seeds)
+    assert best["acco_split_fp8"]["lr"] == 1.6e-3
+    results["runs"]["x"] = run_of(8e-4, "acco_split_fp8", 0, 3.0)  # one seed: not a candidate
+    assert {r["arm"]: r["lr"] for r in gap_map.summarize(results)["own_best"]}["acco_split_fp8"] == 1.6e-3
+    gap_map.plot(results, tmp_path / "map.png")
+    assert (tmp_path / "map.png").stat().st_size > 0
