@@ -31,7 +31,8 @@ Phases (run them in order; each skips runs already complete in ``--out``)::
 ``map`` takes ddp's best learning rate from every complete i.i.d. ddp run of the model's width
 at seed 0 in ``--out``, the map's own included: where its ``ddp`` runs at 2x or 4x beat the sweep's best, the best moves,
 and running ``map`` again adds the runs the new best needs (run it until it has none to add).
-``--jobs 2`` runs two at once (one core each). Results: ``docs/results/gap_map.json`` (every
+``--jobs 2`` runs two at once (one core each); several ``gap_map`` processes may share one
+``--out`` (each run is added to the file as it is then, under a lock). Results: ``docs/results/gap_map.json`` (every
 run's curves, settings and command; ``run.py``'s records), keyed
 ``gap/b<batch>-lr<lr>[-w<width>]/<corpus>-<order>/<arm>/seed<N>``. Wall times in it are not comparable (runs
 share the machine; this map is numerics only). ``report`` tabulates the map (printed, and the
@@ -165,6 +166,18 @@ def plan(args: argparse.Namespace, results: dict[str, Any]) -> list[run.RunSpec]
                 point = Point(batch, best * factor, args.width)
                 specs += [spec_for(point, arm, seed, args.data) for arm in args.arms]
     return specs
+
+
+def add_run(out: pathlib.Path, key: str, record: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with ``record`` added at ``key``, read and written under a lock: another process
+    that runs other points of the map into the same file keeps its runs."""
+    from filelock import FileLock
+
+    with FileLock(str(out) + ".lock"):
+        results = json.loads(out.read_text()) if out.exists() else {"version": 1, "runs": {}}
+        results["runs"][key] = record
+        write_result(out, results)
+    return results
 
 
 # ----------------------------------------------------------------------------- the report
@@ -345,8 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         running = {pool.submit(run.run_one, spec, args): spec for spec in todo}
         for future in concurrent.futures.as_completed(running):
             spec, record = running[future], future.result()
-            results["runs"][spec.key] = record
-            write_result(out, results)
+            results = add_run(out, spec.key, record)
             failed += not record["complete"]
             print(f"{spec.key}: complete={record['complete']} held-out "
                   f"{heldout_final(record):.4f} ({record['wall_s']:.0f} s)", flush=True)

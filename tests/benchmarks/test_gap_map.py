@@ -5,6 +5,7 @@ rate, and the map's plan from it."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -145,3 +146,14 @@ def test_the_report_pairs_gaps_by_seed_and_asks_for_a_third_seed_where_the_gap_i
     assert {r["arm"]: r["lr"] for r in gap_map.summarize(results)["own_best"]}["acco_split_fp8"] == 1.6e-3
     gap_map.plot(results, tmp_path / "map.png")
     assert (tmp_path / "map.png").stat().st_size > 0
+
+
+def test_runs_added_by_two_processes_to_one_file_are_all_kept(tmp_path) -> None:
+    out = tmp_path / "map.json"
+    gap_map.add_run(out, "a", {"x": 1})
+    # another process adds its run: this one, which read the file before, must not drop it
+    other = json.loads(out.read_text())
+    other["runs"]["b"] = {"x": 2}
+    out.write_text(json.dumps(other))
+    assert set(gap_map.add_run(out, "c", {"x": 3})["runs"]) == {"a", "b", "c"}
+    assert set(json.loads(out.read_text())["runs"]) == {"a", "b", "c"}
