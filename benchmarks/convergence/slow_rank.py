@@ -169,8 +169,10 @@ def _as_if_on(ranks: int, build: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _register_wide_flavors() -> None:
-    from torchtitan.models import llama3
-
+    try:
+        from torchtitan.models import llama3
+    except ImportError:  # pragma: no cover - a torchtitan without the llama3 package
+        return
     flavors = getattr(llama3, "llama3_args", None)  # 0.2.2's registry; 0.3.0 builds models apart
     if flavors is None:
         return
