@@ -73,21 +73,31 @@ DEBUG_WIDTH = 256  # torchtitan's debugmodel
 WIDTHS = (DEBUG_WIDTH, *WIDE_FLAVORS.values())
 REPLICAS = 2  # --data parts: the replicas that each read their own part of the corpus
 DATA = ("iid", "parts")
-_EXPERIMENT = re.compile(r"gap/b(?P<batch>\d+)-lr(?P<lr>[^-/]+(?:e-\d+)?)(?:-w(?P<width>\d+))?")
+WARMUP = 2  # warm-up updates: the convergence gate's (the debug_cpu TOMLs')
+_EXPERIMENT = re.compile(r"gap/b(?P<batch>\d+)-lr(?P<lr>[^-/]+(?:e-\d+)?)"
+                         r"(?:-w(?P<width>\d+))?(?:-wu(?P<warmup>\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One place on the map: sequences per update, the learning rate and the model's width."""
+    """One place on the map: sequences per update, the learning rate, the model's width and
+    the warm-up updates of the learning rate schedule."""
 
     batch: int
     lr: float
     width: int = DEBUG_WIDTH
+    warmup: int = WARMUP
 
     @property
     def name(self) -> str:
         wide = "" if self.width == DEBUG_WIDTH else f"-w{self.width}"
-        return f"gap/b{self.batch}-lr{self.lr:g}{wide}"
+        warmup = "" if self.warmup == WARMUP else f"-wu{self.warmup}"
+        return f"gap/b{self.batch}-lr{self.lr:g}{wide}{warmup}"
+
+    @property
+    def curve(self) -> tuple[int, int, int]:
+        """What the points of one learning-rate curve share: batch, width, warm-up."""
+        return (self.batch, self.width, self.warmup)
 
     @property
     def local_batch(self) -> int:
@@ -116,6 +126,8 @@ def spec_for(point: Point, arm: str, seed: int, data_kind: str = "iid",
                  "--optimizer.lr", f"{point.lr:g}")  # fmt: skip
     if point.width != DEBUG_WIDTH:
         overrides += ("--model.flavor", f"debugmodel_w{point.width}")
+    if point.warmup != WARMUP:
+        overrides += ("--lr_scheduler.warmup_steps", str(point.warmup))  # counted in updates
     # a batch is a multiple of 8: each micro-batch splits evenly between the 2 replicas
     order = ("sequences" if data_kind == "iid"
              else data.replica_parts(REPLICAS, point.local_batch // REPLICAS))  # fmt: skip
@@ -134,17 +146,18 @@ def point_of(record: dict[str, Any]) -> Point:
     match = _EXPERIMENT.fullmatch(record["experiment"])
     if match is None:
         raise ValueError(f"{record['experiment']!r} is not a point of the gap map")
-    return Point(int(match["batch"]), float(match["lr"]), int(match["width"] or DEBUG_WIDTH))
+    return Point(int(match["batch"]), float(match["lr"]), int(match["width"] or DEBUG_WIDTH),
+                 int(match["warmup"] or WARMUP))
 
 
 def best_lr(results: dict[str, Any], batch: int, arm: str = "ddp", seed: int = 0,
-            width: int = DEBUG_WIDTH) -> float | None:  # fmt: skip
-    """The learning rate of ``arm``'s lowest final held-out loss at ``batch`` and ``width`` on
-    i.i.d. data among the runs in ``results``, or ``None`` if it has none there (a diverged run
-    reads nan: never the best)."""
+            width: int = DEBUG_WIDTH, warmup: int = WARMUP) -> float | None:  # fmt: skip
+    """The learning rate of ``arm``'s lowest final held-out loss at ``batch``, ``width`` and
+    ``warmup`` on i.i.d. data among the runs in ``results``, or ``None`` if it has none there (a
+    diverged run reads nan: never the best)."""
     points = {key: point_of(r) for key, r in results["runs"].items()}
     scored = [(heldout_final(r), points[key].lr) for key, r in results["runs"].items()
-              if (points[key].batch, points[key].width) == (batch, width) and r["arm"] == arm
+              if points[key].curve == (batch, width, warmup) and r["arm"] == arm
               and r["seed"] == seed and r["data_order"] == "sequences"]  # fmt: skip
     scored = [(loss, lr) for loss, lr in scored if math.isfinite(loss)]
     return min(scored)[1] if scored else None
@@ -152,7 +165,7 @@ def best_lr(results: dict[str, Any], batch: int, arm: str = "ddp", seed: int = 0
 
 def plan(args: argparse.Namespace, results: dict[str, Any]) -> list[run.RunSpec]:
     if args.phase == "sweep":
-        return [spec_for(Point(b, lr, args.width), "ddp", 0) for b in args.batches
+        return [spec_for(Point(b, lr, args.width, args.warmup), "ddp", 0) for b in args.batches
                 for lr in args.lrs]  # fmt: skip
     specs = []
     for batch in args.batches:
@@ -163,7 +176,8 @@ def plan(args: argparse.Namespace, results: dict[str, Any]) -> list[run.RunSpec]
                              f"the sweep phase first (sweep --batches {batch}{wide})")  # fmt: skip
         for seed in args.seeds:
             for factor in args.lr_factors:
-                point = Point(batch, best * factor, args.width)
+                # another warm-up keeps the rates of the gate's: it is a control at them
+                point = Point(batch, best * factor, args.width, args.warmup)
                 specs += [spec_for(point, arm, seed, args.data) for arm in args.arms]
     return specs
 
@@ -220,22 +234,22 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     table = finals(results)
     points = []
     for (point, order, arm), losses in sorted(table.items(), key=lambda kv: (
-            kv[0][0].width, kv[0][1], kv[0][0].batch, kv[0][0].lr, MAP_ARMS.index(kv[0][2])
-            if kv[0][2] in MAP_ARMS else 9)):  # fmt: skip
+            kv[0][0].width, kv[0][0].warmup, kv[0][1], kv[0][0].batch, kv[0][0].lr,
+            MAP_ARMS.index(kv[0][2]) if kv[0][2] in MAP_ARMS else 9)):  # fmt: skip
         best = best_lr(results, point.batch, width=point.width)
-        row = {"batch": point.batch, "lr": point.lr, "width": point.width, "data": order,
+        row = {"batch": point.batch, "lr": point.lr, "width": point.width,
+               "warmup": point.warmup, "data": order,
                "arm": arm, "lr_factor": point.lr / best if best else None,
                "loss": {str(s): v for s, v in sorted(losses.items())}}  # fmt: skip
         if arm != "ddp" and (point, order, "ddp") in table:
             row |= _gap(losses, table[(point, order, "ddp")])
         points.append(row)
     own_best = []
-    for batch, width, order in sorted({(p.batch, p.width, o) for p, o, _ in table}):
+    for curve, order in sorted({(p.curve, o) for p, o, _ in table}):
         best: dict[str, tuple[float, dict[int, float]]] = {}  # arm -> (lr, losses)
-        for arm in {a for p, o, a in table if (p.batch, p.width, o) == (batch, width, order)}:
+        for arm in {a for p, o, a in table if (p.curve, o) == (curve, order)}:
             candidates = {p.lr: losses for (p, o, a), losses in table.items()
-                          if (p.batch, p.width, o, a) == (batch, width, order, arm)
-                          and len(losses) >= 2}  # fmt: skip
+                          if (p.curve, o, a) == (curve, order, arm) and len(losses) >= 2}
             # compared on the seeds every candidate ran: a third seed must not decide it
             common = set.intersection(*(set(v) for v in candidates.values())) if candidates else ()
             means = {lr: _mean_std([v[s] for s in common])[0] for lr, v in candidates.items()}
@@ -246,8 +260,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         if "ddp" not in best:
             continue
         for arm, (lr, losses) in best.items():
-            row = {"batch": batch, "width": width, "data": order, "arm": arm, "lr": lr,
-                   "ddp_lr": best["ddp"][0], "loss": {str(s): v for s, v in losses.items()}}
+            row = {"batch": curve[0], "width": curve[1], "warmup": curve[2], "data": order,
+                   "arm": arm, "lr": lr, "ddp_lr": best["ddp"][0],
+                   "loss": {str(s): v for s, v in losses.items()}}  # fmt: skip
             if arm != "ddp":
                 row |= _gap(losses, best["ddp"][1])
             own_best.append(row)
@@ -263,18 +278,20 @@ def _fmt_gap(row: dict[str, Any]) -> str:
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    print("| batch | data | width | lr (x ddp's best) | arm | final held-out loss per seed "
-          "| gap to ddp, mean ± std (per seed) | seeds the rule wants |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | data | width | warm-up | lr (x ddp's best) | arm | final held-out loss per "
+          "seed | gap to ddp, mean ± std (per seed) | seeds the rule wants |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in summary["points"]:
         factor = f" ({row['lr_factor']:g}x)" if row["lr_factor"] else ""
         losses = " / ".join(f"{v:.4f}" for v in row["loss"].values())
         wanted = row.get("seeds_wanted", "")
-        print(f"| {row['batch']} | {row['data']} | {row['width']} | {row['lr']:g}{factor} | "
+        print(f"| {row['batch']} | {row['data']} | {row['width']} | {row['warmup']} | "
+              f"{row['lr']:g}{factor} | "
               f"{row['arm']} | {losses} | {_fmt_gap(row)} | {wanted} |")
     print("\neach arm at its own best learning rate (lowest mean over >= 2 seeds):")
     for row in summary["own_best"]:
-        print(f"  b{row['batch']} {row['data']} w{row['width']} {row['arm']}: lr {row['lr']:g} "
+        print(f"  b{row['batch']} {row['data']} w{row['width']} wu{row['warmup']} {row['arm']}: "
+              f"lr {row['lr']:g} "
               f"(ddp {row['ddp_lr']:g}) {_fmt_gap(row)}")
 
 
@@ -285,13 +302,14 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     from matplotlib.ticker import NullFormatter
 
     table = finals(results)
-    panels = sorted({(p.width, o, p.batch) for p, o, _ in table})
+    panels = sorted({(p.curve, o) for p, o, _ in table}, key=lambda c: (c[0][1:], c[1], c[0]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     colors = {"ddp": "#264653", "acco": "#e76f51", "acco_split_fp8": "#e9c46a", "dpu": "#2a9d8f"}
-    for ax, (width, order, batch) in zip(axes[0], panels):
+    for ax, (curve, order) in zip(axes[0], panels):
+        batch, width, warmup = curve
         for arm in sorted({a for p, o, a in table}, key=lambda a: (a not in MAP_ARMS, a)):
             runs = sorted((p.lr, losses) for (p, o, a), losses in table.items()
-                          if (p.width, o, p.batch, a) == (width, order, batch, arm))  # fmt: skip
+                          if (p.curve, o, a) == (curve, order, arm))  # fmt: skip
             if not runs:
                 continue
             color = colors.get(arm, "gray")
@@ -305,7 +323,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
             ax.axvline(best, color="gray", lw=0.6, ls=":")
         data_name = "i.i.d." if order == "sequences" else f"non-i.i.d. ({order})"
         ax.set(xscale="log", xlabel="learning rate (dotted: ddp's best)",
-               ylabel="final held-out loss", title=f"{batch} seq/update, {data_name}, w{width}")
+               ylabel="final held-out loss",
+               title=f"{batch} seq/update, {data_name}, w{width}, warm-up {warmup}")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
     save_figure(fig, path)
@@ -327,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="map: i.i.d. sequences, or 2 replicas that each read their own half of the corpus")
     add("--width", type=int, choices=WIDTHS, default=DEBUG_WIDTH,
         help="the model's width (the debug model's: 256)")
+    add("--warmup", type=int, default=WARMUP,
+        help="warm-up updates (a control: map takes ddp's best rate of the gate's warm-up)")
     add("--jobs", type=int, default=2, help="runs at once (one rank, one core each)")
     add("--out", default=OUT)
     add("--workdir", default="outputs/gap_map")

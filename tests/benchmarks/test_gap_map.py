@@ -57,7 +57,8 @@ def test_the_best_learning_rate_is_ddps_lowest_held_out_loss_that_finished() -> 
     assert gap_map.best_lr(results, 128) is None
     assert gap_map.best_lr(results, 32, width=768) == 8e-4
     args = argparse.Namespace(phase="map", batches=[32], seeds=[0], lr_factors=[1, 2],
-                              arms=["ddp", "acco"], out="x", data="iid", width=256)  # fmt: skip
+                              arms=["ddp", "acco"], out="x", data="iid", width=256,
+                              warmup=2)  # fmt: skip
     planned = {spec.key for spec in gap_map.plan(args, results)}
     assert planned == {f"gap/b32-lr{lr:g}/stdlib-sequences/{arm}/seed0"
                        for lr in (1.6e-3, 3.2e-3) for arm in ("ddp", "acco")}  # fmt: skip
@@ -81,21 +82,26 @@ def test_replicas_on_their_own_parts_read_whole_documents_in_turns_of_a_block() 
     assert stream != data.replica_stream(documents, seed=4, replicas=2, block=2)
 
 
-def test_the_non_iid_and_wide_points_change_the_data_and_the_model_only() -> None:
+def test_the_non_iid_wide_and_warm_up_points_change_the_data_model_or_schedule_only() -> None:
     point = gap_map.Point(32, 6.4e-3)
     iid = gap_map.spec_for(point, "acco", 1)
     parts = gap_map.spec_for(point, "acco", 1, "parts")
     wide = gap_map.spec_for(gap_map.Point(32, 6.4e-3, 768), "acco", 1)
+    warm = gap_map.spec_for(gap_map.Point(32, 6.4e-3, warmup=20), "acco", 1)
     # each replica's micro-batch is half the rank's: 4 of its 8 sequences
     assert parts.key == "gap/b32-lr0.0064/stdlib-parts2x4/acco/seed1"
     assert value(parts.overrides, "--training.dataset_path").endswith("parts2x4-seed1-len64")
     assert wide.key == "gap/b32-lr0.0064-w768/stdlib-sequences/acco/seed1"
     assert value(wide.overrides, "--model.flavor") == "debugmodel_w768"
-    for spec in (parts, wide):
+    assert warm.key == "gap/b32-lr0.0064-wu20/stdlib-sequences/acco/seed1"
+    assert value(warm.overrides, "--lr_scheduler.warmup_steps") == "20"
+    for spec in (parts, wide, warm):
         changed = {o for o in spec.overrides if o.startswith("--")} ^ {
             o for o in iid.overrides if o.startswith("--")}
-        assert changed <= {"--model.flavor"}
+        assert changed <= {"--model.flavor", "--lr_scheduler.warmup_steps"}
     assert gap_map.point_of({"experiment": wide.experiment}) == gap_map.Point(32, 6.4e-3, 768)
+    assert gap_map.point_of({"experiment": warm.experiment}) == gap_map.Point(32, 6.4e-3,
+                                                                              warmup=20)
     assert gap_map.point_of({"experiment": parts.experiment}) == point
     with pytest.raises(ValueError, match="width 300"):
         gap_map.spec_for(gap_map.Point(32, 6.4e-3, 300), "acco", 0)
