@@ -197,14 +197,19 @@ def add_run(out: pathlib.Path, key: str, record: dict[str, Any]) -> dict[str, An
 # ----------------------------------------------------------------------------- the report
 
 
-def finals(results: dict[str, Any]) -> dict[tuple[Point, str, str], dict[int, float]]:
+def finals(results: dict[str, Any], lowest: bool = False
+           ) -> dict[tuple[Point, str, str], dict[int, float]]:  # fmt: skip
     """``(point, data order, arm) -> {seed: final held-out loss}`` of the complete runs (a run
-    that diverged reads nan)."""
+    that diverged reads nan); ``lowest``: the lowest held-out loss of the run's validations
+    instead of its last (the loss of the best checkpoint, blind to a late rise)."""
     out: dict[tuple[Point, str, str], dict[int, float]] = {}
     for record in results["runs"].values():
         if record.get("complete"):
             key = (point_of(record), record["data_order"], record["arm"])
-            out.setdefault(key, {})[record["seed"]] = heldout_final(record)
+            loss = heldout_final(record)
+            if lowest and math.isfinite(loss):
+                loss = min(map(float, record["heldout_loss"]))
+            out.setdefault(key, {})[record["seed"]] = loss
     return out
 
 
@@ -227,11 +232,12 @@ def _gap(losses: dict[int, float], reference: dict[int, float]) -> dict[str, Any
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """Every point's arms against ``ddp`` at the same learning rate (``points``), and every arm
+    """Every point's arms against ``ddp`` at the same learning rate (``points``; ``lowest_gap``:
+    the same for the runs' lowest held-out losses), and every arm
     at its own best learning rate against ``ddp`` at its own (``own_best``: among the rates run
     on 2 or more seeds, the lowest mean over the seeds all of them ran; the gap paired by
     seed)."""
-    table = finals(results)
+    table, lowest = finals(results), finals(results, lowest=True)
     points = []
     for (point, order, arm), losses in sorted(table.items(), key=lambda kv: (
             kv[0][0].width, kv[0][0].warmup, kv[0][1], kv[0][0].batch, kv[0][0].lr,
@@ -241,8 +247,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                "warmup": point.warmup, "data": order,
                "arm": arm, "lr_factor": point.lr / best if best else None,
                "loss": {str(s): v for s, v in sorted(losses.items())}}  # fmt: skip
+        row["lowest"] = {str(s): v for s, v in sorted(lowest[(point, order, arm)].items())}
         if arm != "ddp" and (point, order, "ddp") in table:
             row |= _gap(losses, table[(point, order, "ddp")])
+            row["lowest_gap"] = _gap(lowest[(point, order, arm)], lowest[(point, order, "ddp")])
         points.append(row)
     own_best = []
     for curve, order in sorted({(p.curve, o) for p, o, _ in table}):
@@ -279,15 +287,17 @@ def _fmt_gap(row: dict[str, Any]) -> str:
 
 def print_summary(summary: dict[str, Any]) -> None:
     print("| batch | data | width | warm-up | lr (x ddp's best) | arm | final held-out loss per "
-          "seed | gap to ddp, mean ± std (per seed) | seeds the rule wants |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "seed | gap to ddp, mean ± std (per seed) | seeds the rule wants | the same for the "
+          "lowest held-out loss of each run |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in summary["points"]:
         factor = f" ({row['lr_factor']:g}x)" if row["lr_factor"] else ""
         losses = " / ".join(f"{v:.4f}" for v in row["loss"].values())
         wanted = row.get("seeds_wanted", "")
         print(f"| {row['batch']} | {row['data']} | {row['width']} | {row['warmup']} | "
               f"{row['lr']:g}{factor} | "
-              f"{row['arm']} | {losses} | {_fmt_gap(row)} | {wanted} |")
+              f"{row['arm']} | {losses} | {_fmt_gap(row)} | {wanted} | "
+              f"{_fmt_gap(row.get('lowest_gap', {}))} |")
     print("\neach arm at its own best learning rate (lowest mean over >= 2 seeds):")
     for row in summary["own_best"]:
         print(f"  b{row['batch']} {row['data']} w{row['width']} wu{row['warmup']} {row['arm']}: "

@@ -40,7 +40,7 @@ def test_every_arm_of_a_point_runs_its_batch_in_four_micro_batches_on_one_rank(b
 def record(batch: float, lr: float, arm: str, loss: float, complete: bool = True) -> dict:
     return {"experiment": f"gap/b{batch}-lr{lr:g}", "arm": arm, "seed": 0, "complete": complete,
             "overrides": ["--optimizer.lr", f"{lr:g}"], "data_order": "sequences",
-            "summary": {"heldout_loss_final": loss}}  # fmt: skip
+            "heldout_loss": [9.0, loss], "summary": {"heldout_loss_final": loss}}  # fmt: skip
 
 
 def test_the_best_learning_rate_is_ddps_lowest_held_out_loss_that_finished() -> None:
@@ -131,6 +131,7 @@ def test_the_report_pairs_gaps_by_seed_and_asks_for_a_third_seed_where_the_gap_i
             run_of(1.6e-3, "acco", 0, 4.04), run_of(1.6e-3, "acco", 1, 4.444),  # +1 %, +1 %
             run_of(1.6e-3, "acco_split_fp8", 0, 4.0), run_of(1.6e-3, "acco_split_fp8", 1, 4.4),
             run_of(1.6e-3, "acco_split_fp8", 2, 9.9)]  # a third seed without ddp's: unpaired
+    runs[6]["heldout_loss"] = [9.0, 3.96, 4.04]  # acco seed 0 rose late: its lowest is 1 % below
     results = {"runs": {str(i): r for i, r in enumerate(runs)}}
     summary = gap_map.summarize(results)
     rows = {(r["lr"], r["arm"]): r for r in summary["points"]}
@@ -138,6 +139,8 @@ def test_the_report_pairs_gaps_by_seed_and_asks_for_a_third_seed_where_the_gap_i
     assert acco["lr_factor"] == 1
     assert acco["gap_pct"] == pytest.approx({"0": 1.0, "1": 1.0})
     assert acco["gap_pct_mean"] == pytest.approx(1.0) and acco["seeds_wanted"] == 2
+    assert acco["lowest"] == {"0": 3.96, "1": 4.444}
+    assert acco["lowest_gap"]["gap_pct"] == pytest.approx({"0": -1.0, "1": 1.0})
     split = rows[(1.6e-3, "acco_split_fp8")]
     assert set(split["gap_pct"]) == {"0", "1"} and split["seeds_wanted"] == 3  # 0 ± 0: in noise
     low = rows[(8e-4, "acco")]  # -4.76 %, -2.27 %: mean -3.5, std 1.8: within 3x its spread
