@@ -312,10 +312,16 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
     from matplotlib.ticker import NullFormatter
 
     table = finals(results)
-    panels = sorted({(p.curve, o) for p, o, _ in table}, key=lambda c: (c[0][1:], c[1], c[0]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    # the i.i.d. debug model's batches first, then the non-i.i.d., warm-up and width points
+    panels = sorted({(p.curve, o) for p, o, _ in table},
+                    key=lambda c: (c[0][1], c[0][2], c[1] != "sequences", c[0][0]))  # fmt: skip
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
     colors = {"ddp": "#264653", "acco": "#e76f51", "acco_split_fp8": "#e9c46a", "dpu": "#2a9d8f"}
-    for ax, (curve, order) in zip(axes[0], panels):
+    for ax, (curve, order) in zip(axes.flat, panels):
         batch, width, warmup = curve
         for arm in sorted({a for p, o, a in table}, key=lambda a: (a not in MAP_ARMS, a)):
             runs = sorted((p.lr, losses) for (p, o, a), losses in table.items()
@@ -331,7 +337,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
         best = best_lr(results, batch, width=width)
         if best:
             ax.axvline(best, color="gray", lw=0.6, ls=":")
-        data_name = "i.i.d." if order == "sequences" else f"non-i.i.d. ({order})"
+        data_name = "i.i.d." if order == "sequences" else "non-i.i.d."
         ax.set(xscale="log", xlabel="learning rate (dotted: ddp's best)",
                ylabel="final held-out loss",
                title=f"{batch} seq/update, {data_name}, w{width}, warm-up {warmup}")
