@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.convergence import data, run
+from benchmarks.convergence.plot import mean_std
 from benchmarks.convergence.slow_rank import WIDE_FLAVORS
 from benchmarks.harness import pyplot, save_figure, write_result
 
@@ -213,19 +214,12 @@ def finals(results: dict[str, Any], lowest: bool = False
     return out
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n if n else math.nan
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
-    return mean, std
-
-
 def _gap(losses: dict[int, float], reference: dict[int, float]) -> dict[str, Any]:
     """The gap of ``losses`` to ``reference`` in % of the reference, paired by seed; ``seeds``:
     how many the issue's rule asks for (3 where the mean is within 3x its spread)."""
     per_seed = {s: 100 * (losses[s] - reference[s]) / reference[s]
                 for s in sorted(losses) if s in reference}  # fmt: skip
-    mean, std = _mean_std(list(per_seed.values()))
+    mean, std = mean_std(list(per_seed.values()))
     wanted = 3 if len(per_seed) < 2 or not abs(mean) > 3 * std else 2
     return {"gap_pct": {str(s): g for s, g in per_seed.items()}, "gap_pct_mean": mean,
             "gap_pct_std": std, "seeds_wanted": wanted}  # fmt: skip
@@ -260,7 +254,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                           if (p.curve, o, a) == (curve, order, arm) and len(losses) >= 2}
             # compared on the seeds every candidate ran: a third seed must not decide it
             common = set.intersection(*(set(v) for v in candidates.values())) if candidates else ()
-            means = {lr: _mean_std([v[s] for s in common])[0] for lr, v in candidates.items()}
+            means = {lr: mean_std([v[s] for s in common])[0] for lr, v in candidates.items()}
             means = {lr: m for lr, m in means.items() if math.isfinite(m)}
             if means:
                 lr = min(means, key=means.get)
@@ -281,7 +275,7 @@ def _fmt_gap(row: dict[str, Any]) -> str:
     if "gap_pct_mean" not in row:
         return ""
     per_seed = ", ".join(f"{g:+.2f}" for g in row["gap_pct"].values())
-    spread = "" if math.isnan(row["gap_pct_std"]) else f" ± {row['gap_pct_std']:.2f}"
+    spread = "" if len(row["gap_pct"]) < 2 else f" ± {row['gap_pct_std']:.2f}"
     return f"{row['gap_pct_mean']:+.2f}{spread} % ({per_seed})"
 
 
@@ -332,7 +326,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
             for lr, losses in runs:
                 finite = [v for v in losses.values() if math.isfinite(v)]
                 ax.scatter([lr] * len(finite), finite, s=14, color=color, alpha=0.6)
-            means = [(lr, _mean_std(list(losses.values()))[0]) for lr, losses in runs]
+            means = [(lr, mean_std(list(losses.values()))[0]) for lr, losses in runs]
             ax.plot(*zip(*means), color=color, label=arm, marker="_")
         best = best_lr(results, batch, width=width)
         if best:
