@@ -1,7 +1,7 @@
 """ACCO's cost where there is nothing to hide: one GPU, against plain torchtitan.
 
     python -m benchmarks.cuda_overhead                 # one CUDA GPU, ~5 min
-    python -m benchmarks.cuda_overhead --smoke         # any device: the debug model, 1 repeat
+    python -m benchmarks.cuda_overhead --smoke         # any device: the debug model, 1 repeat, k = 1
 
 One process trains a torchtitan llama3 ``--flavor`` through ``train_titan.py`` with one replica:
 no byte crosses a network, so every difference is overhead. The default, ``bench_88m`` (88M
@@ -153,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         args.out = SMOKE_RESULTS if args.smoke else harness.result_file("cuda_overhead")
     if args.smoke:
-        args.repeats, args.updates, args.compile = 1, 4, False
+        # the harness, not a timing: the fewest micro-batches that still make 4 updates
+        args.repeats, args.updates, args.compile, args.microbatches = 1, 4, False, 1
         args.flavor = "debugmodel"
         args.local_batch, args.seq_len = harness.LOCAL_BATCH, harness.SEQ_LEN
     import torch
