@@ -412,8 +412,10 @@ def test_the_muon_recipe_steps_as_torchtitans_own_ddp_with_torchs_muon(tmp_path)
     theirs, _ = run("debug_cpu_titan_ddp_muon")
     assert sorted(ours) == sorted(theirs) == [1, 2, 3, 4]
     assert ours[1][0] == theirs[1][0]  # same initial weights and data
-    for step in (2, 3, 4):  # Newton-Schulz in bfloat16 turns float rounding into 1e-5 here
-        assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-4), step
+    # Newton-Schulz in bfloat16 amplifies the float rounding of another order of sums: measured
+    # 1e-5 here and 1.4e-4 at step 4 on CI's machine; AdamW instead of Muon moves step 4 by > 1e-2
+    for step in (2, 3, 4):
+        assert float(ours[step][0]) == pytest.approx(float(theirs[step][0]), abs=1e-3), step
     for step in ours:  # the engine sums the squared norm in float64
         assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
     adamw, _ = run("debug_cpu_ddp_adamw", "muon_recipe")  # the comparison can fail: Muon changes the run
@@ -465,7 +467,13 @@ def test_the_muon_recipe_on_replicas_of_several_ranks_steps_as_torchtitans_own(
         assert float(ours[step][1]) == pytest.approx(float(theirs[step][1]), rel=1e-3), step
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["replicas", "replicas_of_2_tp_ranks"])
+# Each case on one backend: the Muon state is the engine's, saved by name; what the backends
+# change (how FSDP spans replicas, the model's saved layout) both AdamW resumes cover
+# (tests/titan/test_trainer.py)
+@pytest.mark.parametrize("tp", [
+    pytest.param(1, id="replicas", marks=pytest.mark.spmd_backends("spmd_types")),
+    pytest.param(2, id="replicas_of_2_tp_ranks", marks=pytest.mark.spmd_backends("partial_dtensor")),
+])  # fmt: skip
 def test_the_muon_recipe_resumes_exactly_and_on_another_number_of_replicas(tmp_path, tp) -> None:
     """acco with Muon on 2 replicas, saved by torchtitan's checkpointer at step 3 (an estimate
     in flight, its ΣG̃ carried, each matrix's momentum on the rank that owns it): resumed on
