@@ -50,8 +50,9 @@ ADAMW_OPTIONS = {"lr": 8e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
 WARMUP_UPDATES = 2
 
 
-def recipe_groups(model, recipe: str) -> list[dict]:
-    """The parameter groups of ``recipe`` (module docstring)."""
+def recipe_groups(model, recipe: str, ns_steps: int | None = None) -> list[dict]:
+    """The parameter groups of ``recipe`` (module docstring); ``ns_steps``: Muon's Newton–Schulz
+    iterations where not torch's default (5)."""
     import torch
 
     named = list(model.named_parameters())
@@ -59,7 +60,8 @@ def recipe_groups(model, recipe: str) -> list[dict]:
         return [{"params": named}]
     hidden = [(n, p) for n, p in named if p.ndim == 2 and n.startswith("layers.")]
     rest = [(n, p) for n, p in named if not (p.ndim == 2 and n.startswith("layers."))]
-    return [{"params": hidden, "optimizer_class": torch.optim.Muon, **MUON_OPTIONS},
+    muon = {**MUON_OPTIONS, **({} if ns_steps is None else {"ns_steps": ns_steps})}
+    return [{"params": hidden, "optimizer_class": torch.optim.Muon, **muon},
             {"params": rest}]  # fmt: skip
 
 
@@ -89,8 +91,10 @@ LAYOUTS = ("rank", "hsdp")  # one rank a replica; 2 FSDP ranks a replica (module
 
 
 def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: int,
-           layout: str = "rank") -> dict:  # fmt: skip
-    """One rank of one arm, its process group set up: its timings and sizes."""
+           layout: str = "rank", ns_steps: int | None = None) -> dict:  # fmt: skip
+    """One rank of one arm, its process group set up: its timings and sizes. ``ns_steps``:
+    the tests' (one Newton–Schulz iteration: in bfloat16 on a CPU without AVX-512, torch's 5
+    are most of a short run's time, and the sizes and counts they check do not change)."""
     import torch
     from torchtitan.models.llama3 import Transformer, llama3_args
 
@@ -124,11 +128,12 @@ def worker(rank: int, world_size: int, recipe: str, mode: str, k: int, updates: 
                 exchanges.append((time.perf_counter() - started, self.bytes_per_exchange()))
 
             setattr(PieceExchange, name, timed)
-        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW, params=recipe_groups(model, recipe),
-                                **options)  # fmt: skip
+        opt = ACCOHSDPOptimizer(model, torch.optim.AdamW,
+                                params=recipe_groups(model, recipe, ns_steps), **options)  # fmt: skip
         warm_exchanges = len(exchanges)  # the masters' gather when the engine was built
     else:
-        opt = ACCOOptimizer(recipe_groups(model, recipe), torch.optim.AdamW, **options)
+        opt = ACCOOptimizer(recipe_groups(model, recipe, ns_steps), torch.optim.AdamW,
+                            **options)  # fmt: skip
     # each class's steps on the communication thread: real updates, and acco's estimates of a
     # class without a copy-free one (Muon's: a step of a snapshot)
     steps: dict[str, list[float]] = {}

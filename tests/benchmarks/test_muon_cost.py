@@ -1,6 +1,8 @@
 """The Muon cost benchmark's worker: one short arm on two loopback ranks, its figures checked
 against what the recipe and the layout say they must be (the timing itself runs on the
-netbed: ``python -m benchmarks.muon_cost``)."""
+netbed: ``python -m benchmarks.muon_cost``). The arms run one Newton–Schulz iteration (the
+worker's ``ns_steps``): what they check does not depend on it, and torch's 5, in bfloat16,
+were most of their time on a CPU without AVX-512."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from benchmarks.harness import run_ranks
 
 
 def test_one_arm_reports_the_layouts_the_bytes_and_each_classs_steps() -> None:
-    ranks = run_ranks("benchmarks.muon_cost:worker", 2, "muon", "acco", 1, 1)
+    ranks = run_ranks("benchmarks.muon_cost:worker", 2, "muon", "acco", 1, 1, "rank", 1)
     result = ranks[0]
     # Muon's hidden matrices on whole parameters, the rest flat
     assert [layout["kind"] for layout in result["layouts"]] == ["whole", "flat"]
@@ -31,7 +33,7 @@ def test_one_arm_reports_the_layouts_the_bytes_and_each_classs_steps() -> None:
 def test_under_hsdp_each_matrix_travels_to_its_owner_and_back_once_a_round() -> None:
     """2 replicas of 2 FSDP ranks: every Muon matrix's FSDP half that its owner does not hold
     is sent to it and back each round (the 42 matrices have even rows: halves), in fp32."""
-    ranks = run_ranks("benchmarks.muon_cost:worker", 4, "muon", "ddp", 1, 1, "hsdp")
+    ranks = run_ranks("benchmarks.muon_cost:worker", 4, "muon", "ddp", 1, 1, "hsdp", 1)
     matrices = 5_111_808  # the debug model's 42 hidden matrices (benchmarks.muon_step)
     sent = sum(rank["whole_exchange_bytes_per_round"] for rank in ranks)
     assert sent == 2 * 4 * matrices // 2  # gather and scatter, half of each matrix, 4 bytes
