@@ -40,7 +40,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["launch_command", "run", "train_titan_preload"]
+__all__ = ["ForkedJob", "run", "start", "train_titan_preload"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,35 +67,58 @@ def run(
         0 when every rank exited 0; otherwise the status of the first rank that failed (the
         others were killed then), negative for a signal, as ``subprocess`` reports it.
     """
-    server = _server(tuple(preload))
     job = {"nproc": nproc, "argv": list(argv), "log": str(log), "cwd": str(cwd),
            "env": dict(os.environ if env is None else env), "timeout_s": timeout_s}  # fmt: skip
-    server.stdin.write(json.dumps(job) + "\n")
-    server.stdin.flush()
-    reply = server.stdout.readline()
-    if not reply:
-        _servers.pop(tuple(preload), None)
-        raise RuntimeError(f"the forked-ranks server for {list(preload)} died "
-                           f"(exit status {server.wait()})")  # fmt: skip
-    result = json.loads(reply)
+    result = _request(tuple(preload), job)
     if result["timed_out"]:
         raise TimeoutError(f"{' '.join(argv)} on {nproc} ranks ran past {timeout_s:.0f} s")
     return result["status"]
 
 
-def launch_command(nproc: int, argv: Sequence[str], *, preload: Sequence[str]) -> list[str]:
-    """A command line that runs ``python *argv`` as ``nproc`` ranks of one job, like
-    ``torchrun --standalone --nproc_per_node nproc``, in a process of its own that imports
-    ``preload`` once and forks the ranks: what a test that starts, kills and restarts whole
-    jobs (``scaffolding.torchft_job``'s replica groups) runs instead of torchrun's agent.
+def start(
+    nproc: int, argv: Sequence[str], log: Path, *, preload: Sequence[str],
+    env: Mapping[str, str] | None = None, cwd: Path = ROOT,
+) -> ForkedJob:  # fmt: skip
+    """Start ``python *argv`` as ``nproc`` ranks of one job, like ``torchrun --standalone
+    --nproc_per_node nproc``, and return at once: what a test that starts, kills and restarts
+    whole jobs (``scaffolding.torchft_job``'s replica groups) runs instead of torchrun's agent.
 
-    The ranks write to the launcher's stdout and stderr and stay in its process group, so
-    that a kill of that group (a rank's own ``os.killpg(os.getpgid(0), ...)``, or the
-    caller's) takes the whole job, as losing its node would. The launcher exits 0 when every
-    rank did, else 1 (torchrun's statuses), having ended the other ranks once one failed.
+    The server forks the job's launcher, which forks its ranks: no import is paid again. The
+    launcher runs in a session of its own with its ranks in its process group, so that a kill
+    of that group (a rank's own ``os.killpg(os.getpgid(0), ...)``, or the caller's
+    ``os.killpg(job.pid, ...)``) takes the whole job, as losing its node would; every rank
+    writes to ``log``. The launcher exits 0 when every rank did, else 1 (torchrun's statuses),
+    having ended the other ranks once one failed.
     """
-    return [sys.executable, "-m", "scaffolding.forked_ranks", "--launch", str(nproc),
-            ",".join(preload), *argv]  # fmt: skip
+    environ = dict(os.environ if env is None else env)
+    environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's, as the server imported torch with
+    job = {"nproc": nproc, "argv": list(argv), "log": str(log), "cwd": str(cwd), "env": environ}
+    preload = tuple(preload)
+    return ForkedJob(preload, _request(preload, {"start": job})["pid"])
+
+
+class ForkedJob:
+    """A job :func:`start` forked: what ``subprocess.Popen`` gives a caller to wait for it and
+    kill it by (``pid``, the job's process group and session too; ``poll``, ``wait``,
+    ``returncode``). Its status comes from the server, whose child the launcher is."""
+
+    def __init__(self, preload: tuple[str, ...], pid: int) -> None:
+        self._preload = preload
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _request(self._preload, {"poll": self.pid})["status"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked job {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
 
 
 def train_titan_preload() -> tuple[str, ...]:
@@ -108,6 +131,19 @@ def train_titan_preload() -> tuple[str, ...]:
                else ("acco_hooks.titan.v022",))  # fmt: skip
     return ("scaffolding.cpu_shim", *release, "scaffolding.stdlib_data",
             "scaffolding.process_exit", "acco_hooks.elastic")  # fmt: skip
+
+
+def _request(preload: tuple[str, ...], message: dict) -> dict:
+    """Send ``message`` to the server for ``preload`` (started on first use); its reply."""
+    server = _server(preload)
+    server.stdin.write(json.dumps(message) + "\n")
+    server.stdin.flush()
+    reply = server.stdout.readline()
+    if not reply:
+        _servers.pop(preload, None)
+        raise RuntimeError(f"the forked-ranks server for {list(preload)} died "
+                           f"(exit status {server.wait()})")  # fmt: skip
+    return json.loads(reply)
 
 
 def _server(preload: tuple[str, ...]) -> subprocess.Popen:
@@ -148,26 +184,58 @@ def _preload(preload: Sequence[str]) -> None:
 
 
 def _serve(preload: Sequence[str]) -> None:
+    """Answer one request a line: a job to run (its status once it ended), a job to start
+    (its launcher's pid), or a started job's status (``None`` while it runs)."""
     _preload(preload)
     replies = os.fdopen(os.dup(1), "w")  # fd 1 becomes /dev/null: nothing else writes here
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     for line in sys.stdin:
-        status, timed_out = _run_job(json.loads(line))
-        replies.write(json.dumps({"status": status, "timed_out": timed_out}) + "\n")
+        request = json.loads(line)
+        if "start" in request:
+            reply = {"pid": _start_launcher(request["start"], replies.fileno())}
+        elif "poll" in request:
+            pid, wait_status = os.waitpid(request["poll"], os.WNOHANG)
+            reply = {"status": os.waitstatus_to_exitcode(wait_status) if pid else None}
+        else:
+            status, timed_out = _run_job(request)
+            reply = {"status": status, "timed_out": timed_out}
+        replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
 
-def _launch(nproc: int, preload: Sequence[str], argv: Sequence[str]) -> None:
-    """``launch_command``'s process: one job, then exit with its status. Exits."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's, read when torch is imported
-    _preload(preload)
-    job = {"nproc": nproc, "argv": list(argv), "log": None, "cwd": os.getcwd(),
-           "env": dict(os.environ), "timeout_s": float("inf"), "own_group": False}  # fmt: skip
-    status, _ = _run_job(job)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if status == 0 else 1)
+def _start_launcher(job: dict, replies_fd: int) -> int:
+    """Fork ``job``'s launcher in a session of its own; its pid once it is in it. The
+    launcher forks the ranks (in its process group), waits for them, and exits 0 when every
+    rank did, else 1."""
+    in_session_r, in_session_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(in_session_w)
+        os.read(in_session_r, 1)  # a kill of the session it replies with must find it
+        os.close(in_session_r)
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        os.close(in_session_r)
+        os.write(in_session_w, b"x")
+        os.close(in_session_w)
+        os.close(replies_fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        out = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        launched = {**job, "log": None, "timeout_s": float("inf"), "own_group": False}
+        status, _ = _run_job(launched)
+        code = 0 if status == 0 else 1
+    except BaseException:  # noqa: BLE001 - to the job's log, status 1
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _run_job(job: dict) -> tuple[int, bool]:
@@ -204,8 +272,10 @@ def _wait_for_ranks(ranks: dict[int, int], job: dict, own_groups: bool) -> tuple
     deadline = time.monotonic() + job["timeout_s"]
     status, running = 0, set(ranks)
     while running:
-        pid, wait_status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
+        # by pid: the server's other children (launchers it started) are not this job's
+        ended = [(pid, wait_status) for pid, wait_status in
+                 (os.waitpid(pid, os.WNOHANG) for pid in list(running)) if pid]  # fmt: skip
+        if not ended:
             if time.monotonic() > deadline:
                 _kill(running, own_groups)
                 for pid in running:
@@ -213,11 +283,12 @@ def _wait_for_ranks(ranks: dict[int, int], job: dict, own_groups: bool) -> tuple
                 return -signal.SIGKILL, True
             time.sleep(0.02)
             continue
-        running.discard(pid)
-        code = os.waitstatus_to_exitcode(wait_status)
-        if code != 0 and status == 0:
-            status = code
-            _kill(running, own_groups)  # as torchrun's agent: one failed rank ends the job
+        for pid, wait_status in ended:
+            running.discard(pid)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if code != 0 and status == 0:
+                status = code
+                _kill(running, own_groups)  # as torchrun's agent: one failed rank ends the job
     return status, False
 
 
@@ -290,6 +361,4 @@ def _rank(rank: int, nproc: int, port_pipe: int, job: dict) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--launch"]:
-        _launch(int(sys.argv[2]), [m for m in sys.argv[3].split(",") if m], sys.argv[4:])
     _serve(sys.argv[1:])

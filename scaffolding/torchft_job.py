@@ -2,9 +2,9 @@
 
 What a cluster does with one node per group (``examples/torchft_train.py`` shows the commands),
 here on loopback for the tests and ``benchmarks/torchft_recovery.py``: each group's launcher
-(its ranks forked from one process that imported the program once, or ``torchrun``) runs in a
-session of its own, so that losing a "node" (a group SIGKILLing its process group) takes
-exactly that group, and everything this module started is killed when it returns, also on an
+(forked with its ranks from a process that imported the program once for every job, or
+``torchrun``) runs in a session of its own, so that losing a "node" (a group SIGKILLing its
+process group) takes exactly that group, and everything this module started is killed when it returns, also on an
 error or a timeout.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,10 @@ __all__ = ["announce_first_quorum_request", "free_port", "run_groups", "run_refe
 EXAMPLE = "examples.torchft_train"
 ROOT = Path(__file__).resolve().parent.parent
 LIGHTHOUSE_LOG = "lighthouse.log"  # in run_groups' ``out``
+# torchft's lighthouse without the 2-3 s of CPU its console script spends importing torch
+LIGHTHOUSE = ROOT / "scaffolding" / "lighthouse.py"
+# what a started process is waited and killed by (pid: its session's, its group's)
+Process = subprocess.Popen | forked_ranks.ForkedJob
 
 
 def run_groups(
@@ -55,20 +58,17 @@ def run_groups(
     agent for a measurement of what a node's restart costs."""
     out.mkdir(parents=True, exist_ok=True)
     sizes = [group_size] * groups if isinstance(group_size, int) else list(group_size)
-    lighthouse = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
-    if lighthouse is None:
-        raise RuntimeError("torchft_lighthouse not found: pip install 'acco_hooks[ft]'")
     with _sessions() as started:
         # the lighthouse binds a port of its own (0) and says which: a port picked here and
         # released may be taken (another test's connection) before the lighthouse binds it
         started.append(_start(
-            [lighthouse, "--min_replicas", "1", "--quorum_tick_ms", "100",
+            [sys.executable, str(LIGHTHOUSE), "--min_replicas", "1", "--quorum_tick_ms", "100",
              "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
              "--bind", "[::]:0"], {"RUST_LOG": "info"}, out / LIGHTHOUSE_LOG,
         ))  # fmt: skip
         port = _listening_port(started[-1], out / LIGHTHOUSE_LOG)
 
-        def start(i: int, extra: Sequence[str], log: str) -> subprocess.Popen:
+        def start(i: int, extra: Sequence[str], log: str) -> Process:
             # the manager's server binds a port of its own (0) and publishes it in the group's
             # store: a port picked here first may be taken by another process before it binds
             env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "TORCHFT_MANAGER_PORT": "0"}
@@ -79,8 +79,7 @@ def run_groups(
                     own.append("--start-together")
                 elif start_together and i in start_together:
                     own += ["--start-together", *map(str, start_together)]
-            argv = [*_launcher(sizes[i], program, launcher), *own, *args, *extra]
-            job = _start(argv, env, out / log)
+            job = _start_group(sizes[i], program, launcher, [*own, *args, *extra], env, out / log)
             started.append(job)
             return job
 
@@ -170,21 +169,24 @@ def _listening_port(lighthouse: subprocess.Popen, log: Path, timeout_s: float = 
         time.sleep(0.05)
 
 
-def _launcher(processes: int, program: Sequence[str], launcher: str) -> list[str]:
-    """A group's command line. ``"forked"``: its ranks forked from one process that imported
-    the program's modules once (``scaffolding.forked_ranks.launch_command``; a group's start
-    here is mostly imports, which 2 cores pay for every rank and agent of every group);
+def _start_group(processes: int, program: Sequence[str], launcher: str, argv: Sequence[str],
+                 env: dict[str, str], log: Path) -> Process:  # fmt: skip
+    """A group's launcher, started in a session of its own, running ``program`` with ``argv``.
+    ``"forked"``: forked, with its ranks, from a process that imported the program's modules
+    once for every group of every job (``scaffolding.forked_ranks.start``; a group's start here
+    is mostly imports, which 2 cores would pay for every rank and agent of every group);
     ``"torchrun"``: the agent a node runs."""
     if launcher == "forked":
         preload = ((EXAMPLE,) if tuple(program) == ("-m", EXAMPLE)
                    else forked_ranks.train_titan_preload())  # fmt: skip
-        return forked_ranks.launch_command(processes, program, preload=preload)
+        return forked_ranks.start(processes, [*program, *argv], log, preload=preload,
+                                  env={**os.environ, **env})  # fmt: skip
     if launcher != "torchrun":
         raise ValueError(f"launcher={launcher!r}: 'forked' or 'torchrun'")
     # --standalone: the agent's rendezvous store binds a free port itself (no port picked here
     # and released first, which another process may take before the store binds it)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(processes), *program]  # fmt: skip
+    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(processes), *program, *argv], env, log)  # fmt: skip
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -195,7 +197,7 @@ def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         )  # fmt: skip
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
+def _wait(procs: list[Process], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:
@@ -206,9 +208,9 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
 
 
 @contextlib.contextmanager
-def _sessions() -> Iterator[list[subprocess.Popen]]:
+def _sessions() -> Iterator[list[Process]]:
     """The processes started inside; each one's session is killed on the way out."""
-    started: list[subprocess.Popen] = []
+    started: list[Process] = []
     try:
         yield started
     finally:

@@ -5,6 +5,8 @@ one failed rank ends the job with its status, as torchrun's agent does."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -27,6 +29,8 @@ if sys.argv[1] == "report":
               "env": {n: os.environ.get(n) for n in names}}
     sys.stdout.write("REPORT " + json.dumps(report) + "\\n")
     sys.stdout.flush()
+elif sys.argv[1] == "sleep":
+    time.sleep(600)  # killed by the test
 elif rank == 1:
     sys.exit(3)
 else:
@@ -68,3 +72,43 @@ def test_a_failed_rank_ends_the_job_with_its_status(tmp_path: Path) -> None:
                               env={"PYTHONPATH": str(tmp_path / "lib")})  # fmt: skip
     assert status == 3, log.read_text()
     assert time.monotonic() - started < 60, "rank 0 was not ended with the job"
+
+
+def test_a_started_job_is_a_session_of_its_own_that_one_kill_ends(tmp_path: Path) -> None:
+    """``start``: the launcher's pid is its session's and process group's, holding every rank
+    (a kill of it takes the whole job, as losing a node does); a job whose rank fails ends
+    with torchrun's status 1, the others ended with it."""
+    script, lib = _program(tmp_path), {"PYTHONPATH": str(tmp_path / "lib")}
+    failing = forked_ranks.start(2, [str(script), "fail"], tmp_path / "fail.log",
+                                 preload=("json",), env=lib)  # fmt: skip
+    assert failing.wait(timeout=60) == 1, (tmp_path / "fail.log").read_text()
+    running = forked_ranks.start(2, [str(script), "report", "x"], tmp_path / "report.log",
+                                 preload=("json",), env=lib)  # fmt: skip
+    assert running.wait(timeout=60) == 0, (tmp_path / "report.log").read_text()
+    assert (tmp_path / "report.log").read_text().count("REPORT ") == 2
+    sleeping = forked_ranks.start(2, [str(script), "sleep"], tmp_path / "sleep.log",
+                                  preload=("json",), env=lib)  # fmt: skip
+    assert os.getsid(sleeping.pid) == os.getpgid(sleeping.pid) == sleeping.pid
+    time.sleep(1.0)
+    assert sleeping.poll() is None
+    ranks = _children(sleeping.pid)
+    assert len(ranks) == 2 and all(os.getpgid(pid) == sleeping.pid for pid in ranks)
+    os.killpg(sleeping.pid, signal.SIGKILL)
+    assert sleeping.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10  # the kill reached them with their launcher
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in ranks), ranks
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from scaffolding import forked_ranks
-from scaffolding.torchft_job import ROOT, free_port, run_groups, run_reference
+from scaffolding.torchft_job import LIGHTHOUSE, ROOT, free_port, run_groups, run_reference
 
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 
@@ -525,7 +525,7 @@ def test_a_lost_lighthouse_is_named_within_twice_the_timeout(tmp_path: Path) -> 
         time.sleep(0.05)
     lost = time.monotonic()
     # this job's lighthouse alone (a child of this process): not another job's on the machine
-    subprocess.run(["pkill", "-9", "-P", str(os.getpid()), "-f", "torchft_lighthouse"], check=False)
+    subprocess.run(["pkill", "-9", "-P", str(os.getpid()), "-f", str(LIGHTHOUSE)], check=False)
     assert job.result(timeout=120) == [1, 1]
     took = time.monotonic() - lost
     assert took < 2 * 5 + 15, f"{took:.0f} s from the lighthouse's loss to the groups' exit"
