@@ -35,6 +35,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -46,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # one server per preload list, started on first use and stopped at exit
 _servers: dict[tuple[str, ...], subprocess.Popen] = {}
+_requests = threading.Lock()
 
 
 def run(
@@ -135,10 +137,11 @@ def train_titan_preload() -> tuple[str, ...]:
 
 def _request(preload: tuple[str, ...], message: dict) -> dict:
     """Send ``message`` to the server for ``preload`` (started on first use); its reply."""
-    server = _server(preload)
-    server.stdin.write(json.dumps(message) + "\n")
-    server.stdin.flush()
-    reply = server.stdout.readline()
+    with _requests:  # one exchange at a time: a thread's run_groups beside the caller's own
+        server = _server(preload)
+        server.stdin.write(json.dumps(message) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
     if not reply:
         _servers.pop(preload, None)
         raise RuntimeError(f"the forked-ranks server for {list(preload)} died "
