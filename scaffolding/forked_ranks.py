@@ -15,8 +15,11 @@ the job's store is the forking process's, as torchrun's is its agent's
 (``TORCHELASTIC_USE_AGENT_STORE``): it binds port 0 itself, so no port is picked and released
 for another process to take first. The program runs as ``__main__``, as
 ``python -m M`` or ``python script.py`` would. As torchrun's agent does, the server ends every
-rank of a job once one of them fails. A job that needs the agent itself (an elastic restart,
-torchrun's own output) or whose subject is a new process's start launches with torchrun.
+rank of a job once one of them fails. :func:`start` is the same job started and left running
+(a torchft replica group that a test kills and restarts): the server forks its launcher, in a
+session of its own, which forks the ranks. A job that needs the agent itself (an elastic
+restart, torchrun's own output) or whose subject is a new process's start launches with
+torchrun.
 
 What a fork does not redo: variables read while the preloaded modules were imported (by torch
 at import, say ``OMP_NUM_THREADS``, which torchrun sets to 1 and so does the server) keep the
