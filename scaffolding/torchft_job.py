@@ -4,8 +4,8 @@ What a cluster does with one node per group (``examples/torchft_train.py`` shows
 here on loopback for the tests and ``benchmarks/torchft_recovery.py``: each group's launcher
 (forked with its ranks from a process that imported the program once for every job, or
 ``torchrun``) runs in a session of its own, so that losing a "node" (a group SIGKILLing its
-process group) takes exactly that group, and everything this module started is killed when it returns, also on an
-error or a timeout.
+process group) takes exactly that group, and everything this module started is killed when it
+returns, also on an error or a timeout.
 """
 
 from __future__ import annotations
