@@ -32,6 +32,11 @@ SPMD_BACKENDS: tuple[str | None, ...] = ("spmd_types", "partial_dtensor") if TIT
 
 _current: list[str | None] = [None]
 
+# The model every torchtitan job of the tests trains on 0.2.2 (tests/titan/small_model.py);
+# on 0.3.0 the debug model
+SMALL_MODEL: tuple[str, ...] = () if TITAN_030 else (
+    "--model.flavor", "debugmodel_w128", "--experimental.custom_import", "tests.titan.small_model")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the backends a test's ``spmd_backends`` marker leaves out."""
@@ -87,7 +92,7 @@ def seed_checkpoint(tmp_path_factory) -> pathlib.Path:
             str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder",
             str(dump), "--acco.no-enable", "--parallelism.data_parallel_replicate_degree", "1",
             "--parallelism.data_parallel_shard_degree", "1", "--checkpoint.enable",
-            "--checkpoint.create_seed_checkpoint"]  # fmt: skip
+            "--checkpoint.create_seed_checkpoint", *SMALL_MODEL]  # fmt: skip
     log = dump / "seed.log"
     status = forked_ranks.run(1, argv, log, preload=forked_ranks.train_titan_preload())
     assert status == 0, log.read_text()[-4000:]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from acco_hooks.engine import ACCOEngine
 from acco_hooks.titan.base import ACCOTrainerBase
+from tests.titan import small_model  # noqa: F401  (the tests' model: a job has one custom_import)
 
 POISONED_ROUND = 2
 

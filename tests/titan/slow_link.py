@@ -24,6 +24,7 @@ import torch.distributed as dist
 import acco_hooks.engine.communication as communication
 from acco_hooks.engine.advisor import Advisor
 from acco_hooks.titan.base import ACCOTrainerBase
+from tests.titan import small_model  # noqa: F401  (the tests' model: a job has one custom_import)
 
 LINK_S = 0.3
 

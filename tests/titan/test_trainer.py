@@ -22,7 +22,7 @@ import torch
 
 from acco_hooks.titan import TITAN_030
 from scaffolding import forked_ranks
-from tests.titan.conftest import backend_overrides
+from tests.titan.conftest import SMALL_MODEL, backend_overrides
 
 pytestmark = pytest.mark.titan
 ROOT = pathlib.Path(__file__).parents[2]
@@ -41,7 +41,7 @@ def launch_titan(
     """
     argv = [str(ROOT / "train_titan.py"), "--job.config_file", str(ROOT / "torchtitan_configs" / config),
             "--job.dump_folder", str(dump), "--metrics.disable_color_printing",
-            *backend_overrides(), *overrides]  # fmt: skip
+            *backend_overrides(), *SMALL_MODEL, *overrides]  # fmt: skip
     if torch.cuda.is_available():  # a fork cannot use the CUDA its parent initialized
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", *argv]  # fmt: skip
@@ -197,7 +197,8 @@ def test_a_four_replica_checkpoint_resumes_on_two_and_the_loss_goes_on(tmp_path)
     common = ("--parallelism.data_parallel_replicate_degree", "-1", "--acco.mode", "acco",
               "--training.steps", "8", *FAST, "--training.global_batch_size", "8",
               "--checkpoint.enable", "--checkpoint.interval", "4",
-              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+              "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
+              "--model.flavor", "debugmodel")  # the margins below are the debug model's  # fmt: skip
     straight = run_titan(4, "debug_cpu_acco.toml", *common, dump=tmp_path)
     (tmp_path / "checkpoint" / "step-8" / ".metadata").unlink()
     resumed = run_titan(2, "debug_cpu_acco.toml", *common, dump=tmp_path)
@@ -234,7 +235,8 @@ def test_an_hsdp_checkpoint_resumes_on_more_replicas_without_fsdp(tmp_path) -> N
     for step, loss in resumed.items():
         assert abs(float(loss) - float(straight[step])) < 1e-3, (step, straight, resumed)
     # a run that lost the optimizer state would take other updates: its losses move by > 1e-2
-    assert float(straight[8]) < float(straight[1]) - 0.5
+    # (on the tests' model this run goes from 8.15 to 7.79)
+    assert float(straight[8]) < float(straight[1]) - 0.25
 
 
 # 0.2.2 only: the subject is train_titan.py's exit and torchrun's agent, not the release (each
@@ -257,7 +259,7 @@ def test_under_the_elastic_agent_a_killed_node_leaves_a_job_that_finishes(tmp_pa
     command = agent_command(port, [
         str(ROOT / "train_titan.py"), "--job.config_file",
         str(ROOT / "torchtitan_configs" / "debug_cpu_acco.toml"), "--job.dump_folder", str(dump),
-        "--metrics.disable_color_printing", *backend_overrides(),
+        "--metrics.disable_color_printing", *backend_overrides(), *SMALL_MODEL,
         "--parallelism.data_parallel_replicate_degree", "-1", "--training.steps", "16", *FAST,
         "--training.global_batch_size", "8", "--checkpoint.enable", "--checkpoint.interval", "4",
     ])  # fmt: skip
@@ -640,7 +642,9 @@ def test_validation_under_hsdp_leaves_the_training_losses_unchanged(hsdp_acco, t
 def test_the_no_sync_baseline_trains_exactly_as_torchtitan_ddp(tmp_path) -> None:
     """benchmarks/titan_no_sync.py (the per-token benchmark's DDP + no_sync arm) changes only
     when gradients are synchronised: the losses and gradient norms are torchtitan DDP's."""
-    common = ("--training.steps", "3", "--training.global_batch_size", "8", *FAST)
+    # the benchmark's hook is the job's one custom_import: the debug model as it ships
+    common = ("--training.steps", "3", "--training.global_batch_size", "8", *FAST,
+              "--model.flavor", "debugmodel")  # fmt: skip
     plain_norms: dict = {}
     no_sync_norms: dict = {}
     plain = run_titan(2, "debug_cpu_titan_ddp.toml", *common, dump=tmp_path / "plain",

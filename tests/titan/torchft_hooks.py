@@ -32,6 +32,7 @@ from acco_hooks.titan import TITAN_030
 from acco_hooks.titan.base import ACCOTrainerBase
 from acco_hooks.titan.replica_groups import replica_group_name
 from scaffolding.torchft_job import announce_first_quorum_request
+from tests.titan import small_model  # noqa: F401  (the tests' model: a job has one custom_import)
 
 if TITAN_030:
     from acco_hooks.titan import v030 as release

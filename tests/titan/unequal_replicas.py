@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from acco_hooks.engine.communication import EngineGroups
 from acco_hooks.titan.base import ACCOTrainerBase
+from tests.titan import small_model  # noqa: F401  (the tests' model: a job has one custom_import)
 
 SLOW_S = float(os.environ.get("ACCO_TEST_SLOW_S", "0.25"))
 REPLAY_ENV = "ACCO_TEST_REPLAY"
