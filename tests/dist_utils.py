@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import datetime
 import faulthandler
+import gc
 import importlib
 import io
 import itertools
@@ -187,6 +188,9 @@ def _pool_worker(rank: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
         finally:
             # what the task left (an engine nobody closed) goes before its group does
             release_process_groups()
+            # What survives a task (torch, the modules it imported) is frozen out of the
+            # collector's view: the next task's collections walk only what that task makes
+            gc.freeze()
     finish()
 
 
