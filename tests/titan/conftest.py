@@ -33,9 +33,11 @@ SPMD_BACKENDS: tuple[str | None, ...] = ("spmd_types", "partial_dtensor") if TIT
 _current: list[str | None] = [None]
 
 # The model every torchtitan job of the tests trains on 0.2.2 (tests/titan/small_model.py);
-# on 0.3.0 the debug model
+# on 0.3.0 the debug model. A job with a hook of its own (its one custom_import, which imports
+# small_model) names the flavor alone
+SMALL_FLAVOR: tuple[str, ...] = () if TITAN_030 else ("--model.flavor", "debugmodel_w128")
 SMALL_MODEL: tuple[str, ...] = () if TITAN_030 else (
-    "--model.flavor", "debugmodel_w128", "--experimental.custom_import", "tests.titan.small_model")
+    *SMALL_FLAVOR, "--experimental.custom_import", "tests.titan.small_model")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 
 from scaffolding.torchft_job import ROOT, run_groups, run_reference
-from tests.titan.conftest import backend_overrides
+from tests.titan.conftest import SMALL_FLAVOR, backend_overrides
 
 # torchtitan 0.2.2 unless a test says otherwise (a torchtitan launch costs CI tens of seconds)
 pytestmark = [pytest.mark.titan, pytest.mark.spmd_backends()]
@@ -59,7 +59,7 @@ def _args(mode: str, split: dict[str, int]) -> list[str]:
             "--training.steps", str(ROUNDS), "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--optimizer.lr", "3e-3",
             *[arg for k, v in split.items() for arg in (f"--parallelism.{k}", str(v))],
-            "--experimental.custom_import", "tests.titan.torchft_hooks",
+            "--experimental.custom_import", "tests.titan.torchft_hooks", *SMALL_FLAVOR,
             *backend_overrides()]  # fmt: skip
 
 
